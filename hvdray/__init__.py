@@ -1,0 +1,12 @@
+"""hvdray: Horovod's programming model, native on Ray.
+
+``from hvdray import RayExecutor`` on the driver, ``import hvdray.torch as hvd`` in the workers.
+"""
+
+from hvdray import ray_logger
+from hvdray.executor import RayExecutor, WorkerLostError
+from hvdray.settings import Settings
+
+__version__ = "0.1.0"
+
+__all__ = ["RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__"]

@@ -1,0 +1,55 @@
+"""The job-private rendezvous: a ``torch.distributed.Store`` whose keys live in the coordinator actor.
+
+Gloo finds its peers through this store. Every read and write is a Ray call to the job's coordinator,
+so the rendezvous opens no port of its own: only a process holding the coordinator's handle (which
+Ray gives to the job's driver and workers) can read, write or wait on its keys.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional
+
+import ray
+import torch.distributed as dist
+
+
+class CoordinatorStore(dist.Store):
+    """A Store backed by the coordinator's key-value table, under ``prefix``."""
+
+    def __init__(self, coordinator: Any, prefix: str, timeout_s: float) -> None:
+        super().__init__()
+        self._coordinator = coordinator
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def _seconds(self, timeout: Optional[datetime.timedelta]) -> float:
+        if timeout is None or timeout.total_seconds() <= 0:
+            return self._timeout_s
+        return timeout.total_seconds()
+
+    def set(self, key: str, value: Any) -> None:
+        ray.get(self._coordinator.kv_set.remote(self._key(key), bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        value = ray.get(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
+        if value is None:
+            raise TimeoutError(f"rendezvous key {key!r} did not appear within {self._timeout_s} s")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return ray.get(self._coordinator.kv_add.remote(self._key(key), int(amount)))
+
+    def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        seconds = self._seconds(timeout)
+        if not ray.get(self._coordinator.kv_wait.remote([self._key(k) for k in keys], seconds)):
+            raise TimeoutError(f"rendezvous keys {keys} did not all appear within {seconds} s")
+
+    def check(self, keys: list[str]) -> bool:
+        return ray.get(self._coordinator.kv_check.remote([self._key(k) for k in keys]))
+
+    def delete_key(self, key: str) -> bool:
+        return ray.get(self._coordinator.kv_delete.remote(self._key(key)))

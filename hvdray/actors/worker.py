@@ -1,0 +1,91 @@
+"""The worker actor: one per rank. Runs the user's functions and holds a stateful executable."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, Optional, Sequence
+
+import ray
+
+from hvdray import ray_logger
+from hvdray.actors.rendezvous import CoordinatorStore
+from hvdray.collective import context
+from hvdray.collective.topology import RankInfo, WorkerSlot
+from hvdray.settings import Settings
+
+
+class Worker:
+    """Created by the executor inside its placement group; configured once ranks are known."""
+
+    def __init__(self) -> None:
+        self._executable: Any = None
+        self._rank_info: Optional[RankInfo] = None
+        self._coordinator: Any = None
+        self._pending_logs: list[Any] = []
+
+    def slot(self) -> WorkerSlot:
+        """Where this worker runs, for rank assignment."""
+        return WorkerSlot(
+            node_id=ray.get_runtime_context().get_node_id(),
+            hostname=socket.gethostname(),
+            ip=ray.util.get_node_ip_address(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
+
+    def configure(
+        self,
+        rank_info: RankInfo,
+        epoch: int,
+        settings: Settings,
+        secret: bytes,
+        coordinator: Any,
+        node_gpu_ids: Sequence[str],
+    ) -> None:
+        """Join membership ``epoch`` with ``rank_info``; ``hvd.init()`` inside ``run`` then connects."""
+        self._rank_info = rank_info
+        self._coordinator = coordinator
+        if node_gpu_ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpu_ids)
+        for key, value in (
+            ("HOROVOD_RANK", rank_info.rank), ("HOROVOD_SIZE", rank_info.size),
+            ("HOROVOD_LOCAL_RANK", rank_info.local_rank), ("HOROVOD_LOCAL_SIZE", rank_info.local_size),
+            ("HOROVOD_CROSS_RANK", rank_info.cross_rank), ("HOROVOD_CROSS_SIZE", rank_info.cross_size),
+        ):
+            os.environ[key] = str(value)
+        context.configure(
+            context.JobConfig(
+                rank_info=rank_info,
+                settings=settings,
+                secret=secret,
+                store_factory=lambda prefix: CoordinatorStore(coordinator, f"e{epoch}/{prefix}", settings.timeout_s),
+                host_ip=ray.util.get_node_ip_address(),
+            )
+        )
+        ray_logger.set_sink(self._send_log)
+
+    def _send_log(self, record: dict[str, Any]) -> None:
+        self._pending_logs.append(self._coordinator.push_log.remote(self._rank_info.rank, record))
+
+    def _flush_logs(self) -> None:
+        pending, self._pending_logs = self._pending_logs, []
+        if pending:
+            ray.get(pending)
+
+    def start_executable(self, cls: Optional[type], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        self._executable = cls(*args, **kwargs) if cls is not None else None
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._flush_logs()
+
+    def execute(self, fn: Callable[[Any], Any]) -> Any:
+        try:
+            return fn(self._executable)
+        finally:
+            self._flush_logs()
+
+    def stop_collective(self) -> None:
+        context.shutdown()

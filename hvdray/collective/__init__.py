@@ -1,0 +1,1 @@
+"""Framework-neutral collectives over a private Gloo group: topology, engine, ops."""

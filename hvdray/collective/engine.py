@@ -1,0 +1,525 @@
+"""The collective engine: one background thread per worker that negotiates, fuses and runs ops.
+
+Every op is asynchronous: ``submit`` returns a :class:`Handle` at once. Each tick the engine
+allgathers what every rank has newly submitted (names and metadata, JSON encoded), so every rank
+holds the same table of announced tensors and derives the same decisions from it: which tensors are
+ready on all ranks, in which order they run, which mismatch (an error raised identically on every
+rank), and how ready allreduces fuse. No rank ever unpickles what arrives over the socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.distributed import ReduceOp
+
+from hvdray.collective.communicator import Communicator
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
+from hvdray.collective.topology import reducescatter_rows
+
+log = logging.getLogger(__name__)
+
+GLOO_OPS = {
+    "sum": ReduceOp.SUM,
+    "average": ReduceOp.SUM,
+    "min": ReduceOp.MIN,
+    "max": ReduceOp.MAX,
+    "product": ReduceOp.PRODUCT,
+}
+
+
+class Handle:
+    """The future of one submitted op: ``done()`` polls, ``wait()`` blocks and returns or raises."""
+
+    __slots__ = ("_event", "_result", "_error", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+
+@dataclass
+class Request:
+    """One op submitted on this rank: metadata every rank sees, plus the local tensors."""
+
+    meta: dict[str, Any]
+    tensor: Optional[torch.Tensor]
+    output: Optional[torch.Tensor]
+    handle: Handle
+
+    @property
+    def name(self) -> str:
+        return self.meta["n"]
+
+
+@dataclass
+class _Announced:
+    """What each rank announced under one name; identical on every rank."""
+
+    metas: dict[int, dict[str, Any]] = field(default_factory=dict)
+    first_round: int = 0
+    first_seen: float = 0.0
+    warned: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters a test or a benchmark can read: rounds, ops, and fused Gloo calls."""
+
+    rounds: int = 0
+    ops: int = 0
+    allreduce_calls: int = 0
+    fused_tensors: int = 0
+
+
+class Engine:
+    """Runs one rank's collectives on a background thread. Create after the Communicator exists."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        cycle_time_s: float,
+        idle_cycle_time_s: float,
+        fusion_threshold_bytes: int,
+        stall_warning_s: float,
+        stall_shutdown_s: float,
+    ) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.stats = EngineStats()
+        self._cycle_s = cycle_time_s
+        self._idle_s = idle_cycle_time_s
+        self._fusion_bytes = fusion_threshold_bytes
+        self._stall_warning_s = stall_warning_s
+        self._stall_shutdown_s = stall_shutdown_s
+
+        self._lock = threading.Condition()
+        self._queue: list[Request] = []
+        self._local: dict[str, Request] = {}  # submitted here, not finished yet
+        self._join_handle: Optional[Handle] = None
+        self._join_announce = False
+        self._shutdown_requested = False
+        self._error: Optional[BaseException] = None
+
+        # replicated state: the same on every rank after each round
+        self._table: dict[str, _Announced] = {}
+        self._order: list[str] = []
+        self._joined: set[int] = set()
+        self._round = 0
+        self._name_counters: dict[str, int] = {}
+
+        self._thread = threading.Thread(target=self._loop, name=f"hvdray-engine-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- submission (any thread) ------------------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        with self._lock:
+            self._raise_if_stopped()
+            name = request.name
+            if name in self._local:
+                raise ValueError(
+                    f"a {self._local[name].meta['o']} named {name!r} is still in flight on rank {self.rank}; "
+                    "names of outstanding ops must be unique"
+                )
+            self._local[name] = request
+            self._queue.append(request)
+            self._lock.notify()
+        return request.handle
+
+    def auto_name(self, op: str) -> str:
+        """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
+        with self._lock:
+            n = self._name_counters.get(op, 0)
+            self._name_counters[op] = n + 1
+        return f"{op}.noname.{n}"
+
+    def join(self) -> Handle:
+        with self._lock:
+            self._raise_if_stopped()
+            if self._join_handle is not None:
+                raise ValueError(f"rank {self.rank} has already joined")
+            self._join_handle = Handle("join")
+            self._join_announce = True
+            self._lock.notify()
+            return self._join_handle
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell every rank to stop after this round; wait for the thread, then drop the group."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._lock.notify()
+        self._thread.join(timeout_s)
+        self.comm.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._shutdown_requested:
+            raise HorovodInternalError("hvdray is shutting down; no new ops are accepted")
+
+    # -- the loop (engine thread) -----------------------------------------------------------
+    def _loop(self) -> None:
+        wait_s = self._cycle_s
+        try:
+            while True:
+                started = time.monotonic()
+                payload = self._next_message(wait_s)
+                messages = [json.loads(p) if p else {} for p in self.comm.allgather_bytes(payload)]
+                self._round += 1
+                self.stats.rounds += 1
+                stop_ranks = [r for r, m in enumerate(messages) if m.get("x")]
+                if stop_ranks:
+                    self._fail_all(
+                        HorovodInternalError(f"hvdray was shut down by rank(s) {stop_ranks} while this op was pending")
+                    )
+                    return
+                busy = self._absorb(messages, started)
+                self._run_ready()
+                wait_s = self._cycle_s if (busy or self._table or self._joined) else min(wait_s * 2, self._idle_s)
+        except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
+            error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
+                f"collective communication failed on rank {self.rank}: {exc}"
+            )
+            if not isinstance(exc, HvdrayError):
+                error.__cause__ = exc
+            log.debug("engine stopped: %s", error)
+            self._fail_all(error)
+
+    def _next_message(self, wait_s: float) -> bytes:
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while not self._shutdown_requested:
+                remaining = deadline - time.monotonic()
+                # New work with nothing older still in flight goes at once; otherwise pace by the cycle
+                # so that tensors arriving together are negotiated (and fused) together.
+                fresh = (self._queue or self._join_announce) and len(self._queue) == len(self._local)
+                if remaining <= 0 or fresh:
+                    break
+                self._lock.wait(remaining)
+            message: dict[str, Any] = {}
+            if self._queue:
+                message["q"] = [r.meta for r in self._queue]
+                self._queue = []
+            if self._join_announce:
+                message["j"] = 1
+                self._join_announce = False
+            if self._shutdown_requested:
+                message["x"] = 1
+        if self.rank == 0:
+            stalled = self._stalled_names()
+            if stalled:
+                message["drop"] = stalled
+        return json.dumps(message, separators=(",", ":")).encode() if message else b""
+
+    def _absorb(self, messages: list[dict[str, Any]], now: float) -> bool:
+        busy = False
+        for sender, message in enumerate(messages):
+            for meta in message.get("q", ()):
+                busy = True
+                entry = self._table.get(meta["n"])
+                if entry is None:
+                    entry = self._table[meta["n"]] = _Announced(first_round=self._round, first_seen=now)
+                    self._order.append(meta["n"])
+                entry.metas[sender] = meta
+            if message.get("j"):
+                busy = True
+                self._joined.add(sender)
+        for name, missing in messages[0].get("drop", ()):
+            self._table.pop(name, None)
+            self._order.remove(name)
+            request = self._take_local(name)
+            if request is not None:
+                request.handle._finish(
+                    error=HvdrayError(
+                        f"{request.meta['o']} {name!r} stalled for more than {self._stall_shutdown_s} s: "
+                        f"rank(s) {missing} never submitted it (stall_shutdown_s)"
+                    )
+                )
+        return busy
+
+    def _stalled_names(self) -> list[list[Any]]:
+        """Rank 0 warns about stalls and, past ``stall_shutdown_s``, names tensors to drop everywhere."""
+        now = time.monotonic()
+        dropped = []
+        for name in self._order:
+            entry = self._table[name]
+            age = now - entry.first_seen
+            if age < self._stall_warning_s:
+                continue
+            missing = sorted(set(range(self.size)) - set(entry.metas) - self._joined)
+            if not entry.warned:
+                entry.warned = True
+                log.warning(
+                    "%s %r has waited %.0f s for rank(s) %s (ranks %s submitted it); a rank may be stuck or "
+                    "calling ops in a different order", next(iter(entry.metas.values()))["o"], name, age,
+                    missing, sorted(entry.metas),
+                )
+            if self._stall_shutdown_s and age >= self._stall_shutdown_s:
+                dropped.append([name, missing])
+        return dropped
+
+    # -- running ready ops ------------------------------------------------------------------
+    def _run_ready(self) -> None:
+        everyone = set(range(self.size))
+        ready: list[str] = [n for n in self._order if set(self._table[n].metas) | self._joined == everyone]
+        batch: list[tuple[str, dict[str, Any]]] = []
+        for name in ready:
+            entry = self._table.pop(name)
+            self._order.remove(name)
+            meta = entry.metas[min(entry.metas)]
+            problem = self._mismatch(name, entry.metas)
+            if problem is None and self._joined and meta["o"] != "allreduce":
+                problem = (
+                    f"{meta['o']} {name!r} cannot run after rank(s) {sorted(self._joined)} called join(); "
+                    "only allreduce works with joined ranks"
+                )
+            if problem is not None:
+                self._flush(batch)
+                batch = []
+                request = self._take_local(name)
+                if request is not None:
+                    request.handle._finish(error=TensorMismatchError(problem))
+                continue
+            if meta["o"] == "allreduce":
+                if batch and not self._fuses_with(batch, meta):
+                    self._flush(batch)
+                    batch = []
+                batch.append((name, meta))
+            else:
+                self._flush(batch)
+                batch = []
+                self._run_one(name, entry.metas)
+        self._flush(batch)
+        if self._joined == everyone:
+            self._finish_join()
+
+    def _fuses_with(self, batch: list[tuple[str, dict[str, Any]]], meta: dict[str, Any]) -> bool:
+        first = batch[0][1]
+        key = ("d", "r", "pre", "post")
+        if any(first[k] != meta[k] for k in key):
+            return False
+        nbytes = sum(_nbytes(m) for _, m in batch) + _nbytes(meta)
+        return nbytes <= self._fusion_bytes
+
+    def _finish_join(self) -> None:
+        last = max(self._joined)
+        self._joined = set()
+        with self._lock:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle._finish(result=last)
+
+    def _take_local(self, name: str) -> Optional[Request]:
+        with self._lock:
+            return self._local.pop(name, None)
+
+    def _mismatch(self, name: str, metas: dict[int, dict[str, Any]]) -> Optional[str]:
+        ranks = sorted(metas)
+        ref_rank = ranks[0]
+        ref = metas[ref_rank]
+        op = ref["o"]
+        for r in ranks[1:]:
+            m = metas[r]
+            if m["o"] != op:
+                return f"mismatched operations for {name!r}: rank {ref_rank} called {op}, rank {r} called {m['o']}"
+            if m["d"] != ref["d"]:
+                return (
+                    f"mismatched dtypes for {op} {name!r}: rank {ref_rank} has {ref['d']}, rank {r} has {m['d']}"
+                )
+            same_dims = m["s"] == ref["s"] if op in ("allreduce", "broadcast", "reducescatter") else (
+                len(m["s"]) == len(ref["s"]) and m["s"][1:] == ref["s"][1:]
+            )
+            if not same_dims:
+                which = "shapes" if op in ("allreduce", "broadcast", "reducescatter") else "shapes beyond dim 0"
+                return (
+                    f"mismatched {which} for {op} {name!r}: rank {ref_rank} has {ref['s']}, rank {r} has {m['s']}"
+                )
+            for key, label in (("r", "reduction op"), ("root", "root_rank"), ("pre", "prescale_factor"),
+                               ("post", "postscale_factor")):
+                if m.get(key) != ref.get(key):
+                    return (
+                        f"mismatched {label} for {op} {name!r}: rank {ref_rank} has {ref.get(key)}, "
+                        f"rank {r} has {m.get(key)}"
+                    )
+            if op == "alltoall" and (m.get("sp") is None) != (ref.get("sp") is None):
+                return f"mismatched splits for alltoall {name!r}: some ranks passed splits and others did not"
+        return None
+
+    def _flush(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
+        if not batch:
+            return
+        meta = batch[0][1]
+        requests = [self._take_local(name) for name, _ in batch]
+        inputs = [
+            req.tensor if req is not None else torch.zeros(m["s"], dtype=_dtype(m["d"]))
+            for req, (_, m) in zip(requests, batch)
+        ]
+        if len(inputs) == 1:
+            req = requests[0]
+            src = inputs[0]
+            buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
+            if buf is not src:
+                buf.copy_(src)
+            self._reduce(buf, meta)
+            if req is not None and buf is not req.output:
+                req.output.copy_(buf)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+            self._reduce(flat, meta)
+            self.stats.fused_tensors += len(inputs)
+            offset = 0
+            for req, t in zip(requests, inputs):
+                n = t.numel()
+                if req is not None:
+                    req.output.copy_(flat[offset : offset + n].view(t.shape))
+                offset += n
+        self.stats.allreduce_calls += 1
+        self.stats.ops += len(batch)
+        for req in requests:
+            if req is not None:
+                req.handle._finish(result=req.output)
+
+    def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
+        if meta["pre"] != 1.0:
+            buf.mul_(meta["pre"])
+        self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
+        _postscale(buf, meta, self.size)
+
+    def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
+        request = self._take_local(name)
+        meta = metas[min(metas)]
+        op = meta["o"]
+        if op == "barrier":
+            result = None
+        elif op == "broadcast":
+            result = self._broadcast(request, meta)
+        elif op == "allgather":
+            result = self._allgather(request, metas)
+        elif op == "alltoall":
+            result = self._alltoall(request, metas)
+        elif op == "reducescatter":
+            result = self._reducescatter(request, meta)
+        else:
+            raise HvdrayError(f"unknown op {op!r} for {name!r}")
+        self.stats.ops += 1
+        request.handle._finish(result=result)
+
+    def _broadcast(self, request: Request, meta: dict[str, Any]) -> torch.Tensor:
+        out = request.output
+        buf = out if out.is_contiguous() else torch.empty_like(out)
+        if buf is not request.tensor:
+            buf.copy_(request.tensor)
+        self.comm.broadcast(buf, meta["root"])
+        if buf is not out:
+            out.copy_(buf)
+        return out
+
+    def _allgather(self, request: Request, metas: dict[int, dict[str, Any]]) -> torch.Tensor:
+        tensor = request.tensor.contiguous()
+        rows = [metas[r]["s"][0] for r in range(self.size)]
+        longest = max(rows)
+        if all(n == longest for n in rows):
+            parts = self.comm.allgather(tensor)
+        else:
+            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+            padded[: tensor.shape[0]] = tensor
+            parts = [p[:n] for p, n in zip(self.comm.allgather(padded), rows)]
+        return torch.cat(parts)
+
+    def _alltoall(self, request: Request, metas: dict[int, dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        tensor = request.tensor.contiguous()
+        splits_of = [metas[r]["sp"] or _even_splits(metas[r]["s"][0], self.size) for r in range(self.size)]
+        send = splits_of[self.rank]
+        recv = [splits_of[r][self.rank] for r in range(self.size)]
+        output = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+        self.comm.alltoall(output, tensor, recv, send)
+        return output, torch.tensor(recv, dtype=torch.int32)
+
+    def _reducescatter(self, request: Request, meta: dict[str, Any]) -> torch.Tensor:
+        tensor = request.tensor
+        rows = reducescatter_rows(tensor.shape[0], self.size)
+        most = rows[0]
+        padded = tensor.new_zeros((most * self.size, *tensor.shape[1:]))
+        offset = 0
+        for r, n in enumerate(rows):
+            padded[r * most : r * most + n] = tensor[offset : offset + n]
+            offset += n
+        if meta["pre"] != 1.0:
+            padded.mul_(meta["pre"])
+        out = tensor.new_empty((most, *tensor.shape[1:]))
+        self.comm.reduce_scatter(out, padded, GLOO_OPS[meta["r"]])
+        out = out[: rows[self.rank]].clone()
+        _postscale(out, meta, self.size)
+        return out
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+            pending = list(self._local.values())
+            self._local.clear()
+            self._queue = []
+            join, self._join_handle = self._join_handle, None
+        for request in pending:
+            request.handle._finish(error=error)
+        if join is not None:
+            join._finish(error=error)
+
+
+def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:
+    if meta["r"] == "average":
+        if buf.is_floating_point():
+            buf.mul_(meta["post"] / size)
+        else:
+            buf.floor_divide_(size)
+    elif meta["post"] != 1.0:
+        buf.mul_(meta["post"])
+
+
+def _even_splits(rows: int, size: int) -> list[int]:
+    return [rows // size] * size
+
+
+def _nbytes(meta: dict[str, Any]) -> int:
+    n = 1
+    for d in meta["s"]:
+        n *= d
+    return n * _dtype(meta["d"]).itemsize
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if not _DTYPES:
+        from hvdray.collective.communicator import GLOO_DTYPES
+
+        _DTYPES.update({str(d): d for d in GLOO_DTYPES})
+    return _DTYPES[name]
+

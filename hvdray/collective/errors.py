@@ -1,0 +1,20 @@
+"""Exceptions raised by the collective layer, shared by every frontend."""
+
+
+class HvdrayError(RuntimeError):
+    """Base class of hvdray's collective errors."""
+
+
+class NotInitializedError(HvdrayError, ValueError):
+    """An op was called before ``hvd.init()`` (or after ``hvd.shutdown()``)."""
+
+    def __init__(self, what: str = "this operation") -> None:
+        super().__init__(f"hvdray has not been initialized; call hvd.init() before {what}")
+
+
+class TensorMismatchError(HvdrayError, ValueError):
+    """Ranks submitted the same tensor name with different shapes, dtypes, ops or arguments."""
+
+
+class HorovodInternalError(HvdrayError):
+    """The ring broke: a peer died, timed out or shut down. Elastic training catches this to reset."""

@@ -1,0 +1,310 @@
+"""Collective ops on CPU torch tensors: argument checks, naming, submission to the engine.
+
+Frontends (``hvdray.torch``, ``hvdray.tensorflow``) call these; autograd and framework conversions
+live in the frontends. Each ``*_async`` returns a handle for :func:`poll` / :func:`synchronize`; the
+blocking form is the async form plus ``synchronize``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import io
+from typing import Any, Callable, Optional, Sequence
+
+import cloudpickle
+import torch
+
+from hvdray.collective import context
+from hvdray.collective.communicator import GLOO_DTYPES
+from hvdray.collective.engine import Handle, Request
+
+
+class ReduceOp(str, enum.Enum):
+    """How allreduce and reducescatter combine tensors (Horovod's ``hvd.Average`` and friends)."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+
+
+class OpHandle:
+    """What ``*_async`` returns: the engine's handle plus the conversion applied to its result."""
+
+    __slots__ = ("_parts", "_convert")
+
+    def __init__(self, parts: Sequence[Handle], convert: Callable[[list[Any]], Any]) -> None:
+        self._parts = list(parts)
+        self._convert = convert
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def result(self) -> Any:
+        return self._convert([p.wait() for p in self._parts])
+
+
+def poll(handle: OpHandle) -> bool:
+    """True once the op behind ``handle`` has finished (successfully or not)."""
+    _check_handle(handle)
+    return handle.done()
+
+
+def synchronize(handle: OpHandle) -> Any:
+    """Wait for the op behind ``handle`` and return its result (or raise its error)."""
+    _check_handle(handle)
+    return handle.result()
+
+
+def _check_handle(handle: Any) -> None:
+    if not isinstance(handle, OpHandle):
+        raise TypeError(f"handle must be what an hvdray *_async op returned, got {type(handle).__name__}")
+
+
+# -- argument checks ----------------------------------------------------------------------------
+def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> ReduceOp:
+    """Horovod's ``op=`` with the deprecated ``average=`` fallback; Average when neither is given."""
+    if op is not None and average is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        return Sum if average is False else Average
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(
+            f"op must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product; got {op!r}"
+        ) from None
+
+
+def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = None) -> torch.Tensor:
+    label = f"{argument} {name!r}" if name else argument
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{label} is on {tensor.device}; hvdray's Gloo engine reduces CPU tensors (move it with .cpu())"
+        )
+    if tensor.dtype not in GLOO_DTYPES:
+        supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
+        raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
+    if tensor.is_sparse:
+        raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+    return tensor
+
+
+def _check_name(name: Optional[str], op: str) -> str:
+    if name is None:
+        return context.engine(op).auto_name(op)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if value != 1.0 and not tensor.is_floating_point():
+        raise ValueError(f"{argument}={value} needs a floating-point tensor, got {tensor.dtype}")
+    return value
+
+
+def _check_root(root_rank: Any) -> int:
+    size = context.rank_info("broadcast").size
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= root_rank < size:
+        raise ValueError(f"root_rank {root_rank} is out of range for a job of size {size}")
+    return root_rank
+
+
+def _meta(op: str, name: str, tensor: torch.Tensor, **extra: Any) -> dict[str, Any]:
+    return {"o": op, "n": name, "d": str(tensor.dtype), "s": list(tensor.shape), **extra}
+
+
+def _submit(meta: dict[str, Any], tensor: Optional[torch.Tensor], output: Optional[torch.Tensor]) -> Handle:
+    engine = context.engine(meta["o"])
+    return engine.submit(Request(meta=meta, tensor=tensor, output=output, handle=Handle(meta["n"])))
+
+
+def _first(results: list[Any]) -> Any:
+    return results[0]
+
+
+# -- ops ----------------------------------------------------------------------------------------
+def allreduce_async(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    output: Optional[torch.Tensor] = None,
+) -> OpHandle:
+    """Reduce ``tensor`` across ranks into ``output`` (a new tensor unless given; ``tensor`` for in-place)."""
+    op = resolve_op(op)
+    name = _check_name(name, "allreduce")
+    check_tensor(tensor, name=name)
+    if tensor.dtype == torch.bool and op in (Average, Product):
+        raise ValueError(f"tensor {name!r} is bool; {op.name.lower()} is not defined for bool tensors")
+    meta = _meta(
+        "allreduce", name, tensor,
+        r=op.value,
+        pre=_check_scale(prescale_factor, "prescale_factor", tensor),
+        post=_check_scale(postscale_factor, "postscale_factor", tensor),
+    )
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
+    return OpHandle([_submit(meta, tensor, out)], _first)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    inplace: bool = False,
+) -> OpHandle:
+    """Allreduce a list of tensors as one group (fused where they fit); the result is a list."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+    base = _check_name(name, "grouped_allreduce")
+    parts = []
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"tensors[{i}]")
+        handle = allreduce_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor, t if inplace else None)
+        parts.extend(handle._parts)
+    return OpHandle(parts, list)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> OpHandle:
+    """Concatenate every rank's ``tensor`` along dim 0; the first dimensions may differ."""
+    name = _check_name(name, "allgather")
+    check_tensor(tensor, name=name)
+    if tensor.dim() == 0:
+        raise ValueError(f"tensor {name!r} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+    return OpHandle([_submit(_meta("allgather", name, tensor), tensor, None)], _first)
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, inplace: bool = False
+) -> OpHandle:
+    """Send root's ``tensor`` to every rank (into ``tensor`` itself when ``inplace``)."""
+    name = _check_name(name, "broadcast")
+    check_tensor(tensor, name=name)
+    root = _check_root(root_rank)
+    out = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return OpHandle([_submit(_meta("broadcast", name, tensor, root=root), tensor, out)], _first)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> OpHandle:
+    """Scatter slices of dim 0 to every rank and gather theirs; result: ``(output, received_splits)``."""
+    name = _check_name(name, "alltoall")
+    check_tensor(tensor, name=name)
+    size = context.rank_info("alltoall").size
+    if tensor.dim() == 0:
+        raise ValueError(f"tensor {name!r} is a scalar; alltoall needs at least one dimension")
+    split_list = None
+    if splits is not None:
+        if isinstance(splits, torch.Tensor):
+            split_list = [int(s) for s in splits.reshape(-1).tolist()]
+        elif isinstance(splits, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
+            split_list = list(splits)
+        else:
+            raise TypeError(f"splits must be a list of ints or an integer tensor, got {splits!r}")
+        if len(split_list) != size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+            raise ValueError(
+                f"splits {split_list} for alltoall {name!r} must hold {size} non-negative counts summing to "
+                f"dim 0 of the tensor ({tensor.shape[0]})"
+            )
+    elif tensor.shape[0] % size:
+        raise ValueError(
+            f"alltoall {name!r} without splits needs dim 0 ({tensor.shape[0]}) divisible by the job size ({size})"
+        )
+    meta = _meta("alltoall", name, tensor, sp=split_list)
+    return OpHandle([_submit(meta, tensor, None)], _first)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    """Reduce across ranks and give each rank its slice of dim 0 (the first ranks get any extra row)."""
+    op = resolve_op(op)
+    name = _check_name(name, "reducescatter")
+    check_tensor(tensor, name=name)
+    if tensor.dim() == 0:
+        raise ValueError(f"tensor {name!r} is a scalar; reducescatter needs at least one dimension")
+    if op == Product or tensor.dtype == torch.bool:
+        raise ValueError(f"reducescatter {name!r}: op {op.name.lower()} on {tensor.dtype} is not supported")
+    meta = _meta(
+        "reducescatter", name, tensor,
+        r=op.value,
+        pre=_check_scale(prescale_factor, "prescale_factor", tensor),
+        post=_check_scale(postscale_factor, "postscale_factor", tensor),
+    )
+    return OpHandle([_submit(meta, tensor, None)], _first)
+
+
+def barrier() -> None:
+    """Return once every rank has reached this barrier."""
+    name = context.engine("barrier").auto_name("barrier")
+    _submit({"o": "barrier", "n": name, "d": "", "s": []}, None, None).wait()
+
+
+def join() -> int:
+    """Mark this rank done; joined ranks contribute zeros to allreduces. Returns the last rank to join."""
+    return context.engine("join").join().wait()
+
+
+# -- Python objects (pickled, authenticated with the job secret) --------------------------------
+_MAC_BYTES = 32
+
+
+def _seal(obj: Any) -> torch.Tensor:
+    body = cloudpickle.dumps(obj)
+    mac = hmac.new(context.job_secret(), body, hashlib.sha256).digest()
+    return torch.frombuffer(bytearray(mac + body), dtype=torch.uint8)
+
+
+def _open(buf: torch.Tensor, what: str) -> Any:
+    raw = buf.numpy().tobytes()
+    mac, body = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+    expected = hmac.new(context.job_secret(), body, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected):
+        raise ValueError(f"{what}: payload failed authentication with the job secret; refusing to unpickle it")
+    return cloudpickle.load(io.BytesIO(body))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Root's picklable ``obj`` on every rank."""
+    name = _check_name(name, "broadcast_object")
+    _check_root(root_rank)
+    is_root = context.rank_info().rank == root_rank
+    payload = _seal(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    length = synchronize(broadcast_async(length, root_rank, name=f"{name}.len"))
+    buf = payload if is_root else torch.empty(int(length.item()), dtype=torch.uint8)
+    buf = synchronize(broadcast_async(buf, root_rank, name=f"{name}.data"))
+    return obj if is_root else _open(buf, f"broadcast_object {name!r}")
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    name = _check_name(name, "allgather_object")
+    payload = _seal(obj)
+    sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len"))
+    data = synchronize(allgather_async(payload, name=f"{name}.data"))
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(_open(data[offset : offset + n], f"allgather_object {name!r}"))
+        offset += n
+    return out

@@ -1,0 +1,85 @@
+"""Pure rank maths: Horovod's rank, local and cross ranks from where each worker runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Where one worker actor runs. ``node_id`` is Ray's node id: several raylets may share an IP."""
+
+    node_id: str
+    hostname: str
+    ip: str
+    gpu_ids: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Horovod's view of one worker's place in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def assign_ranks(slots: Sequence[WorkerSlot]) -> list[RankInfo]:
+    """Give each slot (in the given order) its RankInfo.
+
+    Ranks are contiguous per node, nodes ordered by first appearance, workers of one node in the
+    order given. ``cross_rank`` is the node's index among the nodes that have a worker with the same
+    ``local_rank``; ``cross_size`` is how many such nodes there are (Horovod's semantics).
+    """
+    if not slots:
+        raise ValueError("slots must not be empty")
+    node_order: list[str] = []
+    members: dict[str, list[int]] = {}
+    for index, slot in enumerate(slots):
+        if slot.node_id not in members:
+            node_order.append(slot.node_id)
+            members[slot.node_id] = []
+        members[slot.node_id].append(index)
+
+    size = len(slots)
+    result: list[RankInfo | None] = [None] * size
+    rank = 0
+    for node_index, node_id in enumerate(node_order):
+        local = members[node_id]
+        for local_rank, slot_index in enumerate(local):
+            nodes_with_local_rank = [n for n in node_order if len(members[n]) > local_rank]
+            result[slot_index] = RankInfo(
+                rank=rank,
+                size=size,
+                local_rank=local_rank,
+                local_size=len(local),
+                cross_rank=nodes_with_local_rank.index(node_id),
+                cross_size=len(nodes_with_local_rank),
+            )
+            rank += 1
+    return [r for r in result if r is not None]
+
+
+def reducescatter_rows(total_rows: int, size: int) -> list[int]:
+    """Rows each rank receives from a reducescatter: as even as possible, the first ranks get the extra."""
+    base, extra = divmod(total_rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def visible_devices(slots: Sequence[WorkerSlot]) -> list[tuple[str, ...]]:
+    """For each slot, the sorted union of GPU ids of all workers on its node (``CUDA_VISIBLE_DEVICES``).
+
+    Each worker then picks its own device by ``local_rank``, as Horovod does.
+    """
+    per_node: dict[str, set[str]] = {}
+    for slot in slots:
+        per_node.setdefault(slot.node_id, set()).update(slot.gpu_ids)
+    return [tuple(sorted(per_node[s.node_id], key=_gpu_sort_key)) for s in slots]
+
+
+def _gpu_sort_key(gpu_id: str) -> tuple[int, str]:
+    return (int(gpu_id), gpu_id) if gpu_id.isdigit() else (1 << 30, gpu_id)

@@ -1,0 +1,95 @@
+"""One validated settings model for every hvdray knob.
+
+Values come, in order of precedence, from explicit arguments, then ``HVDRAY_<FIELD>`` environment
+variables (read on the driver when the settings are created), then the documented defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "HVDRAY_"
+
+
+class Settings(BaseModel):
+    """Every knob of an hvdray job; build it with ``RayExecutor.create_settings``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a collective, a rendezvous or a dead peer may take before it becomes an error."
+    )
+    placement_group_timeout_s: float = Field(
+        100.0, gt=0, description="Seconds to wait for the cluster to grant the workers' placement group."
+    )
+    nics: Optional[list[str]] = Field(
+        None, description="Network interfaces Gloo may use (first one wins); default: the Ray node's address."
+    )
+    verbose: int = Field(1, ge=0, le=2, description="0 quiet, 1 progress, 2 debug logging on driver and workers.")
+    ssh_identity_file: Optional[str] = Field(
+        None, description="Accepted for horovod.ray compatibility; Ray launches the workers, so no ssh is used."
+    )
+    ssh_str: Optional[str] = Field(
+        None, description="Accepted for horovod.ray compatibility; Ray launches the workers, so no ssh is used."
+    )
+    cycle_time_ms: float = Field(
+        1.0, gt=0, le=1000, description="Engine tick while work is in flight: tensors ready within one tick are fused."
+    )
+    idle_cycle_time_ms: float = Field(
+        100.0, gt=0, le=10000, description="Longest engine tick while no rank has work (a local submission wakes it)."
+    )
+    fusion_threshold_mb: float = Field(
+        64.0, ge=0, description="Largest fused allreduce buffer in MiB; 0 turns fusion off."
+    )
+    stall_warning_s: float = Field(
+        60.0, gt=0, description="A tensor submitted on some ranks but not all for this long logs a warning."
+    )
+    stall_shutdown_s: float = Field(
+        0.0, ge=0, description="If > 0, such a stall turns into an error on every rank after this many seconds."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_environment(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in cls.model_fields:
+            env_name = ENV_PREFIX + name.upper()
+            if name not in data and env_name in os.environ:
+                raw = os.environ[env_name]
+                data[name] = [s for s in raw.split(",") if s] if name == "nics" else raw
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "Settings":
+        if self.stall_shutdown_s and self.stall_shutdown_s < self.stall_warning_s:
+            raise ValueError(
+                f"stall_shutdown_s ({self.stall_shutdown_s}) must be 0 (off) or >= stall_warning_s "
+                f"({self.stall_warning_s})"
+            )
+        return self
+
+
+def make_settings(**kwargs: Any) -> Settings:
+    """Build Settings, turning pydantic's errors into a ``ValueError`` that names each bad argument."""
+    unknown = sorted(set(kwargs) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(
+            f"unknown setting(s) {', '.join(map(repr, unknown))}; known settings: {', '.join(Settings.model_fields)}"
+        )
+    try:
+        return Settings(**kwargs)
+    except ValidationError as exc:
+        raise ValueError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid settings: " + "; ".join(parts)

@@ -1,0 +1,89 @@
+"""Broadcasting a model's parameters and an optimizer's state from one rank to all."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from hvdray.collective import context
+from hvdray.collective import ops as _c
+
+Params = Union[dict[str, Any], Iterable[Any]]
+
+
+def broadcast_parameters(params: Params, root_rank: int) -> None:
+    """Overwrite every tensor in ``params`` with root's value, in place.
+
+    ``params`` is a ``state_dict()``, ``named_parameters()``, or a list of tensors or (name, tensor) pairs.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise ValueError(f"params must be a state_dict, named_parameters() or a list, got {type(params).__name__}")
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    handles = []
+    with torch.no_grad():
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                continue  # state_dict entries such as _extra_state are not tensors
+            target = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            handles.append(
+                _c.broadcast_async(target, root_rank, f"broadcast.{name}" if name is not None else None, inplace=True)
+            )
+    for handle in handles:
+        _c.synchronize(handle)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Optional[Any] = None) -> None:
+    """Make every rank's optimizer state (buffers and hyper-parameters) equal to root's.
+
+    Root's ``state_dict`` layout is sent as a small object; its tensors follow as in-place broadcasts.
+    ``model`` is accepted for Horovod compatibility and not needed.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    is_root = context.rank_info("broadcast_optimizer_state").rank == root_rank
+    tensors: list[torch.Tensor] = []
+    layout = _replace_tensors(optimizer.state_dict(), tensors) if is_root else None
+    layout = _c.broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout")
+    if not is_root:
+        tensors = []
+        state = _restore_tensors(layout, tensors)
+    handles = [
+        _c.broadcast_async(t, root_rank, f"broadcast_optimizer_state.{i}", inplace=True) for i, t in enumerate(tensors)
+    ]
+    for handle in handles:
+        _c.synchronize(handle)
+    if not is_root:
+        optimizer.load_state_dict(state)
+
+
+class _TensorSlot:
+    """Where a tensor was, with what root's tensor looks like."""
+
+    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+
+
+def _replace_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj.detach().contiguous())
+        return _TensorSlot(len(out) - 1, obj)
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace_tensors(v, out) for v in obj)
+    return obj
+
+
+def _restore_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        out.append(torch.empty(obj.shape, dtype=obj.dtype))
+        return out[-1]
+    if isinstance(obj, dict):
+        return {k: _restore_tensors(v, out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_restore_tensors(v, out) for v in obj)
+    return obj

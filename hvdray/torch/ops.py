@@ -1,0 +1,353 @@
+"""``hvdray.torch`` ops: horovod.torch's signatures, with autograd, over the collective layer."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hvdray.collective import context
+from hvdray.collective import ops as _c
+from hvdray.collective.compression import Compression
+from hvdray.collective.ops import OpHandle, ReduceOp, poll, synchronize  # noqa: F401 - re-exported
+
+Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+
+
+# -- job info ------------------------------------------------------------------------------------
+def init(*args: Any, **kwargs: Any) -> None:
+    """Join the job this worker belongs to (or start a size-1 job outside an executor).
+
+    Horovod's optional arguments (``comm``, ``process_sets``) are not needed on Ray and must be left out.
+    """
+    if args or kwargs:
+        raise ValueError(f"hvd.init() takes no arguments in hvdray, got {args or ''}{kwargs or ''}")
+    context.init()
+
+
+shutdown = context.shutdown
+is_initialized = context.is_initialized
+
+
+def rank() -> int:
+    return context.rank_info("hvd.rank()").rank
+
+
+def size() -> int:
+    return context.rank_info("hvd.size()").size
+
+
+def local_rank() -> int:
+    return context.rank_info("hvd.local_rank()").local_rank
+
+
+def local_size() -> int:
+    return context.rank_info("hvd.local_size()").local_size
+
+
+def cross_rank() -> int:
+    return context.rank_info("hvd.cross_rank()").cross_rank
+
+
+def cross_size() -> int:
+    return context.rank_info("hvd.cross_size()").cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of workers."""
+    info = context.rank_info("hvd.is_homogeneous()")
+    return info.local_size * info.cross_size == info.size
+
+
+def gloo_enabled() -> bool:
+    return True
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    """Start reducing ``tensor`` into a new tensor; ``synchronize`` the handle for the result."""
+    return _c.allreduce_async(tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    """Start reducing ``tensor`` in place."""
+    return _c.allreduce_async(
+        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, output=tensor
+    )
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float):
+        ctx.args = (op, pre, post)
+        return synchronize(_c.allreduce_async(tensor, name, op, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        op, pre, post = ctx.args
+        if op not in (Average, Sum):
+            raise RuntimeError(f"allreduce with op={op.name.lower()} has no gradient; use Sum or Average")
+        return synchronize(_c.allreduce_async(grad.contiguous(), None, op, pre, post)), None, None, None, None
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise); differentiable."""
+    _c.check_tensor(tensor, name=name)
+    compressed, cctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+    return compression.decompress(reduced, cctx)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    return _c.grouped_allreduce_async(tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    return _c.grouped_allreduce_async(
+        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=True
+    )
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor):
+        ctx.args = (op, pre, post)
+        return tuple(synchronize(_c.grouped_allreduce_async(list(tensors), name, op, pre, post)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        op, pre, post = ctx.args
+        reduced = synchronize(_c.grouped_allreduce_async([g.contiguous() for g in grads], None, op, pre, post))
+        return (None, None, None, None, *reduced)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors together (fused); differentiable."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+    packed = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduce.apply(
+        name, _c.resolve_op(op, average), prescale_factor, postscale_factor, *[t for t, _ in packed]
+    )
+    return [compression.decompress(t, cctx) for t, (_, cctx) in zip(reduced, packed)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+# -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
+allgather_async = _c.allgather_async
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str]):
+        ctx.rows = tensor.shape[0]
+        return synchronize(_c.allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum))
+        rows = synchronize(_c.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
+        offset = int(rows[: rank()].sum().item())
+        return summed.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
+    return _Allgather.apply(tensor, name)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> OpHandle:
+    return _c.broadcast_async(tensor, root_rank, name)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> OpHandle:
+    return _c.broadcast_async(tensor, root_rank, name, inplace=True)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str]):
+        ctx.root_rank = root_rank
+        return synchronize(_c.broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum))
+        if rank() != ctx.root_rank:
+            summed.zero_()
+        return summed, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """Root's ``tensor`` on every rank, as a new tensor; differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's value and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> OpHandle:
+    """Start an alltoall; the handle's result is ``(output, received_splits)``."""
+    return _c.alltoall_async(tensor, splits, name)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str]):
+        output, received = synchronize(_c.alltoall_async(tensor, splits, name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _received_grad: Any):
+        back, _ = synchronize(_c.alltoall_async(grad.contiguous(), ctx.received))
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
+    """Send slice i of dim 0 (``splits[i]`` rows, or equal parts) to rank i; differentiable.
+
+    Returns the gathered tensor, and also the received splits when ``splits`` was given (Horovod's API).
+    """
+    output, received = _Alltoall.apply(tensor, splits, name)
+    return (output, received) if splits is not None else output
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> OpHandle:
+    return _c.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float):
+        ctx.scale = pre * post / (size() if op == Average else 1)
+        return synchronize(_c.reducescatter_async(tensor, name, op, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        gathered = synchronize(_c.allgather_async(grad.contiguous()))
+        return gathered * ctx.scale, None, None, None, None
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce across ranks, then keep this rank's slice of dim 0; differentiable for Sum and Average."""
+    _c.check_tensor(tensor, name=name)
+    compressed, cctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def barrier() -> None:
+    """Wait until every rank reaches the barrier."""
+    _c.barrier()
+
+
+def join(device: int = -1) -> int:
+    """Declare this rank out of data; returns the last rank to join. ``device`` is accepted for Horovod."""
+    return _c.join()
+
+
+broadcast_object = _c.broadcast_object
+allgather_object = _c.allgather_object

@@ -1,0 +1,183 @@
+"""``DistributedOptimizer``: gradients are allreduced from backward hooks, overlapping the backward pass.
+
+Each parameter's gradient is submitted to the engine the moment autograd finishes accumulating it;
+``step()`` waits for the reductions (``synchronize``) and then runs the wrapped optimizer's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from hvdray.collective import ops as _c
+from hvdray.collective.compression import Compression
+
+
+class _DistributedMixin:
+    """Mixed in front of the wrapped optimizer's own class; state lives in ``_hvd_*`` attributes."""
+
+    def _hvd_setup(
+        self,
+        named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]],
+        compression: Any,
+        backward_passes_per_step: int,
+        op: _c.ReduceOp,
+        gradient_predivide_factor: float,
+        sparse_as_dense: bool,
+    ) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+                raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
+            names = [n for n, _ in named]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+            by_param = {id(p): n for n, p in named}
+            unnamed = [i for i, p in enumerate(params) if id(p) not in by_param]
+            if unnamed:
+                raise ValueError(
+                    f"named_parameters was given, but {len(unnamed)} optimizer parameter(s) are not in it "
+                    f"(positions {unnamed[:5]}); pass the named_parameters of the model the optimizer trains"
+                )
+            self._hvd_names = {id(p): f"allreduce.{by_param[id(p)]}" for p in params}
+        else:
+            self._hvd_names = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        if op == _c.Average:
+            self._hvd_scale = (1.0 / gradient_predivide_factor, float(gradient_predivide_factor))
+        else:
+            self._hvd_scale = (1.0, 1.0)
+        self._hvd_op = _c.Sum if op == _c.Sum else _c.Average
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_params = [p for p in params if p.requires_grad]
+        self._hvd_delay = {id(p): backward_passes_per_step for p in self._hvd_params}
+        self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any]] = {}
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
+
+    def _hvd_on_grad(self, p: torch.Tensor) -> None:
+        key = id(p)
+        if key in self._hvd_handles:
+            raise AssertionError(
+                "gradients were computed more than backward_passes_per_step times before step(); raise "
+                "backward_passes_per_step to accumulate gradients locally"
+            )
+        self._hvd_delay[key] -= 1
+        if self._hvd_delay[key] == 0:
+            self._hvd_handles[key] = self._hvd_submit(p)
+
+    def _hvd_submit(self, p: torch.Tensor) -> tuple[torch.Tensor, _c.OpHandle, Any]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            if not self._hvd_sparse_as_dense:
+                raise ValueError(
+                    f"gradient of {self._hvd_names[id(p)]!r} is sparse; pass sparse_as_dense=True to "
+                    "DistributedOptimizer to reduce it as a dense tensor"
+                )
+            p.grad = p.grad.to_dense()
+        wire, ctx = self._hvd_compression.compress(p.grad)
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
+        pre, post = self._hvd_scale
+        handle = _c.allreduce_async(wire, self._hvd_names[id(p)], self._hvd_op, pre, post, output=wire)
+        return wire, handle, ctx
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce (submitting any a hook did not) and write results to ``.grad``."""
+        for p in self._hvd_params:
+            if id(p) not in self._hvd_handles:
+                self._hvd_handles[id(p)] = self._hvd_submit(p)
+        by_id = {id(p): p for p in self._hvd_params}
+        try:
+            for key, (wire, handle, ctx) in self._hvd_handles.items():
+                reduced = _c.synchronize(handle)
+                grad = by_id[key].grad
+                if reduced is not grad:
+                    grad.copy_(self._hvd_compression.decompress(reduced, ctx))
+        finally:
+            self._hvd_handles.clear()
+            for p in self._hvd_params:
+                self._hvd_delay[id(p)] = self._hvd_passes
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Use around ``step()`` after calling ``synchronize()`` yourself (e.g. to clip gradients)."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() without skip_synchronize(): "
+                    "gradients are reduced again. Wrap step() in `with optimizer.skip_synchronize():`.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); the gradients are still being reduced"
+            )
+        return super().zero_grad(set_to_none)
+
+
+_classes: dict[type, type] = {}
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's public name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: _c.ReduceOp = _c.Average,
+    gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
+) -> torch.optim.Optimizer:
+    """Make ``optimizer`` average (or sum) gradients across ranks before each ``step()``.
+
+    The optimizer object itself is turned into its distributed form and returned, so schedulers and
+    references made before wrapping keep working.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("optimizer is already a DistributedOptimizer")
+    op = _c.resolve_op(op)
+    if op not in (_c.Average, _c.Sum):
+        raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
+        backward_passes_per_step < 1
+    ):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != _c.Average:
+        raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base), {})
+    optimizer.__class__ = cls
+    optimizer._hvd_setup(
+        named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor), sparse_as_dense
+    )
+    return optimizer
