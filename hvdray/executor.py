@@ -234,6 +234,7 @@ class RayExecutor:
         callbacks: Optional[Sequence[Callback]] = None,
     ) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every worker; results in rank order."""
+        _check_callbacks(callbacks)
         return self._gather(self.run_remote(fn, args, kwargs), callbacks)
 
     def run_remote(
@@ -253,6 +254,7 @@ class RayExecutor:
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[Sequence[Callback]] = None) -> list[Any]:
         """Call ``fn(executable)`` on every worker's executable instance; results in rank order."""
         _check_callable(fn)
+        _check_callbacks(callbacks)
         return self._gather([w.execute.remote(fn) for w in self._ready_workers()], callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
@@ -262,8 +264,6 @@ class RayExecutor:
 
     def _gather(self, refs: list[ray.ObjectRef], callbacks: Optional[Sequence[Callback]]) -> list[Any]:
         callbacks = list(callbacks or ())
-        for cb in callbacks:
-            _check_callable(cb, "callbacks")
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
@@ -300,6 +300,15 @@ class RayExecutor:
 def _check_callable(fn: Any, argument: str = "fn") -> None:
     if not callable(fn):
         raise TypeError(f"{argument} must be callable, got {type(fn).__name__}")
+
+
+def _check_callbacks(callbacks: Optional[Sequence[Callback]]) -> None:
+    if callbacks is None:
+        return
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks must be a list of callables, got {type(callbacks).__name__}")
+    for cb in callbacks:
+        _check_callable(cb, "callbacks")
 
 
 def _check_int(argument: str, value: Any, minimum: int, optional: bool = True) -> None:

@@ -28,7 +28,7 @@ class Settings(BaseModel):
     nics: Optional[list[str]] = Field(
         None, description="Network interfaces Gloo may use (first one wins); default: the Ray node's address."
     )
-    verbose: int = Field(1, ge=0, le=2, description="0 quiet, 1 progress, 2 debug logging on driver and workers.")
+    verbose: int = Field(1, ge=0, le=2, description="2 turns on hvdray's debug logging on the driver and the workers.")
     ssh_identity_file: Optional[str] = Field(
         None, description="Accepted for horovod.ray compatibility; Ray launches the workers, so no ssh is used."
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any, Callable, Optional, Sequence
@@ -45,6 +46,8 @@ class Worker:
         """Join membership ``epoch`` with ``rank_info``; ``hvd.init()`` inside ``run`` then connects."""
         self._rank_info = rank_info
         self._coordinator = coordinator
+        if settings.verbose >= 2:
+            logging.getLogger("hvdray").setLevel(logging.DEBUG)
         if node_gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpu_ids)
         for key, value in (

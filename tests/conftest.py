@@ -1,0 +1,42 @@
+"""Shared fixtures: a real local Ray instance per test module, and executors that always shut down."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance with 4 logical CPUs (the machine has 2 cores; workers use 1 thread each)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def make_executor(ray_local):
+    """``make_executor(num_workers=2, **kw)`` -> a started RayExecutor, shut down after the test."""
+    from hvdray import RayExecutor
+
+    made = []
+
+    def factory(start: bool = True, settings=None, **kwargs):
+        settings = settings or RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20)
+        executor = RayExecutor(settings, **kwargs)
+        made.append(executor)
+        if start:
+            executor.start()
+        return executor
+
+    yield factory
+    for executor in made:
+        executor.shutdown()

@@ -1,0 +1,227 @@
+"""RayExecutor on a real local Ray: the horovod.ray API, placement, callbacks, errors, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hvdray import RayExecutor, WorkerLostError, ray_logger
+
+
+def _rank_and_size():
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
+
+
+def _live_placement_groups() -> int:
+    return sum(1 for pg in placement_group_table().values() if pg["state"] != "REMOVED")
+
+
+def _wait_for_cpus(expected: float, timeout_s: float = 15) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = ray.available_resources().get("CPU", 0)
+        if free == expected:
+            return free
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0)
+
+
+def test_run_returns_results_in_rank_order(make_executor):
+    ex = make_executor(num_workers=3)
+    assert ex.run(_rank_and_size) == [(r, 3, r, 3, 0, 1) for r in range(3)]
+    refs = ex.run_remote(lambda x, y=0: x + y, args=[1], kwargs={"y": 2})
+    assert all(isinstance(r, ray.ObjectRef) for r in refs)
+    assert ray.get(refs) == [3, 3, 3]
+
+
+def test_stateful_executable_keeps_state_across_execute_calls(make_executor):
+    class Counter:
+        def __init__(self, start, step=1):
+            self.value = start
+            self.step = step
+
+        def bump(self):
+            self.value += self.step
+            return self.value
+
+    ex = make_executor(start=False, num_workers=2)
+    ex.start(executable_cls=Counter, executable_args=[10], executable_kwargs={"step": 5})
+    assert ex.execute(lambda w: w.bump()) == [15, 15]
+    assert ex.execute(lambda w: w.bump()) == [20, 20]
+    assert ex.execute_single(lambda w: w.bump()) == 25
+    assert ex.execute(lambda w: w.value) == [25, 20]
+
+
+def test_extra_env_vars_reach_the_workers(make_executor):
+    ex = make_executor(start=False, num_workers=2)
+    ex.start(extra_env_vars={"HVDRAY_TEST_MARK": "42"})
+    assert ex.run(lambda: os.environ.get("HVDRAY_TEST_MARK")) == ["42", "42"]
+
+
+def test_ray_logger_records_reach_every_callback(make_executor):
+    ex = make_executor(num_workers=2)
+
+    def train():
+        import hvdray.torch as hvd
+
+        hvd.init()
+        for epoch in range(3):
+            ray_logger.log({"epoch": epoch, "from": hvd.rank()})
+        return hvd.rank()
+
+    first, second = [], []
+    assert ex.run(train, callbacks=[first.append, second.append]) == [0, 1]
+    assert first == second
+    assert sorted((r["rank"], r["epoch"]) for r in first) == [(r, e) for r in range(2) for e in range(3)]
+    assert all(r["rank"] == r["from"] for r in first)
+
+
+def test_num_hosts_layout_places_workers_per_host(make_executor):
+    ex = make_executor(num_hosts=1, num_workers_per_host=2)
+    assert ex.num_workers == 2
+    assert ex.run(_rank_and_size) == [(0, 2, 0, 2, 0, 1), (1, 2, 1, 2, 0, 1)]
+
+
+def test_infeasible_placement_times_out_with_what_was_asked(ray_local):
+    before = _live_placement_groups()
+    settings = RayExecutor.create_settings(placement_group_timeout_s=2)
+    ex = RayExecutor(settings, num_workers=3, cpus_per_worker=2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        ex.start()
+    assert time.monotonic() - started < 10
+    message = str(info.value)
+    assert "'CPU': 2" in message and "3 bundle" in message and "placement_group_timeout_s=2" in message
+    assert "cluster total" in message and "'CPU': 4.0" in message
+    assert _live_placement_groups() == before
+    ex.shutdown()
+
+
+def test_existing_placement_group_is_reused(ray_local):
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}, {"CPU": 0.01}])
+    ray.get(pg.ready())
+    before = _live_placement_groups()
+
+    @ray.remote(num_cpus=0.01)
+    def trial():
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2)
+        ex.start()
+        try:
+            return ex.run(_rank_and_size), _live_placement_groups()
+        finally:
+            ex.shutdown()
+
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=2, placement_group_capture_child_tasks=True)
+    results, during = ray.get(trial.options(scheduling_strategy=strategy).remote())
+    assert [r[:2] for r in results] == [(0, 2), (1, 2)]
+    assert during == before  # no new group: the workers lived in the trial's group
+    remove_placement_group(pg)
+
+
+def test_context_manager_and_repeated_start_shutdown_release_everything(ray_local):
+    total = ray.cluster_resources()["CPU"]
+    groups = _live_placement_groups()
+    for _ in range(3):
+        with RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2) as ex:
+            assert ex.run(_rank_and_size)[1][:2] == (1, 2)
+        assert _wait_for_cpus(total) == total
+        assert _live_placement_groups() == groups
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.run(_rank_and_size)
+
+
+def test_worker_exception_raises_promptly_with_rank_and_executor_recovers(make_executor):
+    ex = make_executor(num_workers=2)
+
+    def fail_on_rank_one():
+        import torch
+
+        import hvdray.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise KeyError("bad batch 17")
+        # rank 0 waits on a collective rank 1 never joins: it must be stopped, not left hanging
+        hvd.allreduce(torch.ones(1), name="never-completed")
+        time.sleep(60)
+
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="bad batch 17") as info:
+        ex.run(fail_on_rank_one)
+    assert time.monotonic() - started < 10
+    assert any("rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
+    assert "fail_on_rank_one" in str(info.value)  # the worker's traceback comes along
+    assert ex.run(_rank_and_size) == [(r, 2, r, 2, 0, 1) for r in range(2)]
+
+
+def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=5, placement_group_timeout_s=20)
+    ex = make_executor(settings=settings, num_workers=2)
+
+    def die_on_rank_zero():
+        import torch
+
+        import hvdray.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 0:
+            os._exit(3)
+        hvd.allreduce(torch.ones(1), name="peer-is-dead")
+        return "unreachable"
+
+    started = time.monotonic()
+    with pytest.raises(WorkerLostError, match="rank 0"):
+        ex.run(die_on_rank_zero)
+    assert time.monotonic() - started < 5 + 5
+    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        ({"num_workers": 0}, "num_workers"),
+        ({"num_workers": 2.5}, "num_workers"),
+        ({"num_workers": 2, "num_hosts": 1}, "num_hosts"),
+        ({"num_workers": 2, "min_workers": 1}, "min_workers"),
+        ({"num_hosts": 0}, "num_hosts"),
+        ({"num_hosts": 1, "num_workers_per_host": 0}, "num_workers_per_host"),
+        ({"num_workers": 1, "cpus_per_worker": 0}, "cpus_per_worker"),
+        ({"num_workers": 1, "gpus_per_worker": 1}, "gpus_per_worker"),
+        ({"num_workers": 1, "use_gpu": True, "gpus_per_worker": -1}, "gpus_per_worker"),
+        ({"min_workers": 4, "max_workers": 2}, "min_workers"),
+        ({"min_workers": 1, "reset_limit": -1}, "reset_limit"),
+        ({"min_workers": 1, "cooldown_range": (5, 1)}, "cooldown_range"),
+        ({"min_workers": 1, "elastic_timeout": -3}, "elastic_timeout"),
+        ({}, "num_workers"),
+    ],
+)
+def test_bad_executor_arguments_name_the_argument(kwargs, argument):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=argument):
+        RayExecutor(RayExecutor.create_settings(), **kwargs)
+    assert time.monotonic() - started < 1
+
+
+def test_bad_call_arguments(make_executor):
+    ex = make_executor(start=False, num_workers=1)
+    with pytest.raises(TypeError, match="settings"):
+        RayExecutor({"timeout_s": 3}, num_workers=1)
+    with pytest.raises(TypeError, match="extra_env_vars"):
+        ex.start(extra_env_vars={"A": 1})
+    ex.start()
+    with pytest.raises(RuntimeError, match="already"):
+        ex.start()
+    with pytest.raises(TypeError, match="fn"):
+        ex.run("not a function")
+    with pytest.raises(TypeError, match="args"):
+        ex.run(_rank_and_size, args="abc")
+    with pytest.raises(TypeError, match="callbacks"):
+        ex.run(_rank_and_size, callbacks=[42])

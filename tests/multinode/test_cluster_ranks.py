@@ -1,0 +1,84 @@
+"""Local and cross ranks on a real multi-node Ray cluster (several raylets on this machine).
+
+The nodes share one IP address, so this also proves ranks are keyed by Ray node id, not by address.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from hvdray import RayExecutor
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _where_and_reduce():
+    import ray
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    gathered = hvd.allgather(torch.tensor([hvd.cross_rank()]))
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "rank": hvd.rank(),
+        "local": (hvd.local_rank(), hvd.local_size()),
+        "cross": (hvd.cross_rank(), hvd.cross_size()),
+        "sum": total,
+        "cross_of_all": gathered.tolist(),
+    }
+
+
+def test_num_hosts_spreads_and_assigns_local_and_cross_ranks(two_node_cluster):
+    started = time.monotonic()
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
+    with RayExecutor(settings, num_hosts=2, num_workers_per_host=2) as ex:
+        results = ex.run(_where_and_reduce)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    nodes = [r["node"] for r in results]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+    assert [r["local"] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [r["cross"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all(r["sum"] == 6.0 for r in results)
+    assert all(r["cross_of_all"] == [0, 0, 1, 1] for r in results)
+    assert time.monotonic() - started < 120
+
+
+def test_num_workers_packs_onto_one_node_when_it_fits(two_node_cluster):
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
+    with RayExecutor(settings, num_workers=2) as ex:
+        results = ex.run(_where_and_reduce)
+    assert results[0]["node"] == results[1]["node"]
+    assert [r["local"] for r in results] == [(0, 2), (1, 2)]
+    assert [r["cross"] for r in results] == [(0, 1), (0, 1)]
+
+
+def test_num_workers_spills_across_nodes_when_needed(two_node_cluster):
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
+    with RayExecutor(settings, num_workers=3) as ex:
+        results = ex.run(_where_and_reduce)
+    assert len({r["node"] for r in results}) == 2
+    assert sorted(r["local"][1] for r in results) == [1, 2, 2]
+    assert all(r["sum"] == 3.0 for r in results)
+    # ranks are contiguous per node
+    assert results[0]["node"] == results[1]["node"] != results[2]["node"]
