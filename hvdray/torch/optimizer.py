@@ -7,7 +7,9 @@ Each parameter's gradient is submitted to the engine the moment autograd finishe
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -177,7 +179,31 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     if cls is None:
         cls = _classes[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base), {})
     optimizer.__class__ = cls
-    optimizer._hvd_setup(
-        named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor), sparse_as_dense
-    )
+    try:
+        optimizer._hvd_setup(
+            named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
+            sparse_as_dense,
+        )
+    except BaseException:
+        optimizer.__class__ = base  # a rejected named_parameters leaves the optimizer as it was
+        raise
+    _repatch_scheduler_step(optimizer, cls)
     return optimizer
+
+
+def _repatch_scheduler_step(optimizer: torch.optim.Optimizer, cls: type) -> None:
+    """An LR scheduler built before wrapping put a ``step`` on the instance that calls the *original*
+    class's ``step`` (bypassing the reduction); point it at the distributed ``step`` instead."""
+    patched = optimizer.__dict__.get("step")
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        return
+    opt_ref = weakref.ref(optimizer)
+
+    @functools.wraps(cls.step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # what the scheduler's own wrapper records
+        return cls.step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]

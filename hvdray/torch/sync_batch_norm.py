@@ -25,24 +25,31 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self.training or not context.is_initialized() or context.rank_info().size == 1:
             return super().forward(input)
-        if self.momentum is None:
-            raise ValueError("SyncBatchNorm needs a numeric momentum")
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         work = input.to(torch.float64) if input.dtype in (torch.float16, torch.bfloat16) else input
-        count = torch.full((1,), work.numel() / channels, dtype=work.dtype)
-        local = torch.cat([work.sum(dims), (work * work).sum(dims), count])
-        total = allreduce(local, op=_c.Sum)
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        # Each rank's mean and centred sum of squares, combined in float64: sum(x*x)/n - mean**2 over the
+        # raw values loses all precision in float32 once |mean| >> std.
+        rows = work.numel() // channels
+        local_mean = work.sum(dims) / max(rows, 1)
+        centred = work - local_mean.view(shape)
+        m2 = (centred * centred).sum(dims).to(torch.float64)
+        m = local_mean.to(torch.float64)
+        count = torch.full((1,), float(rows), dtype=torch.float64)
+        total = allreduce(torch.cat([m * rows, m2, m * m * rows, count]), op=_c.Sum)
         n = total[-1]
-        mean = total[:channels] / n
-        var = total[channels : 2 * channels] / n - mean * mean
+        mean64 = total[:channels] / n
+        var64 = (total[channels : 2 * channels] + total[2 * channels : 3 * channels]) / n - mean64 * mean64
+        mean, var = mean64.to(work.dtype), var64.to(work.dtype)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                unbiased = var * (n / (n - 1)) if n > 1 else var
-                self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean.to(self.running_mean.dtype))
-                self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased.to(self.running_var.dtype))
-        shape = [1, channels] + [1] * (input.dim() - 2)
+                # momentum=None: cumulative moving average, as in torch.nn.BatchNorm
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                unbiased = var64 * (n / (n - 1)) if n > 1 else var64
+                self.running_mean.mul_(1 - factor).add_(factor * mean64.to(self.running_mean.dtype))
+                self.running_var.mul_(1 - factor).add_(factor * unbiased.to(self.running_var.dtype))
         out = (work - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
