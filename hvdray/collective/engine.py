@@ -119,6 +119,7 @@ class Engine:
         self._lock = threading.Condition()
         self._queue: list[Request] = []
         self._local: dict[str, Request] = {}  # submitted here, not finished yet
+        self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
         self._shutdown_requested = False
@@ -128,6 +129,7 @@ class Engine:
         self._table: dict[str, _Announced] = {}
         self._order: list[str] = []
         self._joined: set[int] = set()
+        self._last_joined = -1  # the rank whose join was absorbed last (ties in one round: the highest)
         self._round = 0
         self._name_counters: dict[str, int] = {}
 
@@ -186,6 +188,9 @@ class Engine:
 
     # -- the loop (engine thread) -----------------------------------------------------------
     def _loop(self) -> None:
+        # Ops write into the user's tensors in place (allreduce_, broadcast_ on parameters): never
+        # record autograd history for them. Grad mode is per thread, so this affects this thread only.
+        torch.set_grad_enabled(False)
         wait_s = self._cycle_s
         try:
             while True:
@@ -251,6 +256,7 @@ class Engine:
             if message.get("j"):
                 busy = True
                 self._joined.add(sender)
+                self._last_joined = sender
         for name, missing in messages[0].get("drop", ()):
             self._table.pop(name, None)
             self._order.remove(name)
@@ -329,8 +335,9 @@ class Engine:
         return nbytes <= self._fusion_bytes
 
     def _finish_join(self) -> None:
-        last = max(self._joined)
+        last = self._last_joined
         self._joined = set()
+        self._last_joined = -1
         with self._lock:
             handle, self._join_handle = self._join_handle, None
         if handle is not None:
@@ -377,6 +384,7 @@ class Engine:
             return
         meta = batch[0][1]
         requests = [self._take_local(name) for name, _ in batch]
+        self._running = [req for req in requests if req is not None]
         inputs = [
             req.tensor if req is not None else torch.zeros(m["s"], dtype=_dtype(m["d"]))
             for req, (_, m) in zip(requests, batch)
@@ -405,6 +413,7 @@ class Engine:
         for req in requests:
             if req is not None:
                 req.handle._finish(result=req.output)
+        self._running = []
 
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
         if meta["pre"] != 1.0:
@@ -414,6 +423,7 @@ class Engine:
 
     def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
         request = self._take_local(name)
+        self._running = [request] if request is not None else []
         meta = metas[min(metas)]
         op = meta["o"]
         if op == "barrier":
@@ -430,6 +440,7 @@ class Engine:
             raise HvdrayError(f"unknown op {op!r} for {name!r}")
         self.stats.ops += 1
         request.handle._finish(result=result)
+        self._running = []
 
     def _broadcast(self, request: Request, meta: dict[str, Any]) -> torch.Tensor:
         out = request.output
@@ -482,7 +493,9 @@ class Engine:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             self._error = error
-            pending = list(self._local.values())
+            # what was executing when the error came is no longer in _local: fail it too
+            pending = list(self._local.values()) + [r for r in self._running if not r.handle.done()]
+            self._running = []
             self._local.clear()
             self._queue = []
             join, self._join_handle = self._join_handle, None

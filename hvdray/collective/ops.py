@@ -99,11 +99,32 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
 
 
 def _check_name(name: Optional[str], op: str) -> str:
+    """The op's name: ``name``, or a generated one. Call it after every other argument check, so that
+    a call that fails its checks on one rank does not use up a generated name there (the ranks'
+    generated names would no longer match)."""
     if name is None:
         return context.engine(op).auto_name(op)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     return name
+
+
+def _label(name: Optional[str]) -> str:
+    return f"tensor {name!r}" if name else "tensor"
+
+
+def _check_allreduce_args(
+    tensor: Any, name: Optional[str], op: "ReduceOp", prescale_factor: Any, postscale_factor: Any,
+    argument: str = "tensor",
+) -> tuple[float, float]:
+    check_tensor(tensor, argument, name=name)
+    if tensor.dtype == torch.bool and op in (Average, Product):
+        label = f"{argument} {name!r}" if name else argument
+        raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
+    return (
+        _check_scale(prescale_factor, "prescale_factor", tensor),
+        _check_scale(postscale_factor, "postscale_factor", tensor),
+    )
 
 
 def _check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
@@ -148,16 +169,9 @@ def allreduce_async(
 ) -> OpHandle:
     """Reduce ``tensor`` across ranks into ``output`` (a new tensor unless given; ``tensor`` for in-place)."""
     op = resolve_op(op)
+    pre, post = _check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     name = _check_name(name, "allreduce")
-    check_tensor(tensor, name=name)
-    if tensor.dtype == torch.bool and op in (Average, Product):
-        raise ValueError(f"tensor {name!r} is bool; {op.name.lower()} is not defined for bool tensors")
-    meta = _meta(
-        "allreduce", name, tensor,
-        r=op.value,
-        pre=_check_scale(prescale_factor, "prescale_factor", tensor),
-        post=_check_scale(postscale_factor, "postscale_factor", tensor),
-    )
+    meta = _meta("allreduce", name, tensor, r=op.value, pre=pre, post=post)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
     return OpHandle([_submit(meta, tensor, out)], _first)
 
@@ -173,10 +187,12 @@ def grouped_allreduce_async(
     """Allreduce a list of tensors as one group (fused where they fit); the result is a list."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
+    op = resolve_op(op)
+    for i, t in enumerate(tensors):  # all checked before any is submitted
+        _check_allreduce_args(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
     base = _check_name(name, "grouped_allreduce")
     parts = []
     for i, t in enumerate(tensors):
-        check_tensor(t, f"tensors[{i}]")
         handle = allreduce_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor, t if inplace else None)
         parts.extend(handle._parts)
     return OpHandle(parts, list)
@@ -184,10 +200,10 @@ def grouped_allreduce_async(
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> OpHandle:
     """Concatenate every rank's ``tensor`` along dim 0; the first dimensions may differ."""
-    name = _check_name(name, "allgather")
     check_tensor(tensor, name=name)
     if tensor.dim() == 0:
-        raise ValueError(f"tensor {name!r} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+        raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+    name = _check_name(name, "allgather")
     return OpHandle([_submit(_meta("allgather", name, tensor), tensor, None)], _first)
 
 
@@ -195,20 +211,20 @@ def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, inplace: bool = False
 ) -> OpHandle:
     """Send root's ``tensor`` to every rank (into ``tensor`` itself when ``inplace``)."""
-    name = _check_name(name, "broadcast")
     check_tensor(tensor, name=name)
     root = _check_root(root_rank)
+    name = _check_name(name, "broadcast")
     out = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return OpHandle([_submit(_meta("broadcast", name, tensor, root=root), tensor, out)], _first)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> OpHandle:
     """Scatter slices of dim 0 to every rank and gather theirs; result: ``(output, received_splits)``."""
-    name = _check_name(name, "alltoall")
     check_tensor(tensor, name=name)
     size = context.rank_info("alltoall").size
+    label = f"alltoall {name!r}" if name else "alltoall"
     if tensor.dim() == 0:
-        raise ValueError(f"tensor {name!r} is a scalar; alltoall needs at least one dimension")
+        raise ValueError(f"{_label(name)} is a scalar; alltoall needs at least one dimension")
     split_list = None
     if splits is not None:
         if isinstance(splits, torch.Tensor):
@@ -219,13 +235,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
             raise TypeError(f"splits must be a list of ints or an integer tensor, got {splits!r}")
         if len(split_list) != size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
             raise ValueError(
-                f"splits {split_list} for alltoall {name!r} must hold {size} non-negative counts summing to "
+                f"splits {split_list} for {label} must hold {size} non-negative counts summing to "
                 f"dim 0 of the tensor ({tensor.shape[0]})"
             )
     elif tensor.shape[0] % size:
         raise ValueError(
-            f"alltoall {name!r} without splits needs dim 0 ({tensor.shape[0]}) divisible by the job size ({size})"
+            f"{label} without splits needs dim 0 ({tensor.shape[0]}) divisible by the job size ({size})"
         )
+    name = _check_name(name, "alltoall")
     meta = _meta("alltoall", name, tensor, sp=split_list)
     return OpHandle([_submit(meta, tensor, None)], _first)
 
@@ -239,18 +256,16 @@ def reducescatter_async(
 ) -> OpHandle:
     """Reduce across ranks and give each rank its slice of dim 0 (the first ranks get any extra row)."""
     op = resolve_op(op)
-    name = _check_name(name, "reducescatter")
     check_tensor(tensor, name=name)
     if tensor.dim() == 0:
-        raise ValueError(f"tensor {name!r} is a scalar; reducescatter needs at least one dimension")
+        raise ValueError(f"{_label(name)} is a scalar; reducescatter needs at least one dimension")
     if op == Product or tensor.dtype == torch.bool:
-        raise ValueError(f"reducescatter {name!r}: op {op.name.lower()} on {tensor.dtype} is not supported")
-    meta = _meta(
-        "reducescatter", name, tensor,
-        r=op.value,
-        pre=_check_scale(prescale_factor, "prescale_factor", tensor),
-        post=_check_scale(postscale_factor, "postscale_factor", tensor),
-    )
+        label = f"reducescatter {name!r}" if name else "reducescatter"
+        raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
+    pre = _check_scale(prescale_factor, "prescale_factor", tensor)
+    post = _check_scale(postscale_factor, "postscale_factor", tensor)
+    name = _check_name(name, "reducescatter")
+    meta = _meta("reducescatter", name, tensor, r=op.value, pre=pre, post=post)
     return OpHandle([_submit(meta, tensor, None)], _first)
 
 
@@ -286,10 +301,10 @@ def _open(buf: torch.Tensor, what: str) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Root's picklable ``obj`` on every rank."""
-    name = _check_name(name, "broadcast_object")
     _check_root(root_rank)
     is_root = context.rank_info().rank == root_rank
     payload = _seal(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    name = _check_name(name, "broadcast_object")
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     length = synchronize(broadcast_async(length, root_rank, name=f"{name}.len"))
     buf = payload if is_root else torch.empty(int(length.item()), dtype=torch.uint8)
@@ -299,8 +314,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
-    name = _check_name(name, "allgather_object")
     payload = _seal(obj)
+    name = _check_name(name, "allgather_object")
     sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len"))
     data = synchronize(allgather_async(payload, name=f"{name}.data"))
     out, offset = [], 0

@@ -226,8 +226,9 @@ allgather_async = _c.allgather_async
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str]):
+        handle = _c.allgather_async(tensor, name)  # checks the argument before it is used
         ctx.rows = tensor.shape[0]
-        return synchronize(_c.allgather_async(tensor, name))
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
