@@ -299,27 +299,46 @@ def _open(buf: torch.Tensor, what: str) -> Any:
     return cloudpickle.load(io.BytesIO(body))
 
 
+def _try_seal(obj: Any) -> tuple[Optional[torch.Tensor], Optional[BaseException]]:
+    """Pickle and sign ``obj``; a failure is returned, so that the peers can be told instead of left waiting."""
+    try:
+        return _seal(obj), None
+    except Exception as exc:  # noqa: BLE001 - any pickling failure; re-raised by the caller
+        return None, exc
+
+
+_UNPICKLABLE = -1  # the length a rank sends when its object could not be pickled
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """Root's picklable ``obj`` on every rank."""
+    """Root's picklable ``obj`` on every rank. If root cannot pickle it, every rank raises."""
     _check_root(root_rank)
     is_root = context.rank_info().rank == root_rank
-    payload = _seal(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    payload, error = _try_seal(obj) if is_root else (torch.empty(0, dtype=torch.uint8), None)
     name = _check_name(name, "broadcast_object")
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    length = synchronize(broadcast_async(length, root_rank, name=f"{name}.len"))
-    buf = payload if is_root else torch.empty(int(length.item()), dtype=torch.uint8)
+    length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
+    length = int(synchronize(broadcast_async(length, root_rank, name=f"{name}.len")).item())
+    if length == _UNPICKLABLE:
+        detail = f": {error}" if error else ""
+        raise ValueError(f"broadcast_object {name!r}: root rank {root_rank} could not pickle its object{detail}")
+    buf = payload if is_root else torch.empty(length, dtype=torch.uint8)
     buf = synchronize(broadcast_async(buf, root_rank, name=f"{name}.data"))
     return obj if is_root else _open(buf, f"broadcast_object {name!r}")
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order."""
-    payload = _seal(obj)
+    """Every rank's picklable ``obj``, in rank order. If any rank cannot pickle its object, every rank raises."""
     name = _check_name(name, "allgather_object")
-    sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len"))
+    payload, error = _try_seal(obj)
+    length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
+    sizes = synchronize(allgather_async(length, name=f"{name}.len")).tolist()
+    failed = [r for r, n in enumerate(sizes) if n == _UNPICKLABLE]
+    if failed:
+        detail = f": {error}" if error else ""
+        raise ValueError(f"allgather_object {name!r}: rank(s) {failed} could not pickle their object{detail}")
     data = synchronize(allgather_async(payload, name=f"{name}.data"))
     out, offset = [], 0
-    for n in sizes.tolist():
+    for n in sizes:
         out.append(_open(data[offset : offset + n], f"allgather_object {name!r}"))
         offset += n
     return out

@@ -243,8 +243,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     return _Allgather.apply(tensor, name)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> OpHandle:
-    return _c.broadcast_async(tensor, root_rank, name)
+broadcast_async = _c.broadcast_async
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> OpHandle:
@@ -275,9 +274,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> OpHandle:
-    """Start an alltoall; the handle's result is ``(output, received_splits)``."""
-    return _c.alltoall_async(tensor, splits, name)
+alltoall_async = _c.alltoall_async  # result: (output, received_splits)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -303,14 +300,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = Non
     return (output, received) if splits is not None else output
 
 
-def reducescatter_async(
-    tensor: torch.Tensor,
-    name: Optional[str] = None,
-    op: ReduceOp = Average,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> OpHandle:
-    return _c.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor)
+reducescatter_async = _c.reducescatter_async
 
 
 class _Reducescatter(torch.autograd.Function):

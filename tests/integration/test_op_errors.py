@@ -354,3 +354,34 @@ def test_op_failing_during_execution_raises_instead_of_hanging(ex):
             assert f"injected {primitive} failure" in message
             assert later_kind == "HorovodInternalError" and later_took < QUICK_S
         assert out["after"].tolist() == [float(size)] * 2
+
+
+def _unpicklable_objects():
+    import threading
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    started = time.monotonic()
+    errors = []
+    lock = threading.Lock()  # locks cannot be pickled
+    try:
+        hvd.broadcast_object(lock if hvd.rank() == 0 else None, root_rank=0, name="cfg")
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        hvd.allgather_object(lock if hvd.rank() == hvd.size() - 1 else hvd.rank(), name="parts")
+    except ValueError as exc:
+        errors.append(str(exc))
+    after = hvd.allgather_object(hvd.rank())  # the ring still works
+    return errors, after, time.monotonic() - started
+
+
+def test_unpicklable_object_raises_on_every_rank_instead_of_hanging(ex):
+    size = len(ex.run(lambda: 0))
+    for errors, after, took in ex.run(_unpicklable_objects):
+        assert len(errors) == 2
+        assert "'cfg'" in errors[0] and "root rank 0 could not pickle" in errors[0]
+        assert "'parts'" in errors[1] and f"[{size - 1}]" in errors[1]
+        assert after == list(range(size))
+        assert took < 10
