@@ -44,6 +44,11 @@ class Settings(BaseModel):
     fusion_threshold_mb: float = Field(
         64.0, ge=0, description="Largest fused allreduce buffer in MiB; 0 turns fusion off."
     )
+    cache_capacity: int = Field(
+        1024, ge=0, le=1 << 16,
+        description="Tensor names the response cache remembers (their steady state costs one tiny allreduce per "
+        "tick); 0 turns the cache off.",
+    )
     stall_warning_s: float = Field(
         60.0, gt=0, description="A tensor submitted on some ranks but not all for this long logs a warning."
     )

@@ -77,6 +77,7 @@ def init() -> None:
             fusion_threshold_bytes=int(settings.fusion_threshold_mb * 1024 * 1024),
             stall_warning_s=settings.stall_warning_s,
             stall_shutdown_s=settings.stall_shutdown_s,
+            cache_capacity=settings.cache_capacity,
         )
         log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
 

@@ -21,9 +21,13 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
+from hvdray.collective.response_cache import FlagVector, ResponseCache
 from hvdray.collective.topology import reducescatter_rows
 
 log = logging.getLogger(__name__)
+
+#: part of every generated op name (``allreduce.noname.3``); such names are never cached
+GENERATED_NAME_MARK = ".noname."
 
 GLOO_OPS = {
     "sum": ReduceOp.SUM,
@@ -89,6 +93,7 @@ class EngineStats:
     """Counters a test or a benchmark can read: rounds, ops, and fused Gloo calls."""
 
     rounds: int = 0
+    full_rounds: int = 0
     ops: int = 0
     allreduce_calls: int = 0
     fused_tensors: int = 0
@@ -105,6 +110,7 @@ class Engine:
         fusion_threshold_bytes: int,
         stall_warning_s: float,
         stall_shutdown_s: float,
+        cache_capacity: int = 1024,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -133,6 +139,16 @@ class Engine:
         self._round = 0
         self._name_counters: dict[str, int] = {}
 
+        # the response cache (replicated) and this rank's requests waiting on cached slots
+        self._cache = ResponseCache(cache_capacity, self.rank)
+        self._flags = FlagVector(cache_capacity)
+        self._cached_pending: dict[int, Request] = {}
+        self._outbox: list[Request] = []  # requests to announce by name in the next full round
+        self._census: dict[int, set[int]] = {}  # slot -> ranks with it pending, from the last full round
+        self._stall_since: dict[int, float] = {}  # rank 0: cached slots pending somewhere but not everywhere
+        self._stall_warned: set[int] = set()
+        self._drops: list[list[Any]] = []  # rank 0: stalled names to drop in the next full round
+
         self._thread = threading.Thread(target=self._loop, name=f"hvdray-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -156,7 +172,7 @@ class Engine:
         with self._lock:
             n = self._name_counters.get(op, 0)
             self._name_counters[op] = n + 1
-        return f"{op}.noname.{n}"
+        return f"{op}{GENERATED_NAME_MARK}{n}"
 
     def join(self) -> Handle:
         with self._lock:
@@ -194,19 +210,26 @@ class Engine:
         wait_s = self._cycle_s
         try:
             while True:
-                started = time.monotonic()
-                payload = self._next_message(wait_s)
-                messages = [json.loads(p) if p else {} for p in self.comm.allgather_bytes(payload)]
+                wants_full = self._collect(wait_s)
+                flags = self._flags.fill(list(self._cached_pending), self.rank in self._joined, wants_full)
+                self.comm.allreduce(flags, ReduceOp.BAND)
+                ready_slots, pending_somewhere, full = self._flags.read()
                 self._round += 1
                 self.stats.rounds += 1
-                stop_ranks = [r for r, m in enumerate(messages) if m.get("x")]
-                if stop_ranks:
-                    self._fail_all(
-                        HorovodInternalError(f"hvdray was shut down by rank(s) {stop_ranks} while this op was pending")
-                    )
-                    return
-                busy = self._absorb(messages, started)
-                self._run_ready()
+                busy = bool(ready_slots or pending_somewhere)
+                if full:
+                    self.stats.full_rounds += 1
+                    messages = [json.loads(p) if p else {} for p in self.comm.allgather_bytes(self._encode())]
+                    stop_ranks = [r for r, m in enumerate(messages) if m.get("x")]
+                    if stop_ranks:
+                        self._fail_all(HorovodInternalError(
+                            f"hvdray was shut down by rank(s) {stop_ranks} while this op was pending"
+                        ))
+                        return
+                    busy = self._absorb(messages) or busy
+                if self.rank == 0:
+                    self._watch_cached_stalls(pending_somewhere, ready_slots)
+                self._run_ready(ready_slots)
                 wait_s = self._cycle_s if (busy or self._table or self._joined) else min(wait_s * 2, self._idle_s)
         except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
             error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
@@ -217,7 +240,9 @@ class Engine:
             log.debug("engine stopped: %s", error)
             self._fail_all(error)
 
-    def _next_message(self, wait_s: float) -> bytes:
+    def _collect(self, wait_s: float) -> bool:
+        """Wait for this tick, then sort new requests into cached slots and the outbox; True if this
+        rank needs a full (named) negotiation round."""
         deadline = time.monotonic() + wait_s
         with self._lock:
             while not self._shutdown_requested:
@@ -228,38 +253,63 @@ class Engine:
                 if remaining <= 0 or fresh:
                     break
                 self._lock.wait(remaining)
-            message: dict[str, Any] = {}
-            if self._queue:
-                message["q"] = [r.meta for r in self._queue]
-                self._queue = []
+            queue, self._queue = self._queue, []
+            wants_full = bool(self._join_announce or self._shutdown_requested)
+        for request in queue:
+            slot = None if request.meta.get("a") else self._cache.lookup(request.meta)
+            if slot is None:
+                self._outbox.append(request)
+            else:
+                self._cached_pending[slot] = request
+        if self.rank == 0:
+            wants_full = self._rank0_wants_full() or wants_full
+        return wants_full or bool(self._outbox)
+
+    def _encode(self) -> bytes:
+        message: dict[str, Any] = {}
+        if self._outbox:
+            message["q"] = [r.meta for r in self._outbox]
+            self._outbox = []
+        if self._cached_pending:
+            message["pc"] = sorted(self._cached_pending)  # census of cached slots pending here
+        with self._lock:
             if self._join_announce:
                 message["j"] = 1
                 self._join_announce = False
             if self._shutdown_requested:
                 message["x"] = 1
-        if self.rank == 0:
-            stalled = self._stalled_names()
-            if stalled:
-                message["drop"] = stalled
+        if self.rank == 0 and self._drops:
+            message["drop"], self._drops = self._drops, []
         return json.dumps(message, separators=(",", ":")).encode() if message else b""
 
-    def _absorb(self, messages: list[dict[str, Any]], now: float) -> bool:
+    def _absorb(self, messages: list[dict[str, Any]]) -> bool:
         busy = False
+        now = time.monotonic()
+        self._census = {}
         for sender, message in enumerate(messages):
             for meta in message.get("q", ()):
                 busy = True
-                entry = self._table.get(meta["n"])
+                name = meta["n"]
+                if self._cache.slot_of(name) is not None:
+                    self._uncache(name)  # announced by name again: renegotiate it everywhere
+                entry = self._table.get(name)
                 if entry is None:
-                    entry = self._table[meta["n"]] = _Announced(first_round=self._round, first_seen=now)
-                    self._order.append(meta["n"])
+                    entry = self._table[name] = _Announced(first_round=self._round, first_seen=now)
+                    self._order.append(name)
                 entry.metas[sender] = meta
+            for slot in message.get("pc", ()):
+                self._census.setdefault(slot, set()).add(sender)
             if message.get("j"):
                 busy = True
                 self._joined.add(sender)
                 self._last_joined = sender
         for name, missing in messages[0].get("drop", ()):
-            self._table.pop(name, None)
-            self._order.remove(name)
+            if self._table.pop(name, None) is not None:
+                self._order.remove(name)
+            slot = self._cache.slot_of(name)
+            if slot is not None:
+                self._cached_pending.pop(slot, None)
+                self._stall_since.pop(slot, None)
             request = self._take_local(name)
             if request is not None:
                 request.handle._finish(
@@ -270,8 +320,48 @@ class Engine:
                 )
         return busy
 
+    def _uncache(self, name: str) -> None:
+        """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
+        slot = self._cache.evict(name)
+        request = self._cached_pending.pop(slot, None) if slot is not None else None
+        if request is not None:
+            self._outbox.append(request)
+        self._stall_since.pop(slot, None)
+
+    # -- stalls (rank 0 watches, every rank acts on its "drop" list) ---------------------------
+    def _rank0_wants_full(self) -> bool:
+        """Rank 0 checks named stalls and asks for a census round when a cached slot stalls."""
+        self._drops.extend(self._stalled_names())
+        now = time.monotonic()
+        census_due = any(
+            now - since >= self._stall_warning_s and slot not in self._stall_warned
+            or self._stall_shutdown_s and now - since >= self._stall_shutdown_s
+            for slot, since in self._stall_since.items()
+        )
+        return bool(self._drops) or census_due
+
+    def _watch_cached_stalls(self, pending_somewhere: list[int], ready: list[int]) -> None:
+        now = time.monotonic()
+        stalled = set(pending_somewhere) - set(ready)
+        for slot in list(self._stall_since):
+            if slot not in stalled:
+                del self._stall_since[slot]
+                self._stall_warned.discard(slot)
+        for slot in stalled:
+            since = self._stall_since.setdefault(slot, now)
+            if slot not in self._census or now - since < self._stall_warning_s:
+                continue
+            name = self._cache.name_of(slot)
+            submitted = self._census[slot]
+            missing = sorted(set(range(self.size)) - submitted - self._joined)
+            if slot not in self._stall_warned:
+                self._stall_warned.add(slot)
+                self._warn_stall(self._cache.metas(slot)[0]["o"], name, now - since, missing, submitted)
+            if self._stall_shutdown_s and now - since >= self._stall_shutdown_s:
+                self._drops.append([name, missing])
+
     def _stalled_names(self) -> list[list[Any]]:
-        """Rank 0 warns about stalls and, past ``stall_shutdown_s``, names tensors to drop everywhere."""
+        """Named (uncached) tensors past ``stall_warning_s`` get a warning; past ``stall_shutdown_s``, a drop."""
         now = time.monotonic()
         dropped = []
         for name in self._order:
@@ -282,25 +372,35 @@ class Engine:
             missing = sorted(set(range(self.size)) - set(entry.metas) - self._joined)
             if not entry.warned:
                 entry.warned = True
-                log.warning(
-                    "%s %r has waited %.0f s for rank(s) %s (ranks %s submitted it); a rank may be stuck or "
-                    "calling ops in a different order", next(iter(entry.metas.values()))["o"], name, age,
-                    missing, sorted(entry.metas),
-                )
+                self._warn_stall(next(iter(entry.metas.values()))["o"], name, age, missing, entry.metas)
             if self._stall_shutdown_s and age >= self._stall_shutdown_s:
                 dropped.append([name, missing])
         return dropped
 
+    @staticmethod
+    def _warn_stall(op: str, name: str, age: float, missing: list[int], submitted: Any) -> None:
+        log.warning(
+            "%s %r has waited %.0f s for rank(s) %s (ranks %s submitted it); a rank may be stuck or "
+            "calling ops in a different order", op, name, age, missing, sorted(submitted),
+        )
+
     # -- running ready ops ------------------------------------------------------------------
-    def _run_ready(self) -> None:
+    def _run_ready(self, ready_slots: list[int]) -> None:
+        """Run what is ready everywhere: cached slots in slot order, then newly negotiated names in
+        announcement order (the same on every rank), fusing consecutive compatible allreduces."""
         everyone = set(range(self.size))
-        ready: list[str] = [n for n in self._order if set(self._table[n].metas) | self._joined == everyone]
-        batch: list[tuple[str, dict[str, Any]]] = []
-        for name in ready:
-            entry = self._table.pop(name)
+        ready: list[tuple[str, dict[int, dict[str, Any]], bool]] = []
+        for slot in ready_slots:
+            self._cached_pending.pop(slot, None)
+            self._cache.touch(slot, self._round)
+            ready.append((self._cache.name_of(slot), self._cache.metas(slot), True))
+        for name in [n for n in self._order if set(self._table[n].metas) | self._joined == everyone]:
             self._order.remove(name)
-            meta = entry.metas[min(entry.metas)]
-            problem = self._mismatch(name, entry.metas)
+            ready.append((name, self._table.pop(name).metas, False))
+        batch: list[tuple[str, dict[str, Any]]] = []
+        for name, metas, cached in ready:
+            meta = metas[min(metas)]
+            problem = None if cached else self._mismatch(name, metas)
             if problem is None and self._joined and meta["o"] != "allreduce":
                 problem = (
                     f"{meta['o']} {name!r} cannot run after rank(s) {sorted(self._joined)} called join(); "
@@ -313,6 +413,10 @@ class Engine:
                 if request is not None:
                     request.handle._finish(error=TensorMismatchError(problem))
                 continue
+            if not cached and not meta.get("a") and set(metas) == everyone:
+                evicted = self._cache.put(name, metas, self._round)
+                if evicted is not None and evicted in self._cached_pending:
+                    self._outbox.append(self._cached_pending.pop(evicted))
             if meta["o"] == "allreduce":
                 if batch and not self._fuses_with(batch, meta):
                     self._flush(batch)
@@ -321,7 +425,7 @@ class Engine:
             else:
                 self._flush(batch)
                 batch = []
-                self._run_one(name, entry.metas)
+                self._run_one(name, metas)
         self._flush(batch)
         if self._joined == everyone:
             self._finish_join()
@@ -497,7 +601,7 @@ class Engine:
             pending = list(self._local.values()) + [r for r in self._running if not r.handle.done()]
             self._running = []
             self._local.clear()
-            self._queue = []
+            self._queue, self._outbox, self._cached_pending = [], [], {}
             join, self._join_handle = self._join_handle, None
         for request in pending:
             request.handle._finish(error=error)

@@ -18,7 +18,7 @@ import torch
 
 from hvdray.collective import context
 from hvdray.collective.communicator import GLOO_DTYPES
-from hvdray.collective.engine import Handle, Request
+from hvdray.collective.engine import GENERATED_NAME_MARK, Handle, Request
 
 
 class ReduceOp(str, enum.Enum):
@@ -146,7 +146,10 @@ def _check_root(root_rank: Any) -> int:
 
 
 def _meta(op: str, name: str, tensor: torch.Tensor, **extra: Any) -> dict[str, Any]:
-    return {"o": op, "n": name, "d": str(tensor.dtype), "s": list(tensor.shape), **extra}
+    meta = {"o": op, "n": name, "d": str(tensor.dtype), "s": list(tensor.shape), **extra}
+    if GENERATED_NAME_MARK in name:
+        meta["a"] = 1  # generated names never repeat: the engine does not cache them
+    return meta
 
 
 def _submit(meta: dict[str, Any], tensor: Optional[torch.Tensor], output: Optional[torch.Tensor]) -> Handle:
@@ -272,7 +275,7 @@ def reducescatter_async(
 def barrier() -> None:
     """Return once every rank has reached this barrier."""
     name = context.engine("barrier").auto_name("barrier")
-    _submit({"o": "barrier", "n": name, "d": "", "s": []}, None, None).wait()
+    _submit({"o": "barrier", "n": name, "d": "", "s": [], "a": 1}, None, None).wait()
 
 
 def join() -> int:

@@ -48,7 +48,7 @@ class _DistributedMixin:
                 )
             self._hvd_names = {id(p): f"allreduce.{by_param[id(p)]}" for p in params}
         else:
-            self._hvd_names = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+            self._hvd_names = {id(p): f"allreduce.parameter.{i}" for i, p in enumerate(params)}
         if op == _c.Average:
             self._hvd_scale = (1.0 / gradient_predivide_factor, float(gradient_predivide_factor))
         else:

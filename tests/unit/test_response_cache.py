@@ -1,0 +1,71 @@
+"""The response cache and its flag vector, without Ray: slots, LRU eviction, AND-combined flags."""
+
+import numpy as np
+import torch
+
+from hvdray.collective.response_cache import FlagVector, ResponseCache
+
+
+def meta(name, shape=(4,), dtype="torch.float32"):
+    return {"o": "allreduce", "n": name, "d": dtype, "s": list(shape), "r": "sum", "pre": 1.0, "post": 1.0}
+
+
+def test_lookup_needs_the_same_metadata_as_this_rank_negotiated():
+    cache = ResponseCache(capacity=4, rank=1)
+    cache.put("w", {0: meta("w"), 1: meta("w")}, round_no=1)
+    assert cache.lookup(meta("w")) == cache.slot_of("w")
+    assert cache.lookup(meta("w", shape=(5,))) is None
+    assert cache.lookup(meta("w", dtype="torch.float64")) is None
+    assert cache.lookup(meta("other")) is None
+
+
+def test_least_recently_used_slot_is_evicted_when_full():
+    cache = ResponseCache(capacity=2, rank=0)
+    cache.put("a", {0: meta("a")}, round_no=1)
+    cache.put("b", {0: meta("b")}, round_no=2)
+    cache.touch(cache.slot_of("a"), 3)
+    evicted = cache.put("c", {0: meta("c")}, round_no=4)
+    assert cache.slot_of("b") is None and evicted not in (cache.slot_of("a"),)
+    assert cache.slot_of("c") == evicted and len(cache) == 2
+
+
+def test_capacity_zero_caches_nothing():
+    cache = ResponseCache(capacity=0, rank=0)
+    assert cache.put("a", {0: meta("a")}, round_no=1) is None
+    assert cache.slot_of("a") is None
+
+
+def _combine(*vectors):
+    out = vectors[0].clone()
+    for v in vectors[1:]:
+        out &= v
+    return out
+
+
+def test_flags_combine_to_ready_somewhere_and_full():
+    ranks = [FlagVector(16) for _ in range(3)]
+    filled = [
+        ranks[0].fill([1, 3, 5], joined=False, wants_full=False).clone(),
+        ranks[1].fill([3, 5], joined=False, wants_full=False).clone(),
+        ranks[2].fill([5, 3, 9], joined=False, wants_full=True).clone(),
+    ]
+    reader = FlagVector(16)
+    reader.tensor.copy_(_combine(*filled))
+    ready, somewhere, full = reader.read()
+    assert ready == [3, 5]
+    assert somewhere == [1, 3, 5, 9]
+    assert full is True
+    assert reader.tensor.numel() == (2 * 16 + 8) // 8
+
+
+def test_joined_rank_agrees_to_every_slot():
+    active = FlagVector(8).fill([2], joined=False, wants_full=False).clone()
+    joined = FlagVector(8).fill([], joined=True, wants_full=False).clone()
+    reader = FlagVector(8)
+    reader.tensor.copy_(_combine(active, joined))
+    assert reader.read() == ([2], [2], False)
+
+
+def test_default_capacity_vector_is_tiny():
+    assert FlagVector(1024).fill(list(range(0, 1024, 7)), False, False).numel() == 257
+    assert np.all(FlagVector(0).fill([], False, True).numpy() == torch.tensor([0]).numpy())
