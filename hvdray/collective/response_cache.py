@@ -32,6 +32,7 @@ class ResponseCache:
         self._metas: dict[int, dict[int, dict[str, Any]]] = {}
         self._name_of: dict[int, str] = {}
         self._last_used: dict[int, int] = {}
+        self._signature: dict[int, tuple] = {}  # this rank's metadata signature per slot
         self._free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -40,7 +41,7 @@ class ResponseCache:
     def lookup(self, meta: dict[str, Any]) -> Optional[int]:
         """The slot for this rank's request, if its name is cached with this rank's identical metadata."""
         slot = self._slot_of.get(meta["n"])
-        if slot is None or signature(self._metas[slot][self._rank]) != signature(meta):
+        if slot is None or self._signature[slot] != signature(meta):
             return None
         return slot
 
@@ -68,13 +69,14 @@ class ResponseCache:
         self._slot_of[name] = slot
         self._name_of[slot] = name
         self._metas[slot] = metas
+        self._signature[slot] = signature(metas[self._rank])
         self._last_used[slot] = round_no
         return evicted
 
     def evict(self, name: str) -> Optional[int]:
         slot = self._slot_of.pop(name, None)
         if slot is not None:
-            del self._name_of[slot], self._metas[slot], self._last_used[slot]
+            del self._name_of[slot], self._metas[slot], self._last_used[slot], self._signature[slot]
             self._free.append(slot)
         return slot
 

@@ -1,0 +1,116 @@
+"""Worker side of a distributed trial: ``report``, ``get_checkpoint``, ``distributed_checkpoint_dir``.
+
+Every rank of a trial runs :func:`run_trial`, which sets up this process's session and calls the
+user's function. Rank 0's reports (and checkpoints) are what Tune sees; the other ranks' reports keep
+them in step with rank 0. Outside a trial these functions still work: ``report`` logs, and
+``get_checkpoint`` returns ``None``, so the same training function runs in a plain process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import ray
+from ray.tune import Checkpoint
+
+from hvdray.tune.packing import pack_directory, unpack_directory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    rank: int
+    channel: Any  # the trial's ReportChannel actor
+    restored_dir: Optional[str]  # local copy of the checkpoint the trial resumes from
+    reports: int = 0
+    pending_checkpoint: Optional[bytes] = None  # from distributed_checkpoint_dir, sent with the next report
+
+
+_session: Optional[_Session] = None
+
+
+def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+    """Report one result of the trial (call it on every rank; rank 0's metrics and checkpoint count).
+
+    Blocks until Tune asks for the next result, as ``ray.tune.report`` does. A checkpoint from
+    ``distributed_checkpoint_dir`` since the last report goes with this one unless ``checkpoint`` is given.
+    """
+    if not isinstance(metrics, dict):
+        raise TypeError(f"report takes a dict of metrics, got {type(metrics).__name__}")
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"checkpoint must be a ray.tune.Checkpoint, got {type(checkpoint).__name__}")
+    session = _session
+    if session is None:
+        log.info("report outside a trial: %s", ", ".join(f"{k}={v}" for k, v in metrics.items()))
+        return
+    archive_ref = None
+    if session.rank == 0:
+        archive = session.pending_checkpoint
+        if checkpoint is not None:
+            with checkpoint.as_directory() as path:
+                archive = pack_directory(path)
+        session.pending_checkpoint = None
+        if archive is not None:
+            archive_ref = [ray.put(archive)]  # wrapped: the channel passes the reference on, unresolved
+    payload = dict(metrics) if session.rank == 0 else None
+    ray.get(session.channel.report.remote(session.rank, session.reports, payload, archive_ref))
+    session.reports += 1
+
+
+def get_checkpoint() -> Optional[Checkpoint]:
+    """The checkpoint this trial was restored from (a local copy on every rank), or ``None``."""
+    session = _session
+    if session is None or session.restored_dir is None:
+        return None
+    return Checkpoint.from_directory(session.restored_dir)
+
+
+@contextlib.contextmanager
+def distributed_checkpoint_dir(step: int, disable: bool = False) -> Iterator[str]:
+    """A directory to write a checkpoint into; on rank 0 it is kept and sent with the next ``report``.
+
+    Other ranks (and ``disable=True``) get a scratch directory that is thrown away, so every rank may
+    run the same code while only rank 0 writes a checkpoint.
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    path = tempfile.mkdtemp(prefix=f"hvdray-checkpoint-{step:06d}-")
+    try:
+        yield path
+        session = _session
+        if session is not None and session.rank == 0 and not disable:
+            session.pending_checkpoint = pack_directory(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_trial(
+    func: Callable[..., Any],
+    config: dict[str, Any],
+    channel: Any,
+    checkpoint: Optional[ray.ObjectRef],
+    pass_checkpoint_dir: bool,
+) -> None:
+    """Runs on every worker of a trial: unpack the restored checkpoint, then ``func(config[, checkpoint_dir])``."""
+    global _session
+    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+    restored_dir = None
+    if checkpoint is not None:
+        restored_dir = unpack_directory(ray.get(checkpoint), tempfile.mkdtemp(prefix="hvdray-restored-"))
+    _session = _Session(rank=rank, channel=channel, restored_dir=restored_dir)
+    try:
+        if pass_checkpoint_dir:
+            func(config, checkpoint_dir=restored_dir)
+        else:
+            func(config)
+    finally:
+        _session = None
+        if restored_dir is not None:
+            shutil.rmtree(restored_dir, ignore_errors=True)
