@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,tune,examples]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,tune,examples,tensorflow]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,60 @@
+"""Running a collective on TensorFlow tensors: at once in eager mode, as a ``tf.py_function`` in a graph.
+
+Inside ``tf.function`` (Keras' compiled train step included) the collective becomes a
+``tf.py_function`` node with its static output shapes restored, so that Keras can keep compiling
+around it. Every rank must reach its collectives in the same order, but a graph's executor may run
+independent nodes in any order; so each graph chains its hvdray nodes with control dependencies in
+the order they were created, which is the program's order and the same on every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Sequence
+
+import tensorflow as tf
+
+try:  # private, but the only way to tell an XLA-compiled function before XLA fails on py_function
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+except ImportError:  # pragma: no cover - a TensorFlow without it: XLA reports the problem itself
+    GraphOrParentsInXlaContext = None
+
+Kernel = Callable[[list[tf.Tensor]], list[tf.Tensor]]
+
+_last_node: "weakref.WeakKeyDictionary[tf.Graph, tf.Operation]" = weakref.WeakKeyDictionary()
+
+
+def run(
+    kernel: Kernel,
+    inputs: Sequence[tf.Tensor],
+    out_dtypes: Sequence[tf.DType],
+    out_shapes: Sequence[tf.TensorShape],
+    what: str,
+) -> list[tf.Tensor]:
+    """``kernel(inputs)`` on eager tensors: now, or, while a graph is being built, each time it runs."""
+    if tf.executing_eagerly():
+        return list(kernel(list(inputs)))
+    graph = tf.compat.v1.get_default_graph()
+    if GraphOrParentsInXlaContext is not None and GraphOrParentsInXlaContext(graph):
+        raise ValueError(
+            f"hvdray's {what} cannot run inside an XLA-compiled function (jit_compile=True): its collectives "
+            "run on the host. Compile the model with jit_compile=False (or use tf.function(jit_compile=False))"
+        )
+    shapes = [tf.TensorShape(s) for s in out_shapes]
+
+    @tf.autograph.experimental.do_not_convert
+    def node(*eager: tf.Tensor) -> list[tf.Tensor]:
+        results = list(kernel(list(eager)))
+        for i, (result, shape) in enumerate(zip(results, shapes)):
+            if not shape.is_compatible_with(result.shape):  # the graph was told this shape
+                raise ValueError(f"hvdray {what}: output {i} has shape {result.shape}, the graph expects {shape}")
+        return results
+
+    previous = _last_node.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        outputs = tf.py_function(node, list(inputs), list(out_dtypes), name=f"Hvdray{what.title().replace('_', '')}")
+    outputs = list(outputs)
+    for output, shape in zip(outputs, shapes):
+        output.set_shape(shape)
+    _last_node[graph] = outputs[0].op if outputs else None
+    return outputs

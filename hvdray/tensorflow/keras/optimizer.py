@@ -1,0 +1,126 @@
+"""Keras 3 ``DistributedOptimizer``: gradients are averaged across ranks before the optimizer applies them.
+
+The reduction sits in ``apply`` (which ``apply_gradients`` and Keras' train step call), so it runs
+inside the compiled train step, before gradient clipping, loss-scale unscaling and accumulation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import keras
+
+from hvdray.collective import ops as _c
+from hvdray.collective.compression import Compression
+from hvdray.tensorflow.gradients import GradientReducer
+from hvdray.tensorflow.ops import check_common
+
+
+class _DistributedOptimizer:
+    """Mixed in front of the wrapped optimizer's own class."""
+
+    _hvd_reduce: Optional[GradientReducer] = None  # set by DistributedOptimizer or load_model
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if self._hvd_reduce is None:  # deserialized by plain keras.models.load_model(custom_objects=...)
+            self._hvd_reduce = GradientReducer(f"{type(self).__name__}.grads")
+        return super().apply(self._hvd_reduce(list(grads)), trainable_variables)  # type: ignore[misc]
+
+
+_classes: dict[type, type] = {}
+
+
+def distributed_class(base: type) -> type:
+    """``Distributed<Base>``: the optimizer class ``base`` with gradients reduced across ranks."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"Distributed{base.__name__}", (_DistributedOptimizer, base), {})
+    return cls
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's public name
+    optimizer: keras.optimizers.Optimizer,
+    name: Optional[str] = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = _c.Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    process_set: Any = None,
+) -> keras.optimizers.Optimizer:
+    """Make a Keras 3 optimizer average (or sum) gradients across ranks, so that ``model.fit`` trains
+    one model on the union of every rank's batches.
+
+    The optimizer object itself is made distributed and returned (its variables and any references to
+    it stay valid). ``name`` prefixes the names of the gradient allreduces.
+    """
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError(
+            f"hvdray.tensorflow.keras needs Keras' TensorFlow backend, but Keras runs on {keras.backend.backend()!r} "
+            "(set KERAS_BACKEND=tensorflow)"
+        )
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
+            "TensorFlow 1 and Keras 2 optimizers are not supported"
+        )
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if backward_passes_per_step != 1:
+        raise ValueError(
+            f"backward_passes_per_step={backward_passes_per_step!r} is not supported; Keras 3 optimizers "
+            "accumulate gradients themselves: pass gradient_accumulation_steps= to the optimizer you wrap"
+        )
+    if not isinstance(average_aggregated_gradients, bool):
+        raise TypeError(f"average_aggregated_gradients must be a bool, got {average_aggregated_gradients!r}")
+    if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        warnings.warn(
+            "the mixed_float16 policy makes model.compile wrap this DistributedOptimizer in a LossScaleOptimizer, "
+            "which skips the gradient allreduce on ranks whose gradients overflow while others wait for them; "
+            "wrap the loss-scale optimizer instead: DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))",
+            stacklevel=2,
+        )
+    base = type(optimizer)
+    reducer = GradientReducer(
+        f"{name or 'Distributed' + base.__name__}.grads", compression, sparse_as_dense, op,
+        gradient_predivide_factor, process_set, device_dense, device_sparse,
+    )
+    optimizer.__class__ = distributed_class(base)
+    optimizer._hvd_reduce = reducer
+    return optimizer
+
+
+def load_model(
+    filepath: Any,
+    custom_optimizers: Optional[list[type]] = None,
+    custom_objects: Optional[dict[str, Any]] = None,
+    compression: Any = Compression.none,
+) -> keras.Model:
+    """Load a model saved with a ``DistributedOptimizer``; its optimizer (state included) comes back distributed.
+
+    Keras' own optimizers are known; pass the classes of others as ``custom_optimizers``.
+    """
+    check_common(compression)
+    if custom_optimizers is not None and (
+        not isinstance(custom_optimizers, (list, tuple))
+        or not all(isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer) for c in custom_optimizers)
+    ):
+        raise TypeError(f"custom_optimizers must be a list of Keras optimizer classes, got {custom_optimizers!r}")
+    known = [
+        c for c in vars(keras.optimizers).values() if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)
+    ]
+    objects = {f"Distributed{c.__name__}": distributed_class(c) for c in known + list(custom_optimizers or [])}
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._hvd_reduce = GradientReducer(f"{type(optimizer).__name__}.grads", compression)
+    return model

@@ -1,0 +1,397 @@
+"""``hvdray.tensorflow`` ops: horovod.tensorflow's signatures over the collective layer, with gradients.
+
+Every op works on eager tensors and inside ``tf.function`` (see :mod:`hvdray.tensorflow.bridge`).
+Arguments are checked when the op is called (at trace time inside ``tf.function``); what can only
+be known when the op runs (another rank's shape, dim 0 against ``splits``) is checked by the engine.
+Gradients flow where Horovod's do: through allreduce (Sum and Average), allgather, broadcast,
+alltoall and reducescatter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+from hvdray.collective import ops as _c
+from hvdray.collective.compression import Compression
+from hvdray.collective.ops import ReduceOp
+from hvdray.tensorflow import bridge
+from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
+
+from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with the torch frontend
+    cross_rank,
+    cross_size,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    shutdown,
+    size,
+)
+
+Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+
+
+# -- argument checks -----------------------------------------------------------------------------
+def check_common(
+    compression: Any = Compression.none,
+    process_set: Any = None,
+    device_dense: Any = "",
+    device_sparse: Any = "",
+) -> None:
+    """Horovod's arguments that hvdray accepts only in the form it can honour."""
+    if process_set is not None:
+        raise ValueError("process_set: hvdray does not support process sets yet; leave it out (all ranks take part)")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression must be one of hvd.Compression.none/.fp16/.bf16, got {compression!r}")
+    for argument, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
+        if not isinstance(value, str):  # accepted for Horovod; the engine reduces on the host either way
+            raise TypeError(f"{argument} must be a device string, got {type(value).__name__}")
+
+
+def _check_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else _c._check_name(name, "op")  # an explicit name is only validated
+
+
+def _check_allreduce(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: Any, post: Any, argument: str = "tensor"):
+    # the engine's own checks, on an empty stand-in of the same dtype (shape does not matter to them)
+    stand_in = torch.empty(0, dtype=torch_dtype(x.dtype))
+    return _tf_names(_c._check_allreduce_args, stand_in, name, op, pre, post, argument)
+
+
+def _check_scale(value: Any, argument: str, x: tf.Tensor) -> float:
+    return _tf_names(_c._check_scale, value, argument, torch.empty(0, dtype=torch_dtype(x.dtype)))
+
+
+def _tf_names(check: Callable[..., Any], *args: Any) -> Any:
+    """Run one of the engine's checks; its messages name dtypes as TensorFlow does."""
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("torch.", "")) from None
+
+
+def _check_not_scalar(x: tf.Tensor, what: str, name: Optional[str]) -> None:
+    if x.shape.rank == 0:
+        label = f"tensor {name!r}" if name else "tensor"
+        raise ValueError(f"{label} is a scalar; {what} needs at least one dimension (use tf.reshape(t, [1]))")
+
+
+def _first_dim_unknown(x: tf.Tensor) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else tf.TensorShape(None)
+
+
+def _differentiable(
+    forward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    backward: Callable[[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]], list[Optional[tf.Tensor]]],
+    inputs: Sequence[tf.Tensor],
+) -> list[tf.Tensor]:
+    """``forward(inputs)`` with ``backward(inputs, outputs, output_grads)`` as its gradient."""
+
+    @tf.custom_gradient
+    def op(*xs: tf.Tensor):
+        ys = forward(list(xs))
+
+        def grad(*dys: Optional[tf.Tensor]):
+            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
+            return backward(list(xs), ys, dys)
+
+        return ys, grad
+
+    return list(op(*inputs))
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def _allreduce_raw(
+    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any = Compression.none
+) -> tf.Tensor:
+    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
+        wire, ctx = compression.compress(to_torch(xs[0]))
+        reduced = _c.synchronize(_c.allreduce_async(wire, name, op, pre, post))
+        return [to_tf(compression.decompress(reduced, ctx))]
+
+    return bridge.run(kernel, [x], [x.dtype], [x.shape], "allreduce")[0]
+
+
+def _gradient_op(op: ReduceOp, what: str) -> ReduceOp:
+    if op not in (Average, Sum):
+        raise ValueError(f"{what} with op={op.name.lower()} has no gradient; use hvd.Sum or hvd.Average")
+    return op
+
+
+def allreduce(
+    tensor: Any,
+    average: Optional[bool] = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: Optional[str] = None,
+    process_set: Any = None,
+) -> Any:
+    """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise); differentiable.
+
+    A ``tf.IndexedSlices`` is reduced as Horovod does: its values and indices are allgathered.
+    """
+    check_common(compression, process_set, device_dense, device_sparse)
+    reduce_op = _c.resolve_op(op, average)
+    name = _check_name(name)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name)
+    x = as_tensor(tensor)
+    pre, post = _check_allreduce(x, name, reduce_op, prescale_factor, postscale_factor)
+
+    def backward(xs, ys, dys):
+        return [_allreduce_raw(dys[0], None, _gradient_op(reduce_op, "allreduce"), pre, post)]
+
+    forward = lambda xs: [_allreduce_raw(xs[0], name, reduce_op, pre, post, compression)]  # noqa: E731
+    return _differentiable(forward, backward, [x])[0]
+
+
+def _allreduce_sparse(
+    slices: tf.IndexedSlices, op: ReduceOp, prescale_factor: Any, postscale_factor: Any, name: Optional[str]
+) -> tf.IndexedSlices:
+    if op not in (Average, Sum):
+        raise ValueError(f"allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    values = as_tensor(slices.values, "tensor.values")
+    scale = _check_scale(prescale_factor, "prescale_factor", values) * _check_scale(
+        postscale_factor, "postscale_factor", values
+    )
+    if op == Average:
+        scale /= size()
+    gathered = allgather(values, name=f"{name}.values" if name else None)
+    indices = allgather(slices.indices, name=f"{name}.indices" if name else None)
+    if scale != 1.0:
+        gathered = gathered * tf.cast(scale, gathered.dtype)
+    return tf.IndexedSlices(gathered, indices, dense_shape=slices.dense_shape)
+
+
+def _grouped_allreduce_raw(
+    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any
+) -> list[tf.Tensor]:
+    def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
+        packed = [compression.compress(to_torch(x)) for x in eager]
+        reduced = _c.synchronize(_c.grouped_allreduce_async([w for w, _ in packed], name, op, pre, post))
+        return [to_tf(compression.decompress(r, ctx)) for r, (_, ctx) in zip(reduced, packed)]
+
+    return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "grouped_allreduce")
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: Optional[bool] = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: Optional[str] = None,
+    process_set: Any = None,
+) -> list[tf.Tensor]:
+    """Reduce a list of tensors together (fused by the engine, one py_function in a graph); differentiable."""
+    check_common(compression, process_set, device_dense, device_sparse)
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+    reduce_op = _c.resolve_op(op, average)
+    name = _check_name(name)
+    xs = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            raise ValueError(f"tensors[{i}] is a tf.IndexedSlices; reduce it with allreduce, or convert it to dense")
+        xs.append(as_tensor(t, f"tensors[{i}]"))
+        pre, post = _check_allreduce(xs[-1], name, reduce_op, prescale_factor, postscale_factor, f"tensors[{i}]")
+
+    def backward(xs, ys, dys):
+        grad_op = _gradient_op(reduce_op, "grouped_allreduce")
+        return _grouped_allreduce_raw(dys, None, grad_op, pre, post, Compression.none)
+
+    forward = lambda xs: _grouped_allreduce_raw(xs, name, reduce_op, pre, post, compression)  # noqa: E731
+    return _differentiable(forward, backward, xs)
+
+
+# -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
+def _allgather_raw(x: tf.Tensor, name: Optional[str]) -> tf.Tensor:
+    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [to_tf(_c.synchronize(_c.allgather_async(to_torch(xs[0]), name)))]
+
+    return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "allgather")[0]
+
+
+def allgather(
+    tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
+) -> tf.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
+    check_common(process_set=process_set)
+    name = _check_name(name)
+    x = as_tensor(tensor)
+    _check_not_scalar(x, "allgather", name)
+
+    def backward(xs, ys, dys):
+        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0)
+        rows = tf.shape(xs[0], out_type=tf.int64)[:1]
+        offset = tf.reduce_sum(_allgather_raw(rows, None)[: rank()])
+        return [summed[offset : offset + rows[0]]]
+
+    return _differentiable(lambda xs: [_allgather_raw(xs[0], name)], backward, [x])[0]
+
+
+def _broadcast_raw(xs: list[tf.Tensor], root_rank: int, names: list[Optional[str]]) -> list[tf.Tensor]:
+    def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
+        handles = [_c.broadcast_async(to_torch(x), root_rank, n) for x, n in zip(eager, names)]
+        return [to_tf(_c.synchronize(h)) for h in handles]
+
+    return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "broadcast")
+
+
+def broadcast(
+    tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
+) -> tf.Tensor:
+    """Root's ``tensor`` on every rank; differentiable (the gradient reaches root only)."""
+    check_common(process_set=process_set)
+    name = _check_name(name)
+    x = as_tensor(tensor)
+    root = _c._check_root(root_rank)
+
+    def backward(xs, ys, dys):
+        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0)
+        return [summed if rank() == root else tf.zeros_like(summed)]
+
+    return _differentiable(lambda xs: _broadcast_raw(xs, root, [name]), backward, [x])[0]
+
+
+def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str]) -> list[tf.Tensor]:
+    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
+        split_list = [int(s) for s in np.asarray(xs[1]).reshape(-1)] if splits is not None else None
+        output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name))
+        return [to_tf(output), to_tf(received)]
+
+    inputs = [x] if splits is None else [x, splits]
+    shapes = [_first_dim_unknown(x), tf.TensorShape([size()])]
+    return bridge.run(kernel, inputs, [x.dtype, tf.int32], shapes, "alltoall")
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: Optional[str] = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = None,
+) -> Any:
+    """Send slice i of dim 0 (``splits[i]`` rows, or equal parts) to rank i; differentiable.
+
+    Returns the gathered tensor, and also the received splits (int32) when ``splits`` was given.
+    """
+    check_common(process_set=process_set)
+    name = _check_name(name)
+    x = as_tensor(tensor)
+    _check_not_scalar(x, "alltoall", name)
+    split_tensor = None
+    if splits is not None:
+        try:
+            split_tensor = tf.convert_to_tensor(splits)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"splits must be a list of ints or an integer tensor, got {splits!r}") from exc
+        if not split_tensor.dtype.is_integer or split_tensor.shape.rank not in (None, 1):
+            raise TypeError(f"splits must be a list of ints or a 1-d integer tensor, got {splits!r}")
+        if split_tensor.shape[0] is not None and split_tensor.shape[0] != size():
+            raise ValueError(f"splits must hold one count per rank ({size()}), got {split_tensor.shape[0]}")
+
+    def backward(xs, ys, dys):
+        return [_alltoall_raw(dys[0], ys[1], None)[0]] + [None] * (len(xs) - 1)
+
+    output, received = _differentiable(
+        lambda xs: _alltoall_raw(xs[0], xs[1] if len(xs) > 1 else None, name),
+        backward,
+        [x] if split_tensor is None else [x, split_tensor],
+    )
+    return (output, received) if splits is not None else output
+
+
+def _reducescatter_raw(
+    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any = Compression.none
+) -> tf.Tensor:
+    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
+        wire, ctx = compression.compress(to_torch(xs[0]))
+        out = _c.synchronize(_c.reducescatter_async(wire, name, op, pre, post))
+        return [to_tf(compression.decompress(out, ctx))]
+
+    return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "reducescatter")[0]
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: ReduceOp = Average,
+    name: Optional[str] = None,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce across ranks, then keep this rank's slice of dim 0 (the first ranks get any extra row);
+    differentiable for Sum and Average."""
+    check_common(compression, process_set, device_dense)
+    reduce_op = _c.resolve_op(op)
+    name = _check_name(name)
+    x = as_tensor(tensor)
+    _check_not_scalar(x, "reducescatter", name)
+    pre = _check_scale(prescale_factor, "prescale_factor", x)
+    post = _check_scale(postscale_factor, "postscale_factor", x)
+
+    def backward(xs, ys, dys):
+        scale = pre * post / (size() if _gradient_op(reduce_op, "reducescatter") == Average else 1)
+        gathered = _allgather_raw(dys[0], None)
+        return [gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered]
+
+    forward = lambda xs: [_reducescatter_raw(xs[0], name, reduce_op, pre, post, compression)]  # noqa: E731
+    return _differentiable(forward, backward, [x])[0]
+
+
+# -- synchronisation and Python objects -------------------------------------------------------------
+def _no_input_op(run: Callable[[], int], what: str) -> tf.Tensor:
+    return bridge.run(lambda _: [tf.constant(run(), tf.int32)], [], [tf.int32], [tf.TensorShape([])], what)[0]
+
+
+def barrier(process_set: Any = None) -> None:
+    """Wait until every rank reaches the barrier (inside ``tf.function``: each time the graph runs)."""
+    check_common(process_set=process_set)
+    _no_input_op(lambda: _c.barrier() or 0, "barrier")
+
+
+def join() -> tf.Tensor:
+    """Declare this rank out of data (joined ranks add zeros to allreduces); returns the last rank to join."""
+    return _no_input_op(_c.join, "join")
+
+
+def _check_session(session: Any) -> None:
+    if session is not None:
+        raise ValueError("session: TensorFlow 1 sessions are not supported; call this in eager mode")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: Any = None) -> Any:
+    """Root's picklable ``obj`` on every rank (pickled and authenticated with the job's secret)."""
+    _check_session(session)
+    check_common(process_set=process_set)
+    return _c.broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    _check_session(session)
+    check_common(process_set=process_set)
+    return _c.allgather_object(obj, name)
