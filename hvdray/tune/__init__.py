@@ -5,8 +5,9 @@ Driver side: ``DistributedTrainableCreator(func, num_hosts=1, num_slots=2)`` -> 
 ``distributed_checkpoint_dir``.
 """
 
+from typing import Any
+
 from hvdray.tune.session import distributed_checkpoint_dir, get_checkpoint, report
-from hvdray.tune.trainable import DistributedTrainable, DistributedTrainableCreator
 
 __all__ = [
     "DistributedTrainable",
@@ -15,3 +16,12 @@ __all__ = [
     "get_checkpoint",
     "report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The driver-side names import ray.tune; workers, which only need the session functions, never do.
+    if name in ("DistributedTrainable", "DistributedTrainableCreator"):
+        from hvdray.tune import trainable
+
+        return getattr(trainable, name)
+    raise AttributeError(f"module 'hvdray.tune' has no attribute {name!r}")

@@ -14,12 +14,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import ray
-from ray.tune import Checkpoint
 
 from hvdray.tune.packing import pack_directory, unpack_directory
+
+if TYPE_CHECKING:  # ray.tune is imported when first needed: workers start a second faster without it
+    from ray.tune import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 class _Session:
     rank: int
     channel: Any  # the trial's ReportChannel actor
+    generation: int  # which run of the function this is, for the channel
     restored_dir: Optional[str]  # local copy of the checkpoint the trial resumes from
     reports: int = 0
     pending_checkpoint: Optional[bytes] = None  # from distributed_checkpoint_dir, sent with the next report
@@ -36,7 +39,15 @@ class _Session:
 _session: Optional[_Session] = None
 
 
-def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+class TrialStopped(BaseException):
+    """Raised by ``report`` on every rank when Tune stops the trial and keeps its workers for another one.
+
+    A ``BaseException``, so that ``except Exception`` in training code lets it through; ``run_trial``
+    catches it, and the workers are then idle and ready for the next trial.
+    """
+
+
+def report(metrics: dict[str, Any], checkpoint: Optional["Checkpoint"] = None) -> None:
     """Report one result of the trial (call it on every rank; rank 0's metrics and checkpoint count).
 
     Blocks until Tune asks for the next result, as ``ray.tune.report`` does. A checkpoint from
@@ -44,7 +55,7 @@ def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> 
     """
     if not isinstance(metrics, dict):
         raise TypeError(f"report takes a dict of metrics, got {type(metrics).__name__}")
-    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+    if checkpoint is not None and not isinstance(checkpoint, _checkpoint_class()):
         raise TypeError(f"checkpoint must be a ray.tune.Checkpoint, got {type(checkpoint).__name__}")
     session = _session
     if session is None:
@@ -60,16 +71,26 @@ def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> 
         if archive is not None:
             archive_ref = [ray.put(archive)]  # wrapped: the channel passes the reference on, unresolved
     payload = dict(metrics) if session.rank == 0 else None
-    ray.get(session.channel.report.remote(session.rank, session.reports, payload, archive_ref))
+    go_on = ray.get(
+        session.channel.report.remote(session.generation, session.rank, session.reports, payload, archive_ref)
+    )
     session.reports += 1
+    if not go_on:
+        raise TrialStopped()
 
 
-def get_checkpoint() -> Optional[Checkpoint]:
+def get_checkpoint() -> Optional["Checkpoint"]:
     """The checkpoint this trial was restored from (a local copy on every rank), or ``None``."""
     session = _session
     if session is None or session.restored_dir is None:
         return None
-    return Checkpoint.from_directory(session.restored_dir)
+    return _checkpoint_class().from_directory(session.restored_dir)
+
+
+def _checkpoint_class() -> type:
+    from ray.tune import Checkpoint
+
+    return Checkpoint
 
 
 @contextlib.contextmanager
@@ -95,21 +116,27 @@ def run_trial(
     func: Callable[..., Any],
     config: dict[str, Any],
     channel: Any,
+    generation: int,
     checkpoint: Optional[ray.ObjectRef],
     pass_checkpoint_dir: bool,
-) -> None:
-    """Runs on every worker of a trial: unpack the restored checkpoint, then ``func(config[, checkpoint_dir])``."""
+) -> bool:
+    """Runs on every worker of a trial: unpack the restored checkpoint, then ``func(config[, checkpoint_dir])``.
+
+    Returns ``True`` if the function returned, ``False`` if Tune stopped it (``TrialStopped``)."""
     global _session
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     restored_dir = None
     if checkpoint is not None:
         restored_dir = unpack_directory(ray.get(checkpoint), tempfile.mkdtemp(prefix="hvdray-restored-"))
-    _session = _Session(rank=rank, channel=channel, restored_dir=restored_dir)
+    _session = _Session(rank=rank, channel=channel, generation=generation, restored_dir=restored_dir)
     try:
         if pass_checkpoint_dir:
             func(config, checkpoint_dir=restored_dir)
         else:
             func(config)
+        return True
+    except TrialStopped:
+        return False
     finally:
         _session = None
         if restored_dir is not None:

@@ -10,22 +10,26 @@ workers inside it. The user's function runs on every worker; its reports come ba
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Callable, Optional
 
 import ray
 from ray.tune import PlacementGroupFactory, Trainable
 from ray.tune.result import DONE, RESULT_DUPLICATE, SHOULD_CHECKPOINT
 
+try:  # what Trainable.save returns; Tune records no checkpoint for one whose checkpoint is None
+    from ray.train._internal.checkpoint_manager import _TrainingResult
+except ImportError:  # Ray < 2.10
+    from ray.train._internal.session import _TrainingResult
+
 from hvdray.actors.placement import PlacementPlan, plan_placement
 from hvdray.executor import RayExecutor, WorkerLostError
 from hvdray.settings import Settings
-from hvdray.tune.channel import ReportChannel
+from hvdray.tune.channel import report_channel_class
 from hvdray.tune.packing import pack_directory, unpack_directory
 from hvdray.tune.session import run_trial
 
-# written into a saved checkpoint when the function never reported one: restoring it restores nothing
-_NO_CHECKPOINT = ".hvdray_no_checkpoint"
+# how long the ranks of a stopped function may take to unwind before their workers are killed instead
+_STOP_GRACE_S = 5.0
 
 
 class DistributedTrainable(Trainable):
@@ -44,26 +48,33 @@ class DistributedTrainable(Trainable):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, config: dict[str, Any]) -> None:
+        self._executor: Optional[RayExecutor] = None
+        self._channel: Any = ray.remote(report_channel_class()).options(num_cpus=0).remote()  # starts meanwhile
+        self._generation = 0
+        self._runs: Optional[list[ray.ObjectRef]] = None  # the running function, one ref per rank
+        self._running: list[ray.ObjectRef] = []  # those not finished yet
+        self._new_trial(config)
+        self._start_workers()  # now, so that a trial that cannot start fails in setup
+
+    def _new_trial(self, config: dict[str, Any]) -> None:
         self._config = config
         self._checkpoint: Optional[bytes] = None  # latest checkpoint (reported or restored), a tar archive
-        self._executor: Optional[RayExecutor] = None
-        self._channel: Any = None
-        self._runs: Optional[list[ray.ObjectRef]] = None  # one per rank, rank order
-        self._running: list[ray.ObjectRef] = []
+        self._saved: Optional[bytes] = None  # the one Tune saved last
         self._restore_ref: Optional[ray.ObjectRef] = None
         self._taken = 0  # reports of the running function consumed so far
         self._last_metrics: dict[str, Any] = {}
         self._done: Optional[str] = None  # why train() may not be called again
-        self._start_workers()  # now, so that a trial that cannot start fails in setup
 
     def cleanup(self) -> None:
         """Kill the workers and the channel at once; Tune then removes the trial's placement group."""
-        self._stop()
+        self._kill_workers()
+        ray.kill(self._channel, no_restart=True)
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
-        """Reuse this actor for another trial (``reuse_actors=True``): fresh workers, fresh function."""
-        self._stop()
-        self.setup(new_config)
+        """Reuse this actor, and its idle workers, for another trial (Tune's ``reuse_actors=True``)."""
+        self._end_function()
+        self._new_trial(new_config)
+        self._start_workers()
         return True
 
     def _start_workers(self) -> None:
@@ -73,21 +84,35 @@ class DistributedTrainable(Trainable):
 
     def _launch(self) -> None:
         self._start_workers()
-        self._channel = ray.remote(ReportChannel).options(num_cpus=0).remote()
+        self._generation += 1
+        ray.get(self._channel.begin.remote(self._generation))
         self._restore_ref = ray.put(self._checkpoint) if self._checkpoint is not None else None
-        args = [type(self)._function, self._config, self._channel, self._restore_ref, self._pass_checkpoint_dir]
+        args = [
+            type(self)._function, self._config, self._channel, self._generation, self._restore_ref,
+            self._pass_checkpoint_dir,
+        ]
         self._runs = self._executor.run_remote(run_trial, args=args)
         self._running = list(self._runs)
         self._taken = 0
 
-    def _stop(self) -> None:
-        """Stop the function (if running), its workers and its channel; ``_launch`` starts afresh."""
+    def _end_function(self) -> None:
+        """Stop the running function but keep the workers if every rank unwinds cleanly (else kill them)."""
+        if self._running:
+            ray.get(self._channel.stop.remote())  # every rank waiting in report() raises TrialStopped
+            ready, late = ray.wait(self._running, num_returns=len(self._running), timeout=_STOP_GRACE_S)
+            try:
+                ray.get(ready)
+            except Exception:  # noqa: BLE001 - a failing or dead rank: the workers are not reusable
+                late = True
+            if late:
+                self._kill_workers()
+        self._runs, self._running = None, []
+
+    def _kill_workers(self) -> None:
+        """Kill the workers and their coordinator; a later ``_launch`` starts new ones."""
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
-        if self._channel is not None:
-            ray.kill(self._channel, no_restart=True)
-            self._channel = None
         self._runs, self._running = None, []
 
     # -- training --------------------------------------------------------------------------------
@@ -118,7 +143,7 @@ class DistributedTrainable(Trainable):
         return result
 
     def _finish(self) -> dict[str, Any]:
-        """Rank 0's function returned: collect the others (bounded), release the workers, mark done."""
+        """Rank 0's function returned: collect the other ranks (bounded by timeout_s), mark the trial done."""
         ray.get(self._channel.release_all.remote())
         timeout = self._settings.timeout_s
         ready, late = ray.wait(self._running, num_returns=len(self._running), timeout=timeout)
@@ -132,7 +157,7 @@ class DistributedTrainable(Trainable):
                 f"timeout_s={timeout} s; every rank must run the same sequence of reports"
             )
         self._done = "the training function finished"
-        self._stop()  # free the workers' CPUs now, before Tune stops the actor
+        self._end_function()  # the workers stay, idle, for a reused actor's next trial
         # Tune marks the last real result done and does not log this one again (function-trainable protocol)
         return {**self._last_metrics, DONE: True, RESULT_DUPLICATE: True}
 
@@ -146,31 +171,35 @@ class DistributedTrainable(Trainable):
         except ray.exceptions.RayTaskError as exc:
             rank, size = self._runs.index(ref), len(self._runs)
             self._abort("the trial failed")
-            cause = exc.as_instanceof_cause()
-            if hasattr(cause, "add_note"):
-                cause.add_note(f"hvdray: raised on rank {rank} of {size}; the other workers were stopped")
-            raise cause from None
+            if hasattr(exc.cause, "add_note"):  # on the user's exception: Tune's copy of the error reads it there
+                exc.cause.add_note(f"hvdray: raised on rank {rank} of {size}; the other workers were stopped")
+            raise exc.as_instanceof_cause() from None
 
     def _abort(self, why: str) -> None:
         self._done = why
-        self._stop()
+        self._kill_workers()
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def save(self, checkpoint_dir: Optional[str] = None) -> Any:
+        """Tune's save. The checkpoints are those the function reports, as for a function trainable: with
+        none yet, or after the function finished with its last one already saved (Tuner's checkpoint at
+        end), Tune gets an empty result and records no (duplicate) checkpoint."""
+        nothing_new = self._done is not None and self._checkpoint is self._saved
+        if self._checkpoint is None or nothing_new:
+            return _TrainingResult(checkpoint=None, metrics=dict(self._last_result or {}))
+        self._saved = self._checkpoint
+        return super().save(checkpoint_dir)
+
     def save_checkpoint(self, checkpoint_dir: str) -> None:
         """The latest checkpoint rank 0 reported (or the one this trial was restored from)."""
         if self._checkpoint is None:
-            open(os.path.join(checkpoint_dir, _NO_CHECKPOINT), "w").close()
-        else:
-            unpack_directory(self._checkpoint, checkpoint_dir)
+            raise RuntimeError("no checkpoint to save: the training function has not reported one")
+        unpack_directory(self._checkpoint, checkpoint_dir)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Restart the function from this checkpoint on the next ``train()`` (``get_checkpoint()`` returns it)."""
-        if os.path.exists(os.path.join(checkpoint_dir, _NO_CHECKPOINT)):
-            self._checkpoint = None
-        else:
-            self._checkpoint = pack_directory(checkpoint_dir)
-        if self._runs is not None or self._done is not None:  # restored mid-run: start the function again
-            self._stop()
+        self._checkpoint = pack_directory(checkpoint_dir)
+        self._end_function()  # restored mid-run: the function starts again from this checkpoint
         self._done = None
 
 
@@ -178,8 +207,8 @@ def DistributedTrainableCreator(  # noqa: N802 - horovod / Ray 1.x name
     func: Callable[..., Any],
     use_gpu: bool = False,
     num_hosts: int = 1,
-    num_slots: Optional[int] = None,
-    num_cpus_per_slot: Optional[float] = None,
+    num_slots: int = 1,
+    num_cpus_per_slot: float = 1,
     timeout_s: float = 30,
     replicate_pem: bool = False,
     *,
@@ -194,16 +223,16 @@ def DistributedTrainableCreator(  # noqa: N802 - horovod / Ray 1.x name
     the workers, no ssh is used. Bad arguments raise ``ValueError`` here, not in the trials.
     """
     pass_checkpoint_dir = _check_signature(func)
-    slots = _one_of("num_slots", num_slots, "num_workers", num_workers, default=1)
-    cpus = _one_of("num_cpus_per_slot", num_cpus_per_slot, "num_cpus_per_worker", num_cpus_per_worker, default=1)
-    for argument, value, kind in (("num_hosts", num_hosts, int), ("num_slots", slots, int), ("num_cpus_per_slot", cpus, float)):
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
-            raise ValueError(f"{argument} must be a positive {kind.__name__}, got {value!r}")
+    slots = _alias("num_slots", num_slots, 1, "num_workers", num_workers)
+    cpus = _alias("num_cpus_per_slot", num_cpus_per_slot, 1, "num_cpus_per_worker", num_cpus_per_worker)
+    _check_positive("num_hosts", num_hosts, integer=True)
+    _check_positive("num_slots", slots, integer=True)
+    _check_positive("num_cpus_per_slot", cpus, integer=False)
     if not isinstance(replicate_pem, bool):
         raise ValueError(f"replicate_pem must be a bool, got {replicate_pem!r}")
     settings = RayExecutor.create_settings(timeout_s=timeout_s)
     executor_kwargs = dict(num_hosts=num_hosts, num_workers_per_host=slots, cpus_per_worker=cpus, use_gpu=use_gpu)
-    RayExecutor(settings, **executor_kwargs)  # validates every argument (names it) without touching Ray
+    RayExecutor(settings, **executor_kwargs)  # the executor's own checks, before any trial starts
     plan = plan_placement(None, num_hosts, slots, cpus, 1 if use_gpu else 0)
 
     name = getattr(func, "__name__", "func")
@@ -243,9 +272,16 @@ def _check_signature(func: Any) -> bool:
     )
 
 
-def _one_of(name: str, value: Any, alias: str, alias_value: Any, default: Any) -> Any:
-    if value is not None and alias_value is not None and value != alias_value:
-        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} name the same thing; pass one of them")
-    if value is not None:
+def _alias(name: str, value: Any, default: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or the newer spelling ``alias_value`` when given; both, disagreeing, is an error."""
+    if alias_value is None:
         return value
-    return alias_value if alias_value is not None else default
+    if value != default and value != alias_value:
+        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} name the same thing; pass one of them")
+    return alias_value
+
+
+def _check_positive(argument: str, value: Any, integer: bool) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        raise ValueError(f"{argument} must be a positive {'int' if integer else 'number'}, got {value!r}")
