@@ -81,6 +81,12 @@ class Communicator:
         self._pg.allgather([outs], [mine]).wait()
         return [bytes(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)]
 
+    def and_flags(self, flags: torch.Tensor) -> None:
+        """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = ReduceOp.BAND
+        self._pg.allreduce([flags], opts).wait()
+
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op

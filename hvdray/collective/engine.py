@@ -222,7 +222,7 @@ class Engine:
             while True:
                 wants_full = self._collect(wait_s)
                 flags = self._flags.fill(list(self._cached_pending), self.rank in self._joined, wants_full)
-                self.comm.allreduce(flags, ReduceOp.BAND)
+                self.comm.and_flags(flags)
                 ready_slots, pending_somewhere, full = self._flags.read()
                 self._round += 1
                 self.stats.rounds += 1
