@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective.communicator import Communicator
+from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.response_cache import FlagVector, ResponseCache
 from hvdray.collective.topology import reducescatter_rows
@@ -93,7 +93,6 @@ class _Announced:
     """What each rank announced under one name; identical on every rank."""
 
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)
-    first_round: int = 0
     first_seen: float = 0.0
     warned: bool = False
 
@@ -304,7 +303,7 @@ class Engine:
                     self._uncache(name)  # announced by name again: renegotiate it everywhere
                 entry = self._table.get(name)
                 if entry is None:
-                    entry = self._table[name] = _Announced(first_round=self._round, first_seen=now)
+                    entry = self._table[name] = _Announced(first_seen=now)
                     self._order.append(name)
                 entry.metas[sender] = meta
             for slot in message.get("pc", ()):
@@ -654,13 +653,9 @@ def _nbytes(meta: dict[str, Any]) -> int:
     return n * _dtype(meta["d"]).itemsize
 
 
-_DTYPES: dict[str, torch.dtype] = {}
+_DTYPES: dict[str, torch.dtype] = {str(d): d for d in GLOO_DTYPES}
 
 
 def _dtype(name: str) -> torch.dtype:
-    if not _DTYPES:
-        from hvdray.collective.communicator import GLOO_DTYPES
-
-        _DTYPES.update({str(d): d for d in GLOO_DTYPES})
     return _DTYPES[name]
 
