@@ -8,6 +8,7 @@ that rank's exception at once, and the worker group is stopped and rebuilt befor
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import uuid
 from typing import Any, Callable, Optional, Sequence
@@ -36,22 +37,23 @@ class RayExecutor:
     @classmethod
     def create_settings(
         cls,
-        timeout_s: float = 30,
+        timeout_s: Optional[float] = None,
         ssh_identity_file: Optional[str] = None,
         ssh_str: Optional[str] = None,
-        placement_group_timeout_s: float = 100,
+        placement_group_timeout_s: Optional[float] = None,
         nics: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ) -> Settings:
-        """Validated settings; any other field of :class:`hvdray.settings.Settings` may be passed too."""
-        return make_settings(
+        """Validated settings (horovod.ray's signature); any other field of :class:`hvdray.settings.Settings`
+        may be passed too. Arguments left at ``None`` take their ``HVDRAY_*`` variable or the default."""
+        given = dict(
             timeout_s=timeout_s,
             ssh_identity_file=ssh_identity_file,
             ssh_str=ssh_str,
             placement_group_timeout_s=placement_group_timeout_s,
-            nics=list(nics) if nics is not None else None,
-            **kwargs,
+            nics=nics,
         )
+        return make_settings(**{k: v for k, v in given.items() if v is not None}, **kwargs)
 
     def __init__(
         self,
@@ -322,6 +324,8 @@ def _check_int(argument: str, value: Any, minimum: int, optional: bool = True) -
 
 def _check_number(argument: str, value: Any, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{argument} must be a number, got {value!r}")
+        raise TypeError(f"{argument} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{argument} must be finite, got {value}")
     if positive and value <= 0:
         raise ValueError(f"{argument} must be > 0, got {value}")

@@ -17,7 +17,7 @@ ENV_PREFIX = "HVDRAY_"
 class Settings(BaseModel):
     """Every knob of an hvdray job; build it with ``RayExecutor.create_settings``."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     timeout_s: float = Field(
         30.0, gt=0, description="Seconds a collective, a rendezvous or a dead peer may take before it becomes an error."
@@ -89,12 +89,15 @@ def make_settings(**kwargs: Any) -> Settings:
     try:
         return Settings(**kwargs)
     except ValidationError as exc:
-        raise ValueError(_describe(exc)) from None
+        from_env = {name for name in Settings.model_fields if name not in kwargs and ENV_PREFIX + name.upper() in os.environ}
+        raise ValueError(_describe(exc, from_env)) from None
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, from_env: set[str]) -> str:
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "settings"
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        field = str(err["loc"][0]) if err["loc"] else ""
+        source = f" (from the environment variable {ENV_PREFIX + field.upper()})" if field in from_env else ""
+        parts.append(f"{where}{source}: {err['msg']} (got {err.get('input')!r})")
     return "invalid settings: " + "; ".join(parts)
