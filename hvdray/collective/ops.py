@@ -176,7 +176,19 @@ def allreduce_async(
     name = _check_name(name, "allreduce")
     meta = _meta("allreduce", name, tensor, r=op.value, pre=pre, post=post)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    return OpHandle([_submit(meta, tensor, out)], _first)
+    handle = _submit(meta, tensor, out)
+    if op in (Min, Max) and tensor.is_floating_point():
+        # Gloo's min/max keep or drop a NaN depending on the order of the operands; IEEE 754's
+        # minimum/maximum (and torch) propagate it, so a NaN mask is reduced beside the tensor.
+        nan = tensor.isnan()
+        nan_meta = _meta("allreduce", f"{name}.nan", nan, r=Max.value, pre=1.0, post=1.0)
+        return OpHandle([handle, _submit(nan_meta, nan, torch.empty_like(nan))], _propagate_nan)
+    return OpHandle([handle], _first)
+
+
+def _propagate_nan(results: list[torch.Tensor]) -> torch.Tensor:
+    reduced, nan = results
+    return reduced.masked_fill_(nan, float("nan"))
 
 
 def grouped_allreduce_async(
