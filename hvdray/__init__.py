@@ -4,9 +4,9 @@
 """
 
 from hvdray import ray_logger
-from hvdray.executor import RayExecutor, WorkerLostError
+from hvdray.executor import ElasticRayExecutor, RayExecutor, WorkerLostError
 from hvdray.settings import Settings
 
 __version__ = "0.1.0"
 
-__all__ = ["RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__"]
+__all__ = ["ElasticRayExecutor", "RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__"]

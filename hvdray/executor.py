@@ -404,3 +404,71 @@ def _check_number(argument: str, value: Any, positive: bool) -> None:
         raise ValueError(f"{argument} must be a number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{argument} must be > 0, got {value}")
+
+
+class ElasticRayExecutor(RayExecutor):
+    """horovod.ray's ``ElasticRayExecutor``: an elastic :class:`RayExecutor` under Horovod's names."""
+
+    @classmethod
+    def create_settings(  # type: ignore[override]
+        cls,
+        min_num_proc: int = 1,
+        max_num_proc: Optional[int] = None,
+        reset_limit: Optional[int] = None,
+        elastic_timeout: float = 600,
+        timeout_s: float = 30,
+        ssh_identity_file: Optional[str] = None,
+        nics: Optional[Sequence[str]] = None,
+        min_np: Optional[int] = None,
+        max_np: Optional[int] = None,
+        **kwargs: Any,
+    ) -> Settings:
+        """Validated settings carrying the elastic limits (``min_np``/``max_np`` are Horovod's older names)."""
+        return make_settings(
+            elastic_min_workers=min_np if min_np is not None else min_num_proc,
+            elastic_max_workers=max_np if max_np is not None else max_num_proc,
+            elastic_reset_limit=reset_limit,
+            elastic_timeout=elastic_timeout,
+            timeout_s=timeout_s,
+            ssh_identity_file=ssh_identity_file,
+            nics=list(nics) if nics is not None else None,
+            **kwargs,
+        )
+
+    def __init__(
+        self,
+        settings: Settings,
+        use_gpu: bool = False,
+        cpus_per_slot: float = 1,
+        gpus_per_slot: Optional[float] = None,
+        env_vars: Optional[dict[str, str]] = None,
+        override_discovery: bool = True,
+        cooldown_range: Optional[tuple[float, float]] = None,
+    ) -> None:
+        if not isinstance(settings, Settings):
+            raise TypeError(
+                f"settings must come from ElasticRayExecutor.create_settings(), got {type(settings).__name__}"
+            )
+        super().__init__(
+            settings,
+            cpus_per_worker=cpus_per_slot,
+            use_gpu=use_gpu,
+            gpus_per_worker=gpus_per_slot,
+            min_workers=settings.elastic_min_workers or 1,
+            max_workers=settings.elastic_max_workers,
+            reset_limit=settings.elastic_reset_limit,
+            cooldown_range=cooldown_range,
+            elastic_timeout=settings.elastic_timeout,
+            override_discovery=override_discovery,
+        )
+        self._env_vars = env_vars
+
+    def start(self) -> None:  # type: ignore[override]
+        """Start the job's coordinator; workers start inside ``run``."""
+        super().start(extra_env_vars=self._env_vars)
+
+    def run(  # type: ignore[override]
+        self, worker_fn: Callable[[], Any], callbacks: Optional[Sequence[Callback]] = None
+    ) -> list[Any]:
+        """Run ``worker_fn()`` elastically; results of the final workers in rank order."""
+        return super().run(worker_fn, callbacks=callbacks)

@@ -26,6 +26,7 @@ class Coordinator:
         # elastic membership: worker id -> (RankInfo, node GPU ids) in the current epoch
         self._members: dict[str, tuple[RankInfo, tuple[str, ...]]] = {}
         self._waiting: dict[str, int] = {}  # worker id -> the epoch it has left (0: never joined)
+        self._waiting_since: dict[str, int] = {}  # worker id -> the epoch current when it began waiting
         self._host_updates = 0
         self._host_updates_at_epoch = 0
 
@@ -44,6 +45,7 @@ class Coordinator:
             self._host_updates_at_epoch = self._host_updates  # the new members know every host announced
             for worker_id in self._members:
                 self._waiting.pop(worker_id, None)
+                self._waiting_since.pop(worker_id, None)
             self._changed.notify_all()
         return self._epoch, infos, gpus
 
@@ -58,16 +60,23 @@ class Coordinator:
         Returns ``("member", (epoch, rank_info, node_gpu_ids))``, ``("removed", None)`` when a newer
         epoch was formed without this worker, or ``("wait", None)`` after ``timeout_s`` (ask again)."""
         async with self._changed:
-            if self._epoch <= left_epoch or worker_id not in self._members:
-                self._waiting[worker_id] = left_epoch
+            if worker_id in self._members and self._epoch > left_epoch:
+                return "member", self._member(worker_id)
+            # a new worker waits for an epoch formed after it arrived, never for the one already running
+            since = self._waiting_since.setdefault(worker_id, self._epoch)
+            self._waiting[worker_id] = left_epoch
+            target = max(left_epoch, since)
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch > left_epoch), timeout=timeout_s)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch > target), timeout=timeout_s)
             except asyncio.TimeoutError:
                 return "wait", None
             if worker_id not in self._members:
                 return "removed", None
-            info, gpus = self._members[worker_id]
-            return "member", (self._epoch, info, gpus)
+            return "member", self._member(worker_id)
+
+    def _member(self, worker_id: str) -> tuple[int, RankInfo, tuple[str, ...]]:
+        info, gpus = self._members[worker_id]
+        return self._epoch, info, gpus
 
     def waiting(self) -> dict[str, int]:
         """Workers waiting for a new epoch, with the epoch each has left (read by the elastic driver)."""
@@ -77,6 +86,7 @@ class Coordinator:
         """Stop reporting workers the driver has dropped as waiting."""
         for worker_id in worker_ids:
             self._waiting.pop(worker_id, None)
+            self._waiting_since.pop(worker_id, None)
 
     def notify_hosts_updated(self) -> None:
         """The driver started workers on new hosts: members raise HostsUpdatedInterrupt at their next commit."""

@@ -56,6 +56,7 @@ _lock = threading.RLock()
 _job: Optional[JobConfig] = None
 _engine: Optional[Engine] = None
 _generation = 0
+_generation_epoch = -1
 
 
 def configure(job: Optional[JobConfig]) -> None:
@@ -69,7 +70,7 @@ def configure(job: Optional[JobConfig]) -> None:
 
 def init() -> None:
     """Join the configured job (or start a size-1 one). Calling it again while running is a no-op."""
-    global _engine, _generation
+    global _engine, _generation, _generation_epoch
     with _lock:
         if _engine is not None and _engine.alive:
             return
@@ -79,7 +80,9 @@ def init() -> None:
             if job.membership is None:
                 raise HorovodInternalError("this worker has no rank and no membership to ask for one")
             job.epoch, job.rank_info = job.membership.next_epoch(job.epoch)
-        _generation += 1
+        # inits within one epoch get fresh keys; every rank counts from 1 in each epoch, new workers too
+        _generation = _generation + 1 if _generation_epoch == job.epoch else 1
+        _generation_epoch = job.epoch
         info = job.rank_info
         store = job.store_factory(f"e{job.epoch}/gen{_generation}/")
         try:

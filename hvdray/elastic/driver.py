@@ -493,5 +493,6 @@ class ElasticDriver:
 def _with_rank(exc: ray.exceptions.RayTaskError, member: _Member) -> BaseException:
     error = exc.as_instanceof_cause()
     if hasattr(error, "add_note"):
-        error.add_note(f"hvdray: raised on rank {member.rank} (worker {member.worker_id}); the job was stopped")
+        where = f"rank {member.rank}" if member.rank is not None else "a worker not yet in the ring"
+        error.add_note(f"hvdray: raised on {where} (worker {member.worker_id}); the job was stopped")
     return error
