@@ -194,7 +194,8 @@ class RayExecutor:
         self._coordinator = ray.remote(Coordinator).options(
             num_cpus=0,
             name=f"hvdray-{self._id}-coordinator",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+            # on the driver's node, never spilled elsewhere: losing another node must not lose the coordinator
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote()
 
     def _start_workers(self) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
-from hvdray.collective.errors import HorovodInternalError, NotInitializedError
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
 from hvdray.collective.topology import RankInfo
 from hvdray.settings import Settings, make_settings
 
@@ -128,7 +128,10 @@ def reset() -> None:
     with _lock:
         job = _current_job()
         if job.membership is None:
-            raise HorovodInternalError("hvdray can only reset inside an elastic job")
+            raise HvdrayError(
+                "the ring broke and this job is not elastic: only a RayExecutor with min_workers/max_workers "
+                "can re-form it"
+            )
         job.rank_info = None
     init()
 

@@ -178,8 +178,10 @@ class ElasticDriver:
                 handlers[self._state]()
                 self._deliver_logs()
                 time.sleep(_TICK_S)
-        finally:
             self._deliver_logs()
+        except ray.exceptions.RayActorError as exc:  # worker deaths are handled above: this is the coordinator
+            raise ElasticJobError(f"the job's coordinator actor died ({exc}); the elastic job cannot go on") from exc
+        finally:
             self.stop()
         if self._error is not None:
             raise self._error

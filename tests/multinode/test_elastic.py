@@ -15,6 +15,7 @@ from typing import Any, Optional
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
 
 from hvdray import RayExecutor
 from hvdray.elastic.driver import ElasticJobError
@@ -60,10 +61,11 @@ def _use_nodes(cluster: Cluster, count: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
-        if alive == wanted:
+        leftovers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "Worker"]
+        if alive == wanted and not leftovers:
             return
         time.sleep(0.2)
-    raise AssertionError(f"Ray still reports {alive} alive, expected {wanted}")
+    raise AssertionError(f"Ray reports nodes {alive} alive (expected {wanted}) and worker actors {leftovers} alive")
 
 
 def _remove_node_of(cluster: Cluster, node_id: str) -> None:
