@@ -2,15 +2,15 @@
 
 States and what moves between them::
 
-    STARTING ──enough workers checked in──▶ RUNNING ──a member returned──▶ FINISHING ──▶ FINISHED
-       ▲  │                                   │  │
-       │  └─below min_workers too long──▶ ERRORED ◀─ reset_limit exceeded / a user exception
-       │                                      │  │
-       │            new slots found: workers started, hosts-updated announced
-       │                                      ▼  │
-       │                                  RESIZING (members check in at their next commit)
-       │                                         │ a worker died / a member hit a peer failure
-       └──── (re)start workers ◀──── RECOVERING ◀┘
+    STARTING ──first epoch formed──▶ RUNNING ──a member returned──▶ FINISHING ──▶ FINISHED
+                                      │    ▲
+         new workers started, members │    │ every live worker waits for the next epoch:
+         told to re-form at a commit  ▼    │ a new membership epoch is formed
+                                   RESIZING / RECOVERING ◀── a worker died, or a member's ring broke
+                                                              (from STARTING, RUNNING or RESIZING)
+
+    ERRORED from anywhere: reset_limit exceeded, below min_workers for longer than elastic_timeout,
+    an exception raised by the user's function, or the coordinator lost.
 
 Leaving STARTING, RESIZING or RECOVERING forms a new membership epoch in the coordinator: the
 survivors (in their old rank order) then the new workers. Every transition is logged and sent to the
@@ -208,7 +208,7 @@ class ElasticDriver:
     def _on_running(self) -> None:
         if self._watch_runs():
             return
-        if self._checked_in(members_only=True):
+        if self._members_waiting():
             self._move(DriverState.RECOVERING, "a member left its epoch after a peer failure")
             return
         if self._collect_launched():
@@ -286,9 +286,10 @@ class ElasticDriver:
     def _waiting_ids(self) -> set[str]:
         return set(ray.get(self._coordinator.waiting.remote()))
 
-    def _checked_in(self, members_only: bool) -> list[str]:
+    def _members_waiting(self) -> list[str]:
+        """Members of the running epoch that left it: their ring broke."""
         waiting = self._waiting_ids()
-        return [w for w, m in self._workers.items() if w in waiting and (m.rank is not None or not members_only)]
+        return [w for w, m in self._workers.items() if w in waiting and m.rank is not None]
 
     # -- placing workers ----------------------------------------------------------------------------
     def _place_workers(self) -> bool:

@@ -17,8 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from hvdray import RayExecutor
-from hvdray.elastic.driver import ElasticJobError
+from hvdray import ElasticJobError, RayExecutor
 
 pytestmark = pytest.mark.slow
 

@@ -59,7 +59,8 @@ def test_torch_state_rolls_back_model_optimizer_and_attributes():
 
 def test_restore_discards_reductions_in_flight():
     model = torch.nn.Linear(3, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt)
     model(torch.ones(2, 3)).sum().backward()  # hooks submitted the gradients; no step() follows
     state.restore()
