@@ -49,12 +49,15 @@ def allreduce_loop(stop_file: str, commit_every: int) -> int:
 
     @hvd.elastic.run
     def loop(state) -> int:
-        first = True
+        first, last_tick = True, time.monotonic()
         while True:
             hvd.allreduce(tensor, name="bench")
-            if first and hvd.rank() == 0:
+            if hvd.rank() == 0 and first:
                 ray_logger.log({"kind": "first_allreduce", "t": time.time(), "size": hvd.size()})
                 first = False
+            elif hvd.rank() == 0 and time.monotonic() - last_tick > 0.5:
+                ray_logger.log({"kind": "tick"})  # keeps the driver's callbacks (which add nodes) running
+                last_tick = time.monotonic()
             state.step += 1
             if state.step % commit_every == 0:
                 stop = hvd.allreduce(torch.tensor([float(os.path.exists(stop_file))]), op=hvd.Max, name="stop")
@@ -67,20 +70,24 @@ def allreduce_loop(stop_file: str, commit_every: int) -> int:
 
 
 class Trials:
-    """Callback: records driver transitions and first allreduces; runs the node removals in a thread."""
+    """Callback: records driver transitions and first allreduces. Node removals run in a thread; node
+    additions in the callback itself, since Ray starts raylets only from the main thread."""
 
     def __init__(self, cluster: Cluster, trials: int, workers: int, stop_file: str) -> None:
         self.cluster, self.trials, self.workers, self.stop_file = cluster, trials, workers, stop_file
         self.records: list[dict[str, Any]] = []
         self.results: list[dict[str, float]] = []
         self._lock = threading.Condition()
-        self.nodes: dict[int, str] = {}
+        self._add_node = False
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def __call__(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.records.append(record)
             self._lock.notify_all()
+            add, self._add_node = self._add_node, False
+        if add:
+            self.cluster.add_node(num_cpus=1)
 
     def _wait_for(self, match, since: int, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -97,8 +104,6 @@ class Trials:
     def _run(self) -> None:
         try:
             for _ in range(self.trials):
-                with self._lock:
-                    mark = len(self.records)
                 self._wait_for(lambda r: r.get("kind") == "first_allreduce" and r["size"] == self.workers, 0, 180)
                 time.sleep(1.0)  # steady state
                 with self._lock:
@@ -120,7 +125,7 @@ class Trials:
                       flush=True)
                 with self._lock:
                     self.records.clear()
-                self.cluster.add_node(num_cpus=1)
+                    self._add_node = True
         finally:
             Path(self.stop_file).touch()
 
@@ -133,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the measurements here")
     args = parser.parse_args(argv)
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
-    })
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # Ray's default health checks
     for _ in range(args.workers):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

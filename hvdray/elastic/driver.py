@@ -175,8 +175,8 @@ class ElasticDriver:
         }
         try:
             while self._state not in (DriverState.FINISHED, DriverState.ERRORED):
+                self._deliver_logs()  # first: a worker's records arrive before the transition its exit causes
                 handlers[self._state]()
-                self._deliver_logs()
                 time.sleep(_TICK_S)
             self._deliver_logs()
         except ray.exceptions.RayActorError as exc:  # worker deaths are handled above: this is the coordinator

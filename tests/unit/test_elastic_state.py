@@ -64,6 +64,8 @@ def test_restore_discards_reductions_in_flight():
     state = hvd.elastic.TorchState(model, opt)
     model(torch.ones(2, 3)).sum().backward()  # hooks submitted the gradients; no step() follows
     state.restore()
+    hvd.shutdown()  # what hvd.elastic.run does after a restore: a fresh engine
+    hvd.init()
     opt.zero_grad()  # would raise "zero_grad() after backward() but before step()" without the discard
     model(torch.ones(2, 3)).sum().backward()
     opt.step()
