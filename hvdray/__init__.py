@@ -4,9 +4,12 @@
 """
 
 from hvdray import ray_logger
-from hvdray.executor import RayExecutor, WorkerLostError
+from hvdray.elastic.driver import ElasticJobError
+from hvdray.executor import ElasticRayExecutor, RayExecutor, WorkerLostError
 from hvdray.settings import Settings
 
 __version__ = "0.1.0"
 
-__all__ = ["RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__"]
+__all__ = [
+    "ElasticJobError", "ElasticRayExecutor", "RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__",
+]

@@ -3,6 +3,10 @@
 It owns one placement group, one coordinator actor and one worker actor per rank. ``run`` sends a
 function to every worker and returns the results in rank order; a failing rank makes ``run`` raise
 that rank's exception at once, and the worker group is stopped and rebuilt before the next call.
+
+With ``min_workers``/``max_workers`` the job is elastic: no placement group, workers follow the
+cluster's free slots, and each ``run`` is driven by :class:`hvdray.elastic.driver.ElasticDriver`.
+``ElasticRayExecutor`` is the same thing under horovod.ray's elastic names.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import sys
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,6 +24,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hvdray.actors.coordinator import Coordinator
 from hvdray.actors.placement import Placement, plan_placement
 from hvdray.actors.worker import Worker
+from hvdray.elastic.discovery import HostDiscovery, RayNodeDiscovery
+from hvdray.elastic.driver import Blacklist, ElasticDriver, ElasticJobError, ElasticLimits
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
@@ -109,19 +116,30 @@ class RayExecutor:
                 or not 0 <= cooldown_range[0] <= cooldown_range[1]
             ):
                 raise ValueError(f"cooldown_range must be (low, high) seconds with 0 <= low <= high, got {cooldown_range!r}")
-        if elastic:
-            raise NotImplementedError(
-                "elastic training (min_workers/max_workers) is not available in this version of hvdray; "
-                "pass num_workers or num_hosts for a fixed-size job"
-            )
+        if elastic and not override_discovery and settings.discovery is None:
+            raise ValueError("override_discovery=False needs settings.discovery (an object with "
+                             "find_available_hosts_and_slots())")
 
         self.settings = settings
-        self.num_workers = num_workers if num_workers is not None else num_hosts * num_workers_per_host
         self.use_gpu = bool(use_gpu)
-        self._plan = plan_placement(
-            num_workers, num_hosts, num_workers_per_host, cpus_per_worker,
-            (gpus_per_worker if gpus_per_worker is not None else 1) if use_gpu else 0,
-        )
+        gpus = (gpus_per_worker if gpus_per_worker is not None else 1) if use_gpu else 0
+        self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus
+        self._limits: Optional[ElasticLimits] = None
+        self._plan = None
+        if elastic:
+            self._limits = ElasticLimits(
+                min_workers=min_workers or 1,
+                max_workers=max_workers if max_workers is not None else sys.maxsize,
+                reset_limit=reset_limit,
+                cooldown_range=tuple(cooldown_range) if cooldown_range is not None else None,
+                elastic_timeout=float(elastic_timeout),
+            )
+            self._override_discovery = override_discovery
+            self._blacklist = Blacklist(self._limits.cooldown_range)
+            self.num_workers = self._limits.min_workers
+        else:
+            self.num_workers = num_workers if num_workers is not None else num_hosts * num_workers_per_host
+            self._plan = plan_placement(num_workers, num_hosts, num_workers_per_host, cpus_per_worker, gpus)
         self._use_current_pg = use_current_placement_group
         self._placement: Optional[Placement] = None
         self._coordinator: Any = None
@@ -129,6 +147,8 @@ class RayExecutor:
         self._executable: tuple[Optional[type], Sequence[Any], dict[str, Any]] = (None, (), {})
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> (broken -> started)* -> shut down
+        self._driver: Optional[ElasticDriver] = None
+        self._secret = b""
         self._id = uuid.uuid4().hex[:8]
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
@@ -153,10 +173,16 @@ class RayExecutor:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra_env_vars.items())
         ):
             raise TypeError("extra_env_vars must be a dict of str to str")
+        if self._limits is not None and executable_cls is not None:
+            raise ValueError("executable_cls is not supported by elastic executors: workers come and go; use run()")
         self._executable = (executable_cls, list(executable_args or ()), dict(executable_kwargs or {}))
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
             ray.init()
+        if self._limits is not None:
+            self._start_coordinator()  # the elastic driver starts workers inside each run()
+            self._state = "started"
+            return
         self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg)
         try:
             self._start_workers()
@@ -165,13 +191,18 @@ class RayExecutor:
             raise
         self._state = "started"
 
-    def _start_workers(self) -> None:
-        secret = secrets.token_bytes(32)
+    def _start_coordinator(self) -> None:
+        self._secret = secrets.token_bytes(32)
         self._coordinator = ray.remote(Coordinator).options(
             num_cpus=0,
             name=f"hvdray-{self._id}-coordinator",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+            # on the driver's node, never spilled elsewhere: losing another node must not lose the coordinator
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote()
+
+    def _start_workers(self) -> None:
+        self._start_coordinator()
+        secret = self._secret
         options: dict[str, Any] = {}
         if self._extra_env:
             options["runtime_env"] = {"env_vars": self._extra_env}
@@ -199,6 +230,8 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Kill the workers and the coordinator and release the placement group; safe to call twice."""
+        if self._driver is not None:
+            self._driver.stop()
         self._stop_workers()
         if self._placement is not None:
             self._placement.release()
@@ -218,6 +251,8 @@ class RayExecutor:
         self.shutdown()
 
     def _ready_workers(self) -> list[Any]:
+        if self._limits is not None:
+            raise RuntimeError("elastic executors have no fixed workers: use run(), not run_remote/execute")
         if self._state == "new":
             self.start()
         elif self._state == "shut down":
@@ -235,9 +270,54 @@ class RayExecutor:
         kwargs: Optional[dict[str, Any]] = None,
         callbacks: Optional[Sequence[Callback]] = None,
     ) -> list[Any]:
-        """Call ``fn(*args, **kwargs)`` on every worker; results in rank order."""
+        """Call ``fn(*args, **kwargs)`` on every worker; results in rank order.
+
+        Elastic executors run ``fn`` on as many workers as the cluster offers (between min_workers and
+        max_workers), re-forming the ring as nodes come and go; callbacks also receive every driver
+        transition as ``{"event": "elastic", ...}``."""
         _check_callbacks(callbacks)
+        if self._limits is not None:
+            return self._run_elastic(fn, args, kwargs, callbacks)
         return self._gather(self.run_remote(fn, args, kwargs), callbacks)
+
+    def _run_elastic(
+        self,
+        fn: Callable[..., Any],
+        args: Optional[Sequence[Any]],
+        kwargs: Optional[dict[str, Any]],
+        callbacks: Optional[Sequence[Callback]],
+    ) -> list[Any]:
+        _check_callable(fn)
+        if self._state == "new":
+            self.start()
+        elif self._state == "shut down":
+            raise RuntimeError("this executor was shut down; create a new RayExecutor")
+        driver = ElasticDriver(
+            executor_id=self._id,
+            limits=self._limits,
+            settings=self.settings,
+            discovery=self._discovery(),
+            coordinator=self._coordinator,
+            secret=self._secret,
+            cpus_per_worker=self._cpus_per_worker,
+            gpus_per_worker=self._gpus_per_worker,
+            runtime_env={"env_vars": self._extra_env} if self._extra_env else None,
+            blacklist=self._blacklist,
+        )
+        self._driver = driver
+        try:
+            return driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()))
+        finally:
+            self._driver = None
+
+    def _discovery(self) -> HostDiscovery:
+        if not self._override_discovery:
+            return self.settings.discovery
+
+        def held() -> dict[str, int]:
+            return self._driver.held() if self._driver is not None else {}
+
+        return RayNodeDiscovery(self._cpus_per_worker, self._gpus_per_worker, held)
 
     def run_remote(
         self,
@@ -329,3 +409,71 @@ def _check_number(argument: str, value: Any, positive: bool) -> None:
         raise ValueError(f"{argument} must be finite, got {value}")
     if positive and value <= 0:
         raise ValueError(f"{argument} must be > 0, got {value}")
+
+
+class ElasticRayExecutor(RayExecutor):
+    """horovod.ray's ``ElasticRayExecutor``: an elastic :class:`RayExecutor` under Horovod's names."""
+
+    @classmethod
+    def create_settings(  # type: ignore[override]
+        cls,
+        min_num_proc: int = 1,
+        max_num_proc: Optional[int] = None,
+        reset_limit: Optional[int] = None,
+        elastic_timeout: float = 600,
+        timeout_s: float = 30,
+        ssh_identity_file: Optional[str] = None,
+        nics: Optional[Sequence[str]] = None,
+        min_np: Optional[int] = None,
+        max_np: Optional[int] = None,
+        **kwargs: Any,
+    ) -> Settings:
+        """Validated settings carrying the elastic limits (``min_np``/``max_np`` are Horovod's older names)."""
+        return make_settings(
+            elastic_min_workers=min_np if min_np is not None else min_num_proc,
+            elastic_max_workers=max_np if max_np is not None else max_num_proc,
+            elastic_reset_limit=reset_limit,
+            elastic_timeout=elastic_timeout,
+            timeout_s=timeout_s,
+            ssh_identity_file=ssh_identity_file,
+            nics=list(nics) if nics is not None else None,
+            **kwargs,
+        )
+
+    def __init__(
+        self,
+        settings: Settings,
+        use_gpu: bool = False,
+        cpus_per_slot: float = 1,
+        gpus_per_slot: Optional[float] = None,
+        env_vars: Optional[dict[str, str]] = None,
+        override_discovery: bool = True,
+        cooldown_range: Optional[tuple[float, float]] = None,
+    ) -> None:
+        if not isinstance(settings, Settings):
+            raise TypeError(
+                f"settings must come from ElasticRayExecutor.create_settings(), got {type(settings).__name__}"
+            )
+        super().__init__(
+            settings,
+            cpus_per_worker=cpus_per_slot,
+            use_gpu=use_gpu,
+            gpus_per_worker=gpus_per_slot,
+            min_workers=settings.elastic_min_workers or 1,
+            max_workers=settings.elastic_max_workers,
+            reset_limit=settings.elastic_reset_limit,
+            cooldown_range=cooldown_range,
+            elastic_timeout=settings.elastic_timeout,
+            override_discovery=override_discovery,
+        )
+        self._env_vars = env_vars
+
+    def start(self) -> None:  # type: ignore[override]
+        """Start the job's coordinator; workers start inside ``run``."""
+        super().start(extra_env_vars=self._env_vars)
+
+    def run(  # type: ignore[override]
+        self, worker_fn: Callable[[], Any], callbacks: Optional[Sequence[Callback]] = None
+    ) -> list[Any]:
+        """Run ``worker_fn()`` elastically; results of the final workers in rank order."""
+        return super().run(worker_fn, callbacks=callbacks)

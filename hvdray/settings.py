@@ -56,6 +56,27 @@ class Settings(BaseModel):
         0.0, ge=0, description="If > 0, such a stall turns into an error on every rank after this many seconds."
     )
 
+    discovery: Optional[Any] = Field(
+        None,
+        description="Elastic jobs: an object with find_available_hosts_and_slots() -> {host or node id: slots}; "
+        "used instead of Ray's own cluster state when the executor has override_discovery=False.",
+    )
+    discovery_interval_s: float = Field(
+        1.0, gt=0, le=60, description="Elastic jobs: seconds between two looks at the cluster for new or lost slots."
+    )
+    elastic_min_workers: Optional[int] = Field(
+        None, ge=1, description="ElasticRayExecutor.create_settings(min_num_proc): the fewest workers the job runs on."
+    )
+    elastic_max_workers: Optional[int] = Field(
+        None, ge=1, description="ElasticRayExecutor.create_settings(max_num_proc): the most workers the job grows to."
+    )
+    elastic_reset_limit: Optional[int] = Field(
+        None, ge=0, description="ElasticRayExecutor.create_settings(reset_limit): membership changes allowed."
+    )
+    elastic_timeout: float = Field(
+        600.0, gt=0, description="ElasticRayExecutor.create_settings(elastic_timeout): seconds below min workers."
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _fill_from_environment(cls, data: Any) -> Any:
@@ -75,6 +96,10 @@ class Settings(BaseModel):
             raise ValueError(
                 f"stall_shutdown_s ({self.stall_shutdown_s}) must be 0 (off) or >= stall_warning_s "
                 f"({self.stall_warning_s})"
+            )
+        if self.discovery is not None and not callable(getattr(self.discovery, "find_available_hosts_and_slots", None)):
+            raise ValueError(
+                f"discovery must have a find_available_hosts_and_slots() method, got {type(self.discovery).__name__}"
             )
         return self
 

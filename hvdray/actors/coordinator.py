@@ -1,7 +1,10 @@
 """The coordinator actor: rank assignment, the job's rendezvous table, and the worker log channel.
 
-Rank assignment happens here and nowhere else. The actor is asynchronous so that many workers can
-wait on rendezvous keys at once; it needs no CPU.
+Rank assignment happens here and nowhere else. Every assignment starts a new membership epoch; the
+rendezvous keys of an older epoch are dropped, and a worker still waiting on one is answered at once
+instead of at its timeout. In an elastic job workers wait here for the epoch that includes them and
+poll the host-update counter the driver bumps. The actor is asynchronous so that many workers can
+wait at once; it needs no CPU.
 """
 
 from __future__ import annotations
@@ -20,16 +23,78 @@ class Coordinator:
         self._kv: dict[str, bytes] = {}
         self._changed = asyncio.Condition()
         self._logs: list[dict[str, Any]] = []
+        # elastic membership: worker id -> (RankInfo, node GPU ids) in the current epoch
+        self._members: dict[str, tuple[RankInfo, tuple[str, ...]]] = {}
+        self._waiting: dict[str, int] = {}  # worker id -> the epoch it has left (0: never joined)
+        self._waiting_since: dict[str, int] = {}  # worker id -> the epoch current when it began waiting
+        self._host_updates = 0
+        self._host_updates_at_epoch = 0
 
     # -- membership ------------------------------------------------------------------------
-    def assign(self, slots: Sequence[WorkerSlot]) -> tuple[int, list[RankInfo], list[tuple[str, ...]]]:
-        """New membership epoch: each slot's RankInfo and the GPU ids its node's workers share."""
-        self._epoch += 1
-        self._kv.clear()  # keys of the previous membership are never read again
-        return self._epoch, assign_ranks(slots), visible_devices(slots)
+    async def assign(
+        self, slots: Sequence[WorkerSlot], worker_ids: Optional[Sequence[str]] = None
+    ) -> tuple[int, list[RankInfo], list[tuple[str, ...]]]:
+        """New membership epoch: each slot's RankInfo and the GPU ids its node's workers share.
+
+        With ``worker_ids`` (elastic jobs) the workers waiting in :meth:`await_membership` get theirs."""
+        infos, gpus = assign_ranks(slots), visible_devices(slots)
+        async with self._changed:
+            self._epoch += 1
+            self._kv.clear()  # keys of the previous membership are never read again
+            self._members = dict(zip(worker_ids, zip(infos, gpus))) if worker_ids is not None else {}
+            self._host_updates_at_epoch = self._host_updates  # the new members know every host announced
+            for worker_id in self._members:
+                self._waiting.pop(worker_id, None)
+                self._waiting_since.pop(worker_id, None)
+            self._changed.notify_all()
+        return self._epoch, infos, gpus
 
     def epoch(self) -> int:
         return self._epoch
+
+    async def await_membership(
+        self, worker_id: str, left_epoch: int, timeout_s: float
+    ) -> tuple[str, Optional[tuple[int, RankInfo, tuple[str, ...]]]]:
+        """A worker that left epoch ``left_epoch`` (0: a new worker) waits for the next one.
+
+        Returns ``("member", (epoch, rank_info, node_gpu_ids))``, ``("removed", None)`` when a newer
+        epoch was formed without this worker, or ``("wait", None)`` after ``timeout_s`` (ask again)."""
+        async with self._changed:
+            if worker_id in self._members and self._epoch > left_epoch:
+                return "member", self._member(worker_id)
+            # a new worker waits for an epoch formed after it arrived, never for the one already running
+            since = self._waiting_since.setdefault(worker_id, self._epoch)
+            self._waiting[worker_id] = left_epoch
+            target = max(left_epoch, since)
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch > target), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                return "wait", None
+            if worker_id not in self._members:
+                return "removed", None
+            return "member", self._member(worker_id)
+
+    def _member(self, worker_id: str) -> tuple[int, RankInfo, tuple[str, ...]]:
+        info, gpus = self._members[worker_id]
+        return self._epoch, info, gpus
+
+    def waiting(self) -> dict[str, int]:
+        """Workers waiting for a new epoch, with the epoch each has left (read by the elastic driver)."""
+        return dict(self._waiting)
+
+    def forget(self, worker_ids: Sequence[str]) -> None:
+        """Stop reporting workers the driver has dropped as waiting."""
+        for worker_id in worker_ids:
+            self._waiting.pop(worker_id, None)
+            self._waiting_since.pop(worker_id, None)
+
+    def notify_hosts_updated(self) -> None:
+        """The driver started workers on new hosts: members raise HostsUpdatedInterrupt at their next commit."""
+        self._host_updates += 1
+
+    def host_updates(self) -> int:
+        """Host updates announced since the current epoch was formed (0: nothing to react to)."""
+        return self._host_updates - self._host_updates_at_epoch
 
     # -- rendezvous key-value table ----------------------------------------------------------
     async def kv_set(self, key: str, value: bytes) -> None:
@@ -50,14 +115,23 @@ class Coordinator:
             return value
 
     async def kv_wait(self, keys: list[str], timeout_s: float) -> bool:
+        """True once all ``keys`` exist; False after ``timeout_s`` or as soon as their epoch is superseded."""
+        if not keys:
+            return True
+        current = f"e{self._epoch}/"
+        if not all(k.startswith(current) for k in keys):
+            return False
         async with self._changed:
             try:
                 await asyncio.wait_for(
-                    self._changed.wait_for(lambda: all(k in self._kv for k in keys)), timeout=timeout_s
+                    self._changed.wait_for(
+                        lambda: all(k in self._kv for k in keys) or not keys[0].startswith(f"e{self._epoch}/")
+                    ),
+                    timeout=timeout_s,
                 )
             except asyncio.TimeoutError:
                 return False
-            return True
+            return keys[0].startswith(f"e{self._epoch}/")
 
     def kv_check(self, keys: list[str]) -> bool:
         return all(k in self._kv for k in keys)

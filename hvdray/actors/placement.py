@@ -13,7 +13,7 @@ from ray.util.placement_group import (
     placement_group,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +114,21 @@ def _resources(resources: dict[str, float]) -> str:
     shown = {k: resources[k] for k in ("CPU", "GPU") if k in resources}
     nodes = sum(1 for k in resources if k.startswith("node:") and not k.startswith("node:__internal"))
     return f"{shown} on {nodes} node(s)"
+
+
+def worker_slots(free: dict[str, float], cpus_per_worker: float, gpus_per_worker: float) -> int:
+    """How many more workers of this shape fit in a node's ``free`` resources (elastic discovery)."""
+    slots = int(free.get("CPU", 0.0) / cpus_per_worker + 1e-9)
+    if gpus_per_worker:
+        slots = min(slots, int(free.get("GPU", 0.0) / gpus_per_worker + 1e-9))
+    return max(slots, 0)
+
+
+def node_worker_options(node_id: str, cpus_per_worker: float, gpus_per_worker: float) -> dict[str, Any]:
+    """Ray actor options for one elastic worker pinned to ``node_id`` (elastic jobs use no placement group:
+    their size changes with the cluster)."""
+    return {
+        "num_cpus": cpus_per_worker,
+        "num_gpus": gpus_per_worker,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from hvdray import ray_logger
+from hvdray.actors.membership import CoordinatorMembership, export_rank_env
 from hvdray.actors.rendezvous import CoordinatorStore
 from hvdray.collective import context
 from hvdray.collective.topology import RankInfo, WorkerSlot
@@ -36,39 +37,47 @@ class Worker:
 
     def configure(
         self,
-        rank_info: RankInfo,
+        rank_info: Optional[RankInfo],
         epoch: int,
         settings: Settings,
         secret: bytes,
         coordinator: Any,
         node_gpu_ids: Sequence[str],
+        worker_id: Optional[str] = None,
     ) -> None:
-        """Join membership ``epoch`` with ``rank_info``; ``hvd.init()`` inside ``run`` then connects."""
+        """Join membership ``epoch`` with ``rank_info``; ``hvd.init()`` inside ``run`` then connects.
+
+        An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
+        the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
         self._rank_info = rank_info
         self._coordinator = coordinator
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
-        if node_gpu_ids:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpu_ids)
-        for key, value in (
-            ("HOROVOD_RANK", rank_info.rank), ("HOROVOD_SIZE", rank_info.size),
-            ("HOROVOD_LOCAL_RANK", rank_info.local_rank), ("HOROVOD_LOCAL_SIZE", rank_info.local_size),
-            ("HOROVOD_CROSS_RANK", rank_info.cross_rank), ("HOROVOD_CROSS_SIZE", rank_info.cross_size),
-        ):
-            os.environ[key] = str(value)
+        if rank_info is not None:
+            export_rank_env(rank_info, tuple(node_gpu_ids))
+        membership = None
+        if worker_id is not None:
+            membership = CoordinatorMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s)
         context.configure(
             context.JobConfig(
                 rank_info=rank_info,
                 settings=settings,
                 secret=secret,
-                store_factory=lambda prefix: CoordinatorStore(coordinator, f"e{epoch}/{prefix}", settings.timeout_s),
+                store_factory=lambda prefix: CoordinatorStore(coordinator, prefix, settings.timeout_s),
                 host_ip=ray.util.get_node_ip_address(),
+                epoch=epoch,
+                membership=membership,
             )
         )
         ray_logger.set_sink(self._send_log)
 
+    def ping(self) -> bool:
+        """Answered while ``run`` is busy (elastic workers are threaded actors): the driver's liveness probe."""
+        return True
+
     def _send_log(self, record: dict[str, Any]) -> None:
-        self._pending_logs.append(self._coordinator.push_log.remote(self._rank_info.rank, record))
+        rank = int(os.environ.get("HOROVOD_RANK", "-1"))  # elastic ranks change with each epoch
+        self._pending_logs.append(self._coordinator.push_log.remote(rank, record))
 
     def _flush_logs(self) -> None:
         pending, self._pending_logs = self._pending_logs, []

@@ -57,7 +57,9 @@ class Communicator:
         self._pg = ProcessGroupGloo(store, rank, size, options)
 
     def close(self) -> None:
-        """Drop the process group; pending peers see a closed connection."""
+        """Drop the process group; pending peers see a closed connection. Safe to call twice."""
+        if self._pg is None:
+            return
         try:
             self._pg.abort()
         except Exception:  # noqa: BLE001 - abort may be unsupported or already done; nothing to recover

@@ -3,6 +3,10 @@
 A worker actor calls :func:`configure` with its rank and rendezvous before the user's function runs;
 ``hvd.init()`` then builds the Gloo group and the engine. Without a configured job, ``init`` starts a
 working size-1 job on an in-memory store, so the same script runs on a laptop.
+
+In an elastic job the rank comes from a :class:`Membership` instead: ``init`` waits for the epoch that
+includes this worker, and :func:`reset` tears the engine and its Gloo group down, leaves the epoch and
+joins the next one.
 """
 
 from __future__ import annotations
@@ -12,34 +16,47 @@ import logging
 import secrets as _secrets
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch.distributed as dist
 
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
-from hvdray.collective.errors import NotInitializedError
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
 from hvdray.collective.topology import RankInfo
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
 
 
+class Membership(Protocol):
+    """Where an elastic worker learns its place in each membership epoch (the worker actor provides it)."""
+
+    def next_epoch(self, left_epoch: int) -> tuple[int, RankInfo]:
+        """Block until an epoch newer than ``left_epoch`` includes this worker; its number and our ranks."""
+
+    def host_updates(self) -> int:
+        """Host updates the driver announced since this worker's epoch was formed."""
+
+
 @dataclass
 class JobConfig:
     """What a worker knows about its job; built inside the worker, never sent over the wire."""
 
-    rank_info: RankInfo
+    rank_info: Optional[RankInfo]  # None: an elastic worker between epochs
     settings: Settings
     secret: bytes
     store_factory: Callable[[str], dist.Store]  # key prefix -> the job's private store
     host_ip: str
+    epoch: int = 1
+    membership: Optional[Membership] = None
 
 
 _lock = threading.RLock()
 _job: Optional[JobConfig] = None
 _engine: Optional[Engine] = None
 _generation = 0
+_generation_epoch = -1
 
 
 def configure(job: Optional[JobConfig]) -> None:
@@ -53,23 +70,34 @@ def configure(job: Optional[JobConfig]) -> None:
 
 def init() -> None:
     """Join the configured job (or start a size-1 one). Calling it again while running is a no-op."""
-    global _engine, _generation
+    global _engine, _generation, _generation_epoch
     with _lock:
         if _engine is not None and _engine.alive:
             return
         job = _current_job()
         settings = job.settings
-        _generation += 1
+        if job.rank_info is None:
+            if job.membership is None:
+                raise HorovodInternalError("this worker has no rank and no membership to ask for one")
+            job.epoch, job.rank_info = job.membership.next_epoch(job.epoch)
+        # inits within one epoch get fresh keys; every rank counts from 1 in each epoch, new workers too
+        _generation = _generation + 1 if _generation_epoch == job.epoch else 1
+        _generation_epoch = job.epoch
         info = job.rank_info
-        store = job.store_factory(f"gen{_generation}/")
-        comm = Communicator(
-            store,
-            info.rank,
-            info.size,
-            timeout_s=settings.timeout_s,
-            hostname=job.host_ip,
-            interface=settings.nics[0] if settings.nics else None,
-        )
+        store = job.store_factory(f"e{job.epoch}/gen{_generation}/")
+        try:
+            comm = Communicator(
+                store,
+                info.rank,
+                info.size,
+                timeout_s=settings.timeout_s,
+                hostname=job.host_ip,
+                interface=settings.nics[0] if settings.nics else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - a peer that vanished during the rendezvous
+            raise HorovodInternalError(
+                f"rank {info.rank} could not connect to its peers in membership epoch {job.epoch}: {exc}"
+            ) from exc
         _engine = Engine(
             comm,
             cycle_time_s=settings.cycle_time_ms / 1000.0,
@@ -92,6 +120,26 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def reset() -> None:
+    """Elastic reset: tear down the engine and Gloo group, leave this epoch, join the next one."""
+    shutdown()
+    with _lock:
+        job = _current_job()
+        if job.membership is None:
+            raise HvdrayError(
+                "the ring broke and this job is not elastic: only a RayExecutor with min_workers/max_workers "
+                "can re-form it"
+            )
+        job.rank_info = None
+    init()
+
+
+def host_updates() -> int:
+    """Host updates announced since this worker's elastic epoch was formed; 0 outside elastic jobs."""
+    membership = _current_job().membership
+    return membership.host_updates() if membership is not None else 0
 
 
 def is_initialized() -> bool:

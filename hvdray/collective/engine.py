@@ -248,6 +248,8 @@ class Engine:
                 error.__cause__ = exc
             log.debug("engine stopped: %s", error)
             self._fail_all(error)
+            # Close at once: peers blocked on this rank then fail now instead of at their timeout.
+            self.comm.close()
 
     def _collect(self, wait_s: float) -> bool:
         """Wait for this tick, then sort new requests into cached slots and the outbox; True if this

@@ -6,6 +6,7 @@ reach the same engine as ``hvdray.torch``'s through DLPack, sharing their memory
 
 from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
+from hvdray.tensorflow import elastic
 from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.gradients import DistributedGradientTape
 from hvdray.tensorflow.ops import (

@@ -51,6 +51,7 @@ from hvdray.torch.ops import (
     size,
     synchronize,
 )
+from hvdray.torch import elastic
 from hvdray.torch.optimizer import DistributedOptimizer
 from hvdray.torch.sync_batch_norm import SyncBatchNorm
 

@@ -110,6 +110,13 @@ class _DistributedMixin:
                 self._hvd_delay[id(p)] = self._hvd_passes
         self._hvd_synchronized = True
 
+    def _hvd_discard_in_flight(self) -> None:
+        """Forget gradient reductions of a ring that broke (an elastic restore rolls the step back)."""
+        self._hvd_handles.clear()
+        for p in self._hvd_params:
+            self._hvd_delay[id(p)] = self._hvd_passes
+        self._hvd_synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Use around ``step()`` after calling ``synchronize()`` yourself (e.g. to clip gradients)."""

@@ -14,7 +14,7 @@ from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.functions import broadcast_variables
-from hvdray.tensorflow.keras import callbacks
+from hvdray.tensorflow.keras import callbacks, elastic
 from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
 from hvdray.tensorflow.ops import (
     Average,

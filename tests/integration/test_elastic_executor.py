@@ -1,0 +1,116 @@
+"""Elastic executors on a local Ray instance: custom discovery, the ElasticRayExecutor alias, reset
+callbacks after a worker death, user errors, and argument checks. Multi-node faults are in
+tests/multinode/test_elastic.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from hvdray import ElasticRayExecutor, RayExecutor
+
+
+class _OneNodeDiscovery:
+    """A user discovery object: this Ray node, with a fixed number of slots."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.calls = 0
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        self.calls += 1
+        return {ray.get_runtime_context().get_node_id(): self.slots}
+
+
+def _sum_ranks(marker: str = "") -> dict:
+    import os
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    state = hvd.elastic.ObjectState(epoch=0, resets=0)
+    state.register_reset_callbacks([lambda: setattr(state, "resets", state.resets + 1)])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.epoch < 4:
+            total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+            if marker and state.epoch == 2 and hvd.rank() == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+            state.epoch += 1
+            state.commit()
+        return {"rank": hvd.rank(), "size": hvd.size(), "total": total, "resets": state.resets}
+
+    return train(state)
+
+
+def _settings(**kwargs):
+    return RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60, discovery_interval_s=0.5, **kwargs)
+
+
+def test_custom_discovery_decides_the_slots(ray_local):
+    discovery = _OneNodeDiscovery(2)
+    with RayExecutor(_settings(discovery=discovery), min_workers=1, max_workers=4, override_discovery=False) as ex:
+        results = ex.run(_sum_ranks)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["size"] == 2 and r["total"] == 2.0 for r in results)
+
+
+def test_elastic_ray_executor_alias_with_horovod_signature(ray_local):
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=30, timeout_s=10)
+    assert (settings.elastic_min_workers, settings.elastic_max_workers, settings.elastic_timeout) == (2, 2, 30)
+    executor = ElasticRayExecutor(settings, use_gpu=False, cpus_per_slot=1, env_vars={"HVDRAY_TEST_VAR": "x"})
+    executor.start()
+    try:
+        results = executor.run(lambda: _sum_ranks() | {"env": os.environ.get("HVDRAY_TEST_VAR")})
+    finally:
+        executor.shutdown()
+    assert [r["size"] for r in results] == [2, 2] and [r["env"] for r in results] == ["x", "x"]
+
+
+def test_worker_death_shrinks_the_job_and_runs_reset_callbacks(ray_local, tmp_path):
+    """One node: the dead worker's node is blacklisted (no cooldown), so the job goes on with one worker."""
+    records = []
+    started = time.monotonic()
+    with RayExecutor(_settings(), min_workers=1, max_workers=2) as ex:
+        results = ex.run(_sum_ranks, args=[str(tmp_path / "died")], callbacks=[records.append])
+    assert results == [{"rank": 0, "size": 1, "total": 1.0, "resets": 1}]
+    states = [r["state"] for r in records if r.get("event") == "elastic"]
+    assert states == ["starting", "running", "recovering", "running", "finishing", "finished"]
+    assert time.monotonic() - started < 90
+
+
+def _fails_on_rank_1():
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise KeyError("bad batch")
+    return hvd.rank()
+
+
+def test_user_exception_ends_the_job_with_the_rank(ray_local):
+    with RayExecutor(_settings(), min_workers=2, max_workers=2) as ex:
+        with pytest.raises(KeyError, match="bad batch") as info:
+            ex.run(_fails_on_rank_1)
+    assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_elastic_argument_checks(ray_local):
+    with pytest.raises(ValueError, match="override_discovery"):
+        RayExecutor(_settings(), min_workers=1, override_discovery=False)
+    with pytest.raises(ValueError, match="find_available_hosts_and_slots"):
+        _settings(discovery=object())
+    ex = RayExecutor(_settings(), min_workers=1, max_workers=2)
+    with pytest.raises(ValueError, match="executable_cls"):
+        ex.start(executable_cls=dict)
+    with pytest.raises(RuntimeError, match="use run"):
+        ex.run_remote(_sum_ranks)
+    ex.shutdown()
