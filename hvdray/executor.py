@@ -25,7 +25,7 @@ from hvdray.actors.coordinator import Coordinator
 from hvdray.actors.placement import Placement, plan_placement
 from hvdray.actors.worker import Worker
 from hvdray.elastic.discovery import HostDiscovery, RayNodeDiscovery
-from hvdray.elastic.driver import Blacklist, ElasticDriver, ElasticJobError, ElasticLimits
+from hvdray.elastic.driver import Blacklist, ElasticDriver, ElasticLimits
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)

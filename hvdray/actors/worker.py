@@ -22,7 +22,6 @@ class Worker:
 
     def __init__(self) -> None:
         self._executable: Any = None
-        self._rank_info: Optional[RankInfo] = None
         self._coordinator: Any = None
         self._pending_logs: list[Any] = []
 
@@ -49,7 +48,6 @@ class Worker:
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
         the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
-        self._rank_info = rank_info
         self._coordinator = coordinator
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)

@@ -3,17 +3,38 @@ plain TensorFlow variables."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import functools
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import numpy as np
+import tensorflow as tf
 
-from hvdray.elastic import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, run
+from hvdray.elastic import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State
+from hvdray.elastic import run as _run
 from hvdray.tensorflow.functions import broadcast_variables
+
+R = TypeVar("R")
 
 __all__ = [
     "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
     "TensorFlowState", "run",
 ]
+
+
+def run(func: Callable[..., R]) -> Callable[..., R]:
+    """``hvd.elastic.run`` for TensorFlow: a peer failure inside a ``tf.function`` (Keras' train step
+    included) reaches Python as ``tf.errors.UnknownError``; it is handled as the HorovodInternalError it is."""
+
+    @functools.wraps(func)
+    def translated(state: State, *args: Any, **kwargs: Any) -> R:
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.UnknownError as exc:
+            if HorovodInternalError.__name__ not in str(exc):
+                raise
+            raise HorovodInternalError(f"a collective inside a tf.function failed: {exc.message}") from exc
+
+    return _run(translated)
 
 
 class TensorFlowState(ObjectState):

@@ -57,8 +57,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Re-shard what is left of this epoch over the current ranks (called after every elastic reset)."""
-        self.num_replicas = _c_size()
-        self.rank = _c_rank()
+        self.num_replicas = _current_size()
+        self.rank = _current_rank()
         remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(remaining)
@@ -80,11 +80,11 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
-def _c_rank() -> int:
+def _current_rank() -> int:
     return context.rank_info("ElasticSampler").rank if context.is_initialized() else 0
 
 
-def _c_size() -> int:
+def _current_size() -> int:
     return context.rank_info("ElasticSampler").size if context.is_initialized() else 1
 
 

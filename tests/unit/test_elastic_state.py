@@ -120,8 +120,8 @@ def test_reset_callbacks_and_host_updates_interrupt():
 def _shards(sampler_cls, dataset, size, processed=(), epoch=0, monkeypatch=None):
     shards = []
     for rank in range(size):
-        monkeypatch.setattr(torch_elastic, "_c_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(torch_elastic, "_c_size", lambda: size)
+        monkeypatch.setattr(torch_elastic, "_current_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(torch_elastic, "_current_size", lambda: size)
         sampler = sampler_cls(dataset, shuffle=True, seed=3)
         sampler.load_state_dict({"epoch": epoch, "processed_indices": set(processed)})
         shards.append(list(sampler))
