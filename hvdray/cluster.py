@@ -29,4 +29,6 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kw
         log.info("connected to the Ray cluster at %s", address)
         return
     kwargs.setdefault("include_dashboard", False)
-    ray.init(num_cpus=num_cpus, **kwargs)
+    # "local" always starts a new instance: without it, ray.init() joins whatever cluster the last
+    # `ray start` on this machine recorded, which a script run alone must not do.
+    ray.init(address="local", num_cpus=num_cpus, **kwargs)
