@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import runpy
 import sys
@@ -44,30 +45,57 @@ class ScriptFailed(Exception):
         return f"rank {self.rank} exited with code {self.exit_code}: {self.summary}"
 
 
-class _LineStream:
-    """A text stream that sends every complete line to the driver through ``ray_logger``."""
+class _LineStream(io.TextIOBase):
+    """A text stream that sends complete lines to the driver through ``ray_logger``.
+
+    Lines written within ``BATCH_S`` of each other travel as one record, so a chatty script costs at
+    most a few Ray calls per second; a timer sends a batch that no later write picks up.
+    """
+
+    BATCH_S = 0.1
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
-        self._buffer = ""
+        self._partial = ""
+        self._lines: list[str] = []
+        self._timer: Optional[threading.Timer] = None
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         with self._lock:
-            self._buffer += text
-            if "\n" in self._buffer:
-                complete, self._buffer = self._buffer.rsplit("\n", 1)
-                ray_logger.log({STREAM_KEY: self.name, "text": complete})
+            *complete, self._partial = (self._partial + text).split("\n")
+            self._lines.extend(complete)
+            if self._lines and self._timer is None:
+                self._timer = threading.Timer(self.BATCH_S, self._send_lines)
+                self._timer.daemon = True
+                self._timer.start()
         return len(text)
 
-    def flush(self) -> None:
-        with self._lock:
-            if self._buffer:
-                ray_logger.log({STREAM_KEY: self.name, "text": self._buffer})
-                self._buffer = ""
+    def _send_lines(self) -> None:
+        with self._lock:  # held while sending, so close() cannot overtake a batch in flight
+            self._timer = None
+            self._send(self._lines)
+            self._lines = []
 
-    def isatty(self) -> bool:
-        return False
+    def _send(self, lines: list[str]) -> None:
+        if lines:
+            ray_logger.log({STREAM_KEY: self.name, "text": "\n".join(lines)})
+
+    def flush(self) -> None:
+        """Nothing to do: complete lines leave within ``BATCH_S``; an unfinished line waits for its end."""
+
+    def close(self) -> None:
+        """Send everything written so far, an unfinished last line included (the stream stays usable)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._send(self._lines + ([self._partial] if self._partial else []))
+            self._lines, self._partial = [], ""
+
+    def writable(self) -> bool:
+        return True
 
     @property
     def encoding(self) -> str:
@@ -87,8 +115,8 @@ def _as_main(spec: ScriptSpec, path: Optional[str]) -> Iterator[None]:
     try:
         yield
     finally:
-        out.flush()
-        err.flush()
+        out.close()
+        err.close()
         sys.argv, sys.path[:], sys.stdout, sys.stderr = argv, path_entries, stdout, stderr
         os.chdir(cwd)
 
