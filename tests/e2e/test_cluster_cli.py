@@ -190,6 +190,12 @@ def ssh_to_localhost(tmp_path):
                 pytest.skip(f"sshd did not start: {sshd.stderr.read().decode()[-500:] if sshd.stderr else ''}")
             time.sleep(0.2)
     try:
+        probe = subprocess.run(
+            ["ssh", "-i", str(key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o",
+             "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", f"{SSH_USER}@127.0.0.1", "python -V"],
+            capture_output=True, text=True, timeout=60,
+        )  # fail here, clearly, rather than let `ray up` wait for ssh until its timeout
+        assert probe.returncode == 0, f"ssh {SSH_USER}@127.0.0.1 with the test key failed: {probe.stderr}"
         yield SSH_USER, key, ray_tmpdir
     finally:
         _kill(_processes_using(str(ray_tmpdir), user=SSH_USER))
