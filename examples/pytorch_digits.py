@@ -67,7 +67,7 @@ def train(epochs: int, lr: float, batch_size: int, seed: int) -> dict:
         history.append(record)
         if hvd.rank() == 0:
             ray_logger.log(record)
-    return {"rank": hvd.rank(), "size": hvd.size(), "history": history}
+    return {"rank": hvd.rank(), "size": hvd.size(), "nodes": hvd.cross_size(), "history": history}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         results = executor.run(train, args=[args.epochs, args.lr, args.batch_size, args.seed], callbacks=[show])
     final = results[0]["history"][-1]
     print(
-        f"trained on {results[0]['size']} workers in {time.monotonic() - started:.1f} s: "
+        f"trained on {results[0]['size']} workers on {results[0]['nodes']} node(s) in {time.monotonic() - started:.1f} s: "
         f"final loss {final['loss']:.4f}, test accuracy {final['accuracy']:.4f}"
     )
     if final["accuracy"] < args.min_accuracy:

@@ -114,7 +114,7 @@ def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
                    "--min-accuracy", "0.85"], env, timeout=400, check=False)
     output = submit.stdout + submit.stderr
     assert submit.returncode == 0, output
-    assert "trained on 2 workers" in output and "test accuracy" in output, output
+    assert "trained on 2 workers on 2 node(s)" in output and "test accuracy" in output, output
     assert "succeeded" in output, output
 
 
