@@ -84,9 +84,9 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool = True
 
 
 # -- ray start + ray job submit -------------------------------------------------------------------
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
-    """A head and a second node, 1 CPU each, so a 2-worker job must span both nodes."""
+    """A head and a second node, 1 CPU each, so a 2-worker job must span both nodes (shared by the tests below)."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-"))  # short: Ray's unix socket paths must stay < 108 chars
     env = _ray_env(tmp)
     gcs, dashboard, client, agent1, agent2 = _free_ports(5)
@@ -116,6 +116,21 @@ def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
     assert submit.returncode == 0, output
     assert "trained on 2 workers on 2 node(s)" in output and "test accuracy" in output, output
     assert "succeeded" in output, output
+
+
+def test_hvdrayrun_runs_a_script_across_two_nodes_with_address_auto(two_node_cluster, tmp_path):
+    env, _, _ = two_node_cluster
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import torch\nimport hvdray.torch as hvd\nhvd.init()\n"
+        "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()\n"
+        "print(f'rank {hvd.rank()} of {hvd.size()} on {hvd.cross_size()} nodes, sum {total:.0f}')\n"
+    )
+    result = _run([sys.executable, "-m", "hvdray.runner", "-np", "2", "--address", "auto", "python", str(script)],
+                  env, timeout=300, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:rank {rank} of 2 on 2 nodes, sum 2" in result.stdout, result.stdout
 
 
 # -- ray up / ray submit / ray down over ssh --------------------------------------------------------
