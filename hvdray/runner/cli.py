@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -91,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"hvdrayrun: error: {exc}", file=sys.stderr)
         return 2
     workers = args.np or args.max_np or args.min_np
-    init_ray(args.address, num_cpus=max(1, int(workers * args.cpus_per_worker + 0.999)), log_to_driver=False)
+    init_ray(args.address, num_cpus=math.ceil(workers * args.cpus_per_worker), log_to_driver=False)
     try:
         executor.start()
         executor.run(run_script, args=[spec], callbacks=[_print_record])
