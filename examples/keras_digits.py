@@ -15,9 +15,8 @@ import argparse
 import sys
 import time
 
-import ray
-
 from hvdray import RayExecutor, ray_logger
+from hvdray.cluster import init_ray
 
 
 def train(epochs: int, lr: float, batch_size: int, seed: int) -> dict:
@@ -84,13 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-accuracy", type=float, default=0.9)
-    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster)")
+    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster; default $RAY_ADDRESS, else a local Ray)")
     args = parser.parse_args(argv)
 
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        ray.init(num_cpus=max(4, int(args.num_workers * args.cpus_per_worker)), include_dashboard=False)
+    init_ray(args.address, num_cpus=max(4, int(args.num_workers * args.cpus_per_worker)))
 
     def show(record: dict) -> None:
         print(f"epoch {record['epoch']:3d}  loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}", flush=True)

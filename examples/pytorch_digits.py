@@ -13,9 +13,8 @@ import argparse
 import sys
 import time
 
-import ray
-
 from hvdray import RayExecutor, ray_logger
+from hvdray.cluster import init_ray
 
 
 def train(epochs: int, lr: float, batch_size: int, seed: int) -> dict:
@@ -68,7 +67,7 @@ def train(epochs: int, lr: float, batch_size: int, seed: int) -> dict:
         history.append(record)
         if hvd.rank() == 0:
             ray_logger.log(record)
-    return {"rank": hvd.rank(), "size": hvd.size(), "history": history}
+    return {"rank": hvd.rank(), "size": hvd.size(), "nodes": hvd.cross_size(), "history": history}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,13 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-accuracy", type=float, default=0.9)
-    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster)")
+    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster; default $RAY_ADDRESS, else a local Ray)")
     args = parser.parse_args(argv)
 
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        ray.init(num_cpus=max(4, int(args.num_workers * args.cpus_per_worker)), include_dashboard=False)
+    init_ray(args.address, num_cpus=max(4, int(args.num_workers * args.cpus_per_worker)))
 
     def show(record: dict) -> None:
         print(f"epoch {record['epoch']:3d}  loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}", flush=True)
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         results = executor.run(train, args=[args.epochs, args.lr, args.batch_size, args.seed], callbacks=[show])
     final = results[0]["history"][-1]
     print(
-        f"trained on {results[0]['size']} workers in {time.monotonic() - started:.1f} s: "
+        f"trained on {results[0]['size']} workers on {results[0]['nodes']} node(s) in {time.monotonic() - started:.1f} s: "
         f"final loss {final['loss']:.4f}, test accuracy {final['accuracy']:.4f}"
     )
     if final["accuracy"] < args.min_accuracy:

@@ -16,11 +16,11 @@ import sys
 import tempfile
 import time
 
-import ray
 from ray import tune
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.bayesopt import BayesOptSearch
 
+from hvdray.cluster import init_ray
 from hvdray.tune import DistributedTrainableCreator, distributed_checkpoint_dir, report
 
 
@@ -85,13 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-accuracy", type=float, default=0.9)
     parser.add_argument("--storage", default=None, help="Tune's storage path (default: a temporary directory)")
-    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster)")
+    parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster; default $RAY_ADDRESS, else a local Ray)")
     args = parser.parse_args(argv)
 
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        ray.init(num_cpus=max(4, args.num_workers * args.max_concurrent), include_dashboard=False)
+    init_ray(args.address, num_cpus=max(4, args.num_workers * args.max_concurrent))
 
     trainable = DistributedTrainableCreator(train_digits, num_hosts=1, num_slots=args.num_workers, num_cpus_per_slot=1)
     search = ConcurrencyLimiter(

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hvdray.actors.coordinator import Coordinator
 from hvdray.actors.placement import Placement, plan_placement
-from hvdray.actors.worker import Worker
+from hvdray.actors.worker import Worker, worker_actor_name
 from hvdray.elastic.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.elastic.driver import Blacklist, ElasticDriver, ElasticLimits
 from hvdray.settings import Settings, make_settings
@@ -208,7 +208,7 @@ class RayExecutor:
             options["runtime_env"] = {"env_vars": self._extra_env}
         workers = [
             ray.remote(Worker)
-            .options(name=f"hvdray-{self._id}-worker-{i}", **self._placement.actor_options(i), **options)
+            .options(name=worker_actor_name(self._id, i), **self._placement.actor_options(i), **options)
             .remote()
             for i in range(self.num_workers)
         ]

@@ -17,6 +17,11 @@ from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
 
 
+def worker_actor_name(executor_id: str, rank: int) -> str:
+    """The Ray actor name of ``rank``'s worker, so ``ray list actors`` and the dashboard show who is who."""
+    return f"hvdray-{executor_id}-rank-{rank}"
+
+
 class Worker:
     """Created by the executor inside its placement group; configured once ranks are known."""
 

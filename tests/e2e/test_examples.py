@@ -30,3 +30,17 @@ def test_pytorch_digits_exits_non_zero_when_accuracy_is_not_reached():
     result = _run("pytorch_digits.py", "--num-workers", "2", "--epochs", "1", "--lr", "0.0001", "--min-accuracy", "0.99")
     assert result.returncode == 1
     assert "FAILED" in result.stderr
+
+
+def test_stateful_example_trains_step_by_step_and_saves_its_history(tmp_path):
+    result = _run("stateful_digits.py", "--num-workers", "2", "--epochs", "4", "--min-accuracy", "0.85",
+                  "--plot-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
+    assert len(epochs) == 4 and epochs[0].endswith("lr 0.02") and epochs[-1].endswith("lr 0.002")
+    assert "learning rate lowered to 0.002 on the same workers" in result.stdout
+    assert "trained 4 epochs on 2 workers" in result.stdout
+    assert "4/4" in result.stderr  # the progress bar reached the end
+    assert (tmp_path / "history.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "history.csv").read_text().count("\n") == 5
+    assert '"step_key": "epoch"' in (tmp_path / "history.json").read_text()

@@ -1,0 +1,34 @@
+"""Connecting a driver to Ray: a running cluster when one is named, otherwise a local instance.
+
+Scripts call :func:`init_ray` with their ``--address`` flag so that one script runs alone on a laptop,
+under ``ray job submit`` (which sets ``RAY_ADDRESS``), and on a cluster node with ``--address auto``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kwargs: Any) -> None:
+    """Connect to ``address`` (or ``$RAY_ADDRESS``) if either is set, else start a local Ray instance.
+
+    ``num_cpus`` only sizes a local instance (a cluster has its own resources); ``kwargs`` go to
+    ``ray.init``. Does nothing if Ray is already initialised in this process.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, **kwargs)
+        log.info("connected to the Ray cluster at %s", address)
+        return
+    kwargs.setdefault("include_dashboard", False)
+    # "local" always starts a new instance: without it, ray.init() joins whatever cluster the last
+    # `ray start` on this machine recorded, which a script run alone must not do.
+    ray.init(address="local", num_cpus=num_cpus, **kwargs)

@@ -1,0 +1,93 @@
+"""``MetricsHistory``: the per-epoch metrics that workers report, kept on the driver, saved as PNG, CSV or JSON.
+
+Pass it as a callback: ``executor.run(train, callbacks=[history])``; every record a worker sends with
+``hvdray.ray_logger.log({"epoch": e, "loss": ...})`` that carries the step key becomes a row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import numbers
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+PathLike = Union[str, Path]
+
+
+class MetricsHistory:
+    """Rows of metrics keyed by a step (``epoch`` by default), from one rank (rank 0 by default) or all."""
+
+    def __init__(self, step_key: str = "epoch", rank: Optional[int] = 0) -> None:
+        if not isinstance(step_key, str) or not step_key:
+            raise ValueError(f"step_key must be a non-empty str, got {step_key!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank must be None (all ranks) or an int >= 0, got {rank!r}")
+        self.step_key = step_key
+        self.rank = rank
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        """The executor callback: keep ``record`` if it has the step key and comes from the chosen rank."""
+        if self.step_key not in record:
+            return
+        if self.rank is not None and record.get("rank", 0) != self.rank:
+            return
+        self.rows.append(dict(record))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def metric_names(self) -> list[str]:
+        """Numeric columns other than the step and the rank, in the order they first appeared."""
+        names: list[str] = []
+        for row in self.rows:
+            for key, value in row.items():
+                if key not in (self.step_key, "rank") and key not in names and _is_number(value):
+                    names.append(key)
+        return names
+
+    def series(self, metric: str) -> tuple[list[Any], list[float]]:
+        """(steps, values) of one metric, in the order reported."""
+        if metric not in self.metric_names():
+            raise KeyError(f"no metric {metric!r} was reported; have {self.metric_names()}")
+        pairs = [(row[self.step_key], float(row[metric])) for row in self.rows if _is_number(row.get(metric))]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+    def to_csv(self, path: PathLike) -> Path:
+        """One line per row; columns: the step, the rank, then every key reported."""
+        path = Path(path)
+        columns = [self.step_key, "rank"] + sorted({k for row in self.rows for k in row} - {self.step_key, "rank"})
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+        return path
+
+    def to_json(self, path: PathLike) -> Path:
+        """``{"step_key": ..., "rows": [...]}``."""
+        path = Path(path)
+        path.write_text(json.dumps({"step_key": self.step_key, "rows": self.rows}, indent=1, default=float))
+        return path
+
+    def plot(self, path: Optional[PathLike] = None, metrics: Optional[Sequence[str]] = None) -> Any:
+        """A matplotlib Figure, one panel per metric against the step; saved as PNG if ``path`` is given."""
+        from matplotlib.figure import Figure
+
+        names = list(metrics) if metrics is not None else self.metric_names()
+        if not names:
+            raise ValueError("nothing to plot: no numeric metric has been reported yet")
+        figure = Figure(figsize=(4.5 * len(names), 3.2), layout="constrained")
+        for axes, name in zip(figure.subplots(1, len(names), squeeze=False)[0], names):
+            steps, values = self.series(name)
+            axes.plot(steps, values, marker="o", markersize=3)
+            axes.set_xlabel(self.step_key)
+            axes.set_title(name)
+            axes.grid(alpha=0.3)
+        if path is not None:
+            figure.savefig(path, format="png", dpi=100)
+        return figure
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -1,0 +1,76 @@
+"""Worker actor names seen through Ray's state API, and progress/metrics callbacks fed by real workers."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+
+from hvdray import RayExecutor, ray_logger
+from hvdray.metrics import MetricsHistory
+from hvdray.progress import ProgressBar
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard():
+    """A local Ray whose dashboard (the state API's server) listens on a free port of its own."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=port)
+    yield f"http://{context.dashboard_url}"
+    ray.shutdown()
+
+
+def _actor_id_and_rank():
+    import ray
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return ray.get_runtime_context().get_actor_id(), hvd.rank()
+
+
+def _train(epochs: int) -> int:
+    import hvdray.torch as hvd
+
+    hvd.init()
+    for epoch in range(1, epochs + 1):
+        loss = hvd.allreduce(__import__("torch").tensor([1.0 / epoch])).item()
+        ray_logger.log({"epoch": epoch, "loss": loss})
+    return hvd.rank()
+
+
+def test_worker_actors_are_named_by_executor_and_rank(ray_with_dashboard):
+    from ray.util.state import list_actors
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20), num_workers=3)
+    try:
+        executor.start()
+        ranks = dict(executor.run(_actor_id_and_rank))
+        alive = {a.actor_id: a.name for a in list_actors(address=ray_with_dashboard, filters=[("state", "=", "ALIVE")])}
+        for actor_id, rank in ranks.items():
+            assert alive[actor_id] == f"hvdray-{executor._id}-rank-{rank}"
+        assert f"hvdray-{executor._id}-coordinator" in alive.values()
+    finally:
+        executor.shutdown()
+
+
+def test_progress_bar_and_history_follow_what_workers_log(ray_with_dashboard):
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20), num_workers=2)
+    history_all, history = MetricsHistory(rank=None), MetricsHistory()
+    out = io.StringIO()
+    try:
+        with ProgressBar(total=4, file=out, mininterval=0) as progress:
+            assert executor.run(_train, args=[4], callbacks=[progress, history, history_all]) == [0, 1]
+            assert progress.bar.n == 4
+    finally:
+        executor.shutdown()
+    assert history.series("loss") == ([1, 2, 3, 4], [1.0, 0.5, pytest.approx(1 / 3), 0.25])
+    assert sorted(row["rank"] for row in history_all.rows) == [0] * 4 + [1] * 4
+    assert "4/4" in out.getvalue()

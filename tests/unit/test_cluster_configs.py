@@ -1,0 +1,80 @@
+"""cluster_configs/: every launcher YAML passes Ray's own config preparation and schema validation,
+and the KubeRay manifest is a well-formed RayCluster whose pods run the hvdray image.
+
+Nothing of the clouds is contacted or mocked: ``prepare_config`` merges Ray's provider defaults and
+``validate_config`` checks the result against Ray's JSON schema, exactly what ``ray up`` does first.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+LAUNCHER_CONFIGS = ["local.yaml", "aws.yaml", "gcp.yaml"]
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_passes_ray_validation(name):
+    config = _load(name)
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_installs_hvdray_with_cpu_torch(name):
+    config = _load(name)
+    commands = "\n".join(config["setup_commands"])
+    assert "download.pytorch.org/whl/cpu" in commands and "constraints.txt torch" in commands
+    assert "hvdray[" in commands
+    assert config["file_mounts"] == {"~/hvdray": "."}
+    assert ".venv" in config["rsync_exclude"]
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address=$RAY_HEAD_IP" in c for c in config["worker_start_ray_commands"])
+
+
+def test_validation_rejects_a_broken_config():
+    """The check above can fail: a misspelled field is refused by Ray's schema."""
+    import jsonschema
+
+    config = prepare_config(_load("aws.yaml"))
+    config["setup_comands"] = config.pop("setup_commands")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(config)
+
+
+def test_kuberay_manifest_is_a_raycluster_running_the_hvdray_image():
+    manifest = _load("kuberay.yaml")
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayCluster"
+    assert manifest["metadata"]["name"]
+    spec = manifest["spec"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", spec["rayVersion"])
+    # The operator is told the Ray version the image really has.
+    assert f"FROM rayproject/ray:{spec['rayVersion']}-py311-cpu" in (CONFIGS / "Dockerfile").read_text()
+    head = spec["headGroupSpec"]
+    assert isinstance(head["rayStartParams"], dict)
+    pods = [head["template"]] + [group["template"] for group in spec["workerGroupSpecs"]]
+    for group in spec["workerGroupSpecs"]:
+        assert group["groupName"] and isinstance(group["rayStartParams"], dict)
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert container["image"].endswith("/hvdray:0.1.0")
+        assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+
+
+def test_kuberay_image_installs_hvdray():
+    dockerfile = (CONFIGS / "Dockerfile").read_text()
+    assert "download.pytorch.org/whl/cpu" in dockerfile and "hvdray[" in dockerfile

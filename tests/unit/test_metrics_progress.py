@@ -1,0 +1,71 @@
+"""MetricsHistory and ProgressBar as executor callbacks, fed records shaped as ray_logger delivers them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from hvdray.metrics import MetricsHistory
+from hvdray.progress import ProgressBar
+
+RECORDS = [
+    {"rank": 0, "epoch": 1, "loss": 2.0, "accuracy": 0.5, "phase": "warm-up"},
+    {"rank": 1, "epoch": 1, "loss": 9.0},                       # another rank: ignored by default
+    {"rank": 0, "hvdrayrun_stream": "stdout", "text": "hi"},  # no step key: ignored
+    {"rank": 0, "epoch": 2, "loss": 1.0, "accuracy": 0.75},
+    {"rank": 0, "epoch": 3, "loss": 0.5, "accuracy": 0.875},
+]
+
+
+def _history(**kwargs) -> MetricsHistory:
+    history = MetricsHistory(**kwargs)
+    for record in RECORDS:
+        history(record)
+    return history
+
+
+def test_history_keeps_rank_zero_rows_with_a_step():
+    history = _history()
+    assert len(history) == 3
+    assert history.metric_names() == ["loss", "accuracy"]
+    assert history.series("loss") == ([1, 2, 3], [2.0, 1.0, 0.5])
+    assert len(_history(rank=None)) == 4
+    with pytest.raises(KeyError, match="no metric 'f1'"):
+        history.series("f1")
+
+
+def test_history_saves_csv_json_and_png(tmp_path):
+    history = _history()
+    with history.to_csv(tmp_path / "h.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"] and rows[0]["phase"] == "warm-up" and rows[1]["phase"] == ""
+    saved = json.loads(history.to_json(tmp_path / "h.json").read_text())
+    assert saved["step_key"] == "epoch" and saved["rows"][2]["accuracy"] == 0.875
+    figure = history.plot(tmp_path / "h.png", metrics=["loss"])
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [ax.get_title() for ax in figure.axes] == ["loss"]
+    assert list(figure.axes[0].lines[0].get_ydata()) == [2.0, 1.0, 0.5]
+
+
+def test_history_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="step_key"):
+        MetricsHistory(step_key="")
+    with pytest.raises(ValueError, match="rank"):
+        MetricsHistory(rank=-1)
+    with pytest.raises(ValueError, match="nothing to plot"):
+        MetricsHistory().plot()
+
+
+def test_progress_bar_moves_one_step_per_rank_zero_record_and_shows_metrics():
+    out = io.StringIO()
+    with ProgressBar(total=3, file=out, mininterval=0) as progress:
+        for record in RECORDS:
+            progress(record)
+        assert progress.bar.n == 3
+    text = out.getvalue()
+    assert "3/3" in text and "loss=0.5" in text and "accuracy=0.875" in text
+    with pytest.raises(ValueError, match="total"):
+        ProgressBar(total=-1, file=out)
