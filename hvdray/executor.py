@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hvdray.actors.coordinator import Coordinator
+from hvdray.actors.coordinator import start_coordinator
 from hvdray.actors.placement import Placement, plan_placement
 from hvdray.actors.worker import Worker, worker_actor_name
 from hvdray.elastic.discovery import HostDiscovery, RayNodeDiscovery
@@ -193,12 +193,12 @@ class RayExecutor:
 
     def _start_coordinator(self) -> None:
         self._secret = secrets.token_bytes(32)
-        self._coordinator = ray.remote(Coordinator).options(
+        self._coordinator = start_coordinator(
             num_cpus=0,
             name=f"hvdray-{self._id}-coordinator",
             # on the driver's node, never spilled elsewhere: losing another node must not lose the coordinator
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote()
+        )
 
     def _start_workers(self) -> None:
         self._start_coordinator()
@@ -239,9 +239,9 @@ class RayExecutor:
         self._state = "shut down"
 
     def _stop_workers(self) -> None:
-        for actor in [*self._workers, self._coordinator]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        coordinator = [self._coordinator.handle] if self._coordinator is not None else []
+        for actor in [*self._workers, *coordinator]:
+            ray.kill(actor, no_restart=True)
         self._workers, self._coordinator = [], None
 
     def __enter__(self) -> "RayExecutor":

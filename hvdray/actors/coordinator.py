@@ -10,15 +10,54 @@ wait at once; it needs no CPU.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import secrets
 from typing import Any, Optional, Sequence
 
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
 
 
+class CoordinatorClient:
+    """The coordinator's actor handle plus the job's token, which it presents on every call.
+
+    ``client.kv_get.remote(key, timeout_s)`` calls ``Coordinator.kv_get(token, key, timeout_s)``. The
+    driver makes one with :func:`start_coordinator` and hands it to the job's workers."""
+
+    def __init__(self, handle: Any, token: bytes) -> None:
+        self.handle = handle
+        self._token = token
+
+    def __getattr__(self, method: str) -> "_TokenCall":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _TokenCall(getattr(self.handle, method), self._token)
+
+
+class _TokenCall:
+    __slots__ = ("_method", "_token")
+
+    def __init__(self, method: Any, token: bytes) -> None:
+        self._method, self._token = method, token
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method.remote(self._token, *args, **kwargs)
+
+
+def start_coordinator(**actor_options: Any) -> CoordinatorClient:
+    """Start a coordinator actor for one job with a fresh random token; the client holds the token."""
+    import ray
+
+    token = secrets.token_bytes(32)
+    handle = ray.remote(Coordinator).options(**actor_options).remote(hashlib.sha256(token).digest())
+    return CoordinatorClient(handle, token)
+
+
 class Coordinator:
     """One per executor. Holds membership (an epoch that grows with every assignment) and the KV table."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_digest: bytes) -> None:
+        self._token_digest = token_digest
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
         self._changed = asyncio.Condition()
@@ -30,13 +69,19 @@ class Coordinator:
         self._host_updates = 0
         self._host_updates_at_epoch = 0
 
+    def _admit(self, token: Any) -> None:
+        """Refuse a caller that does not present the job's rendezvous token."""
+        if not isinstance(token, bytes) or not hmac.compare_digest(hashlib.sha256(token).digest(), self._token_digest):
+            raise PermissionError("this hvdray job's coordinator only answers callers that hold the job's token")
+
     # -- membership ------------------------------------------------------------------------
     async def assign(
-        self, slots: Sequence[WorkerSlot], worker_ids: Optional[Sequence[str]] = None
+        self, token: bytes, slots: Sequence[WorkerSlot], worker_ids: Optional[Sequence[str]] = None
     ) -> tuple[int, list[RankInfo], list[tuple[str, ...]]]:
         """New membership epoch: each slot's RankInfo and the GPU ids its node's workers share.
 
         With ``worker_ids`` (elastic jobs) the workers waiting in :meth:`await_membership` get theirs."""
+        self._admit(token)
         infos, gpus = assign_ranks(slots), visible_devices(slots)
         async with self._changed:
             self._epoch += 1
@@ -49,16 +94,18 @@ class Coordinator:
             self._changed.notify_all()
         return self._epoch, infos, gpus
 
-    def epoch(self) -> int:
+    def epoch(self, token: bytes) -> int:
+        self._admit(token)
         return self._epoch
 
     async def await_membership(
-        self, worker_id: str, left_epoch: int, timeout_s: float
+        self, token: bytes, worker_id: str, left_epoch: int, timeout_s: float
     ) -> tuple[str, Optional[tuple[int, RankInfo, tuple[str, ...]]]]:
         """A worker that left epoch ``left_epoch`` (0: a new worker) waits for the next one.
 
         Returns ``("member", (epoch, rank_info, node_gpu_ids))``, ``("removed", None)`` when a newer
         epoch was formed without this worker, or ``("wait", None)`` after ``timeout_s`` (ask again)."""
+        self._admit(token)
         async with self._changed:
             if worker_id in self._members and self._epoch > left_epoch:
                 return "member", self._member(worker_id)
@@ -78,44 +125,52 @@ class Coordinator:
         info, gpus = self._members[worker_id]
         return self._epoch, info, gpus
 
-    def waiting(self) -> dict[str, int]:
+    def waiting(self, token: bytes) -> dict[str, int]:
         """Workers waiting for a new epoch, with the epoch each has left (read by the elastic driver)."""
+        self._admit(token)
         return dict(self._waiting)
 
-    def forget(self, worker_ids: Sequence[str]) -> None:
+    def forget(self, token: bytes, worker_ids: Sequence[str]) -> None:
         """Stop reporting workers the driver has dropped as waiting."""
+        self._admit(token)
         for worker_id in worker_ids:
             self._waiting.pop(worker_id, None)
             self._waiting_since.pop(worker_id, None)
 
-    def notify_hosts_updated(self) -> None:
+    def notify_hosts_updated(self, token: bytes) -> None:
         """The driver started workers on new hosts: members raise HostsUpdatedInterrupt at their next commit."""
+        self._admit(token)
         self._host_updates += 1
 
-    def host_updates(self) -> int:
+    def host_updates(self, token: bytes) -> int:
         """Host updates announced since the current epoch was formed (0: nothing to react to)."""
+        self._admit(token)
         return self._host_updates - self._host_updates_at_epoch
 
     # -- rendezvous key-value table ----------------------------------------------------------
-    async def kv_set(self, key: str, value: bytes) -> None:
+    async def kv_set(self, token: bytes, key: str, value: bytes) -> None:
+        self._admit(token)
         async with self._changed:
             self._kv[key] = value
             self._changed.notify_all()
 
-    async def kv_get(self, key: str, timeout_s: float) -> Optional[bytes]:
-        if await self.kv_wait([key], timeout_s):
+    async def kv_get(self, token: bytes, key: str, timeout_s: float) -> Optional[bytes]:
+        self._admit(token)
+        if await self.kv_wait(token, [key], timeout_s):
             return self._kv[key]
         return None
 
-    async def kv_add(self, key: str, amount: int) -> int:
+    async def kv_add(self, token: bytes, key: str, amount: int) -> int:
+        self._admit(token)
         async with self._changed:
             value = int(self._kv.get(key, b"0")) + amount
             self._kv[key] = str(value).encode()
             self._changed.notify_all()
             return value
 
-    async def kv_wait(self, keys: list[str], timeout_s: float) -> bool:
+    async def kv_wait(self, token: bytes, keys: list[str], timeout_s: float) -> bool:
         """True once all ``keys`` exist; False after ``timeout_s`` or as soon as their epoch is superseded."""
+        self._admit(token)
         if not keys:
             return True
         current = f"e{self._epoch}/"
@@ -133,16 +188,20 @@ class Coordinator:
                 return False
             return keys[0].startswith(f"e{self._epoch}/")
 
-    def kv_check(self, keys: list[str]) -> bool:
+    def kv_check(self, token: bytes, keys: list[str]) -> bool:
+        self._admit(token)
         return all(k in self._kv for k in keys)
 
-    def kv_delete(self, key: str) -> bool:
+    def kv_delete(self, token: bytes, key: str) -> bool:
+        self._admit(token)
         return self._kv.pop(key, None) is not None
 
     # -- ray_logger channel ------------------------------------------------------------------
-    def push_log(self, rank: int, record: dict[str, Any]) -> None:
+    def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:
+        self._admit(token)
         self._logs.append({"rank": rank, **record})
 
-    def drain_logs(self) -> list[dict[str, Any]]:
+    def drain_logs(self, token: bytes) -> list[dict[str, Any]]:
+        self._admit(token)
         logs, self._logs = self._logs, []
         return logs
