@@ -348,16 +348,24 @@ class RayExecutor:
         callbacks = list(callbacks or ())
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
+                self._deliver_logs(callbacks)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank attached
+                        self._fail(rank_of[ref], len(refs), exc)
             self._deliver_logs(callbacks)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank attached
-                    self._fail(rank_of[ref], len(refs), exc)
-        self._deliver_logs(callbacks)
-        return ray.get(refs)
+            return ray.get(refs)
+        except KeyboardInterrupt:
+            # Ctrl-C (or a notebook's interrupt): the workers may be mid-collective, so they are stopped;
+            # the executor stays usable and its next call starts fresh workers in the same placement group.
+            self._stop_workers()
+            self._state = "broken"
+            log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
+            raise
 
     def _deliver_logs(self, callbacks: list[Callback]) -> None:
         if not callbacks or self._coordinator is None:
