@@ -378,6 +378,11 @@ class RayExecutor:
         """Stop every worker (they may wait on the failed one) and raise that rank's error."""
         self._stop_workers()
         self._state = "broken"
+        if isinstance(exc, ray.exceptions.OutOfMemoryError):
+            raise WorkerLostError(
+                f"the worker of rank {rank} (of {size}) was killed because its node ran out of memory "
+                f"(Ray's memory monitor): {_first_lines(exc)}"
+            ) from exc
         if isinstance(exc, ray.exceptions.RayActorError):
             raise WorkerLostError(f"the worker of rank {rank} (of {size}) died: {exc}") from exc
         if isinstance(exc, ray.exceptions.RayTaskError):
@@ -385,6 +390,10 @@ class RayExecutor:
         if hasattr(exc, "add_note"):
             exc.add_note(f"hvdray: raised on rank {rank} of {size}; the other workers were stopped")
         raise exc
+
+
+def _first_lines(exc: BaseException, lines: int = 2) -> str:
+    return " ".join(str(exc).strip().splitlines()[:lines])
 
 
 def _check_callable(fn: Any, argument: str = "fn") -> None:

@@ -420,6 +420,9 @@ class ElasticDriver:
                 finished = finished or member.rank is not None
             except ray.exceptions.RayActorError:
                 dead.append(member.worker_id)
+            except ray.exceptions.OutOfMemoryError:
+                log.warning("hvdray elastic: worker %s was killed because its node ran out of memory", member.worker_id)
+                dead.append(member.worker_id)
             except ray.exceptions.RayTaskError as exc:
                 if member.rank is None and self._state in (DriverState.FINISHING, DriverState.FINISHED):
                     continue
