@@ -83,6 +83,7 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
 
 
 def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = None) -> torch.Tensor:
+    """A CPU, dense torch tensor of a dtype Gloo can reduce, or a TypeError/ValueError naming it."""
     label = f"{argument} {name!r}" if name else argument
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -98,7 +99,7 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
     return tensor
 
 
-def _check_name(name: Optional[str], op: str) -> str:
+def check_name(name: Optional[str], op: str) -> str:
     """The op's name: ``name``, or a generated one. Call it after every other argument check, so that
     a call that fails its checks on one rank does not use up a generated name there (the ranks'
     generated names would no longer match)."""
@@ -113,21 +114,23 @@ def _label(name: Optional[str]) -> str:
     return f"tensor {name!r}" if name else "tensor"
 
 
-def _check_allreduce_args(
+def check_allreduce_args(
     tensor: Any, name: Optional[str], op: "ReduceOp", prescale_factor: Any, postscale_factor: Any,
     argument: str = "tensor",
 ) -> tuple[float, float]:
+    """Check an allreduce's tensor, op and scale factors; returns ``(prescale, postscale)`` as floats."""
     check_tensor(tensor, argument, name=name)
     if tensor.dtype == torch.bool and op in (Average, Product):
         label = f"{argument} {name!r}" if name else argument
         raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
     return (
-        _check_scale(prescale_factor, "prescale_factor", tensor),
-        _check_scale(postscale_factor, "postscale_factor", tensor),
+        check_scale(prescale_factor, "prescale_factor", tensor),
+        check_scale(postscale_factor, "postscale_factor", tensor),
     )
 
 
-def _check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
+def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
+    """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
     value = float(value)
@@ -136,7 +139,8 @@ def _check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
     return value
 
 
-def _check_root(root_rank: Any) -> int:
+def check_root(root_rank: Any) -> int:
+    """``root_rank`` checked against the job size."""
     size = context.rank_info("broadcast").size
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
@@ -172,8 +176,8 @@ def allreduce_async(
 ) -> OpHandle:
     """Reduce ``tensor`` across ranks into ``output`` (a new tensor unless given; ``tensor`` for in-place)."""
     op = resolve_op(op)
-    pre, post = _check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
-    name = _check_name(name, "allreduce")
+    pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
+    name = check_name(name, "allreduce")
     meta = _meta("allreduce", name, tensor, r=op.value, pre=pre, post=post)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
     return OpHandle([_submit(meta, tensor, out)], _first)
@@ -192,8 +196,8 @@ def grouped_allreduce_async(
         raise ValueError("tensors must be a non-empty list of tensors")
     op = resolve_op(op)
     for i, t in enumerate(tensors):  # all checked before any is submitted
-        _check_allreduce_args(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
-    base = _check_name(name, "grouped_allreduce")
+        check_allreduce_args(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
+    base = check_name(name, "grouped_allreduce")
     parts = []
     for i, t in enumerate(tensors):
         handle = allreduce_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor, t if inplace else None)
@@ -206,7 +210,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> OpHandl
     check_tensor(tensor, name=name)
     if tensor.dim() == 0:
         raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
-    name = _check_name(name, "allgather")
+    name = check_name(name, "allgather")
     return OpHandle([_submit(_meta("allgather", name, tensor), tensor, None)], _first)
 
 
@@ -215,8 +219,8 @@ def broadcast_async(
 ) -> OpHandle:
     """Send root's ``tensor`` to every rank (into ``tensor`` itself when ``inplace``)."""
     check_tensor(tensor, name=name)
-    root = _check_root(root_rank)
-    name = _check_name(name, "broadcast")
+    root = check_root(root_rank)
+    name = check_name(name, "broadcast")
     out = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return OpHandle([_submit(_meta("broadcast", name, tensor, root=root), tensor, out)], _first)
 
@@ -245,7 +249,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         raise ValueError(
             f"{label} without splits needs dim 0 ({tensor.shape[0]}) divisible by the job size ({size})"
         )
-    name = _check_name(name, "alltoall")
+    name = check_name(name, "alltoall")
     meta = _meta("alltoall", name, tensor, sp=split_list)
     return OpHandle([_submit(meta, tensor, None)], _first)
 
@@ -265,9 +269,9 @@ def reducescatter_async(
     if op == Product or tensor.dtype == torch.bool:
         label = f"reducescatter {name!r}" if name else "reducescatter"
         raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
-    pre = _check_scale(prescale_factor, "prescale_factor", tensor)
-    post = _check_scale(postscale_factor, "postscale_factor", tensor)
-    name = _check_name(name, "reducescatter")
+    pre = check_scale(prescale_factor, "prescale_factor", tensor)
+    post = check_scale(postscale_factor, "postscale_factor", tensor)
+    name = check_name(name, "reducescatter")
     meta = _meta("reducescatter", name, tensor, r=op.value, pre=pre, post=post)
     return OpHandle([_submit(meta, tensor, None)], _first)
 
@@ -315,10 +319,10 @@ _UNPICKLABLE = -1  # the length a rank sends when its object could not be pickle
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Root's picklable ``obj`` on every rank. If root cannot pickle it, every rank raises."""
-    _check_root(root_rank)
+    check_root(root_rank)
     is_root = context.rank_info().rank == root_rank
     payload, error = _try_seal(obj) if is_root else (torch.empty(0, dtype=torch.uint8), None)
-    name = _check_name(name, "broadcast_object")
+    name = check_name(name, "broadcast_object")
     length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
     length = int(synchronize(broadcast_async(length, root_rank, name=f"{name}.len")).item())
     if length == _UNPICKLABLE:
@@ -331,7 +335,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order. If any rank cannot pickle its object, every rank raises."""
-    name = _check_name(name, "allgather_object")
+    name = check_name(name, "allgather_object")
     payload, error = _try_seal(obj)
     length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
     sizes = synchronize(allgather_async(length, name=f"{name}.len")).tolist()

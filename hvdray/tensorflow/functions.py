@@ -26,10 +26,10 @@ def broadcast_variables(
     for i, var in enumerate(variables):
         if not hasattr(var, "assign"):
             raise TypeError(f"variables[{i}] must be a tf.Variable or keras.Variable, got {type(var).__name__}")
-    root = _c._check_root(root_rank)
+    root = _c.check_root(root_rank)
     if not variables:
         return None
-    base = _c._check_name(name, "op") if name is not None else "broadcast_variables"
+    base = _c.check_name(name, "op") if name is not None else "broadcast_variables"
     values = [as_tensor(var, f"variables[{i}]") for i, var in enumerate(variables)]
     received = _ops._broadcast_raw(values, root, [f"{base}.{i}" for i in range(len(values))])
     assigns = [var.assign(value) for var, value in zip(variables, received)]

@@ -61,17 +61,17 @@ def check_common(
 
 
 def _check_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else _c._check_name(name, "op")  # an explicit name is only validated
+    return None if name is None else _c.check_name(name, "op")  # an explicit name is only validated
 
 
 def _check_allreduce(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: Any, post: Any, argument: str = "tensor"):
     # the engine's own checks, on an empty stand-in of the same dtype (shape does not matter to them)
     stand_in = torch.empty(0, dtype=torch_dtype(x.dtype))
-    return _tf_names(_c._check_allreduce_args, stand_in, name, op, pre, post, argument)
+    return _tf_names(_c.check_allreduce_args, stand_in, name, op, pre, post, argument)
 
 
 def _check_scale(value: Any, argument: str, x: tf.Tensor) -> float:
-    return _tf_names(_c._check_scale, value, argument, torch.empty(0, dtype=torch_dtype(x.dtype)))
+    return _tf_names(_c.check_scale, value, argument, torch.empty(0, dtype=torch_dtype(x.dtype)))
 
 
 def _tf_names(check: Callable[..., Any], *args: Any) -> Any:
@@ -264,7 +264,7 @@ def broadcast(
     check_common(process_set=process_set)
     name = _check_name(name)
     x = as_tensor(tensor)
-    root = _c._check_root(root_rank)
+    root = _c.check_root(root_rank)
 
     def backward(xs, ys, dys):
         summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0)
