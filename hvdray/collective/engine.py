@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed import ReduceOp
 
+from hvdray.collective.adasum import adasum_tree
 from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.response_cache import FlagVector, ResponseCache
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached
 GENERATED_NAME_MARK = ".noname."
+
+#: the reduction that is not a Gloo op: gathered, then combined pairwise (see collective/adasum.py)
+ADASUM = "adasum"
 
 GLOO_OPS = {
     "sum": ReduceOp.SUM,
@@ -520,7 +524,10 @@ class Engine:
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
         if meta["pre"] != 1.0:
             buf.mul_(meta["pre"])
-        self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
+        if meta["r"] == ADASUM:
+            buf.copy_(adasum_tree(self.comm.allgather(buf)))
+        else:
+            self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
         _postscale(buf, meta, self.size)
 
     def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
@@ -618,6 +625,8 @@ class _FusionBatch:
         self._nbytes = 0
 
     def fits(self, meta: dict[str, Any]) -> bool:
+        if meta["r"] == ADASUM:  # Adasum's coefficients are per tensor: it never shares a buffer
+            return not self._items
         if not self._items:
             return True
         first = self._items[0][1]

@@ -29,9 +29,11 @@ class ReduceOp(str, enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"  # see hvdray/collective/adasum.py
 
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 
 class OpHandle:
@@ -78,7 +80,7 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
         return ReduceOp(op)
     except ValueError:
         raise ValueError(
-            f"op must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product; got {op!r}"
+            f"op must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product, hvd.Adasum; got {op!r}"
         ) from None
 
 
@@ -120,9 +122,11 @@ def check_allreduce_args(
 ) -> tuple[float, float]:
     """Check an allreduce's tensor, op and scale factors; returns ``(prescale, postscale)`` as floats."""
     check_tensor(tensor, argument, name=name)
+    label = f"{argument} {name!r}" if name else argument
     if tensor.dtype == torch.bool and op in (Average, Product):
-        label = f"{argument} {name!r}" if name else argument
         raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
+    if op == Adasum and not tensor.is_floating_point():
+        raise ValueError(f"{label} has dtype {tensor.dtype}; op=hvd.Adasum needs a floating-point tensor")
     return (
         check_scale(prescale_factor, "prescale_factor", tensor),
         check_scale(postscale_factor, "postscale_factor", tensor),
@@ -266,7 +270,7 @@ def reducescatter_async(
     check_tensor(tensor, name=name)
     if tensor.dim() == 0:
         raise ValueError(f"{_label(name)} is a scalar; reducescatter needs at least one dimension")
-    if op == Product or tensor.dtype == torch.bool:
+    if op in (Product, Adasum) or tensor.dtype == torch.bool:
         label = f"reducescatter {name!r}" if name else "reducescatter"
         raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
     pre = check_scale(prescale_factor, "prescale_factor", tensor)

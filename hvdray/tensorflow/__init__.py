@@ -9,6 +9,7 @@ from hvdray.collective.errors import HorovodInternalError, NotInitializedError, 
 from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.gradients import DistributedGradientTape
 from hvdray.tensorflow.ops import (
+    Adasum,
     Average,
     Max,
     Min,

@@ -30,8 +30,8 @@ class GradientReducer:
     ) -> None:
         _ops.check_common(compression, process_set, device_dense, device_sparse)
         op = _c.resolve_op(op)
-        if op not in (_c.Average, _c.Sum):
-            raise ValueError(f"op= must be hvd.Average or hvd.Sum for gradients, got {op.name.lower()}")
+        if op not in (_c.Average, _c.Sum, _c.Adasum):
+            raise ValueError(f"op= must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op.name.lower()}")
         if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) or (
             gradient_predivide_factor <= 0
         ):

@@ -40,7 +40,7 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with 
     size,
 )
 
-Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
 
 
 # -- argument checks -----------------------------------------------------------------------------

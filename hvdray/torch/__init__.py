@@ -4,6 +4,7 @@ from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
 from hvdray.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from hvdray.torch.ops import (
+    Adasum,
     Average,
     Max,
     Min,

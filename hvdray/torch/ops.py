@@ -28,7 +28,7 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported (shared with 
 from hvdray.collective.compression import Compression
 from hvdray.collective.ops import OpHandle, ReduceOp, poll, synchronize  # noqa: F401 - re-exported
 
-Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
 
 
 # -- allreduce -----------------------------------------------------------------------------------

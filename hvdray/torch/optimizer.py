@@ -53,7 +53,7 @@ class _DistributedMixin:
             self._hvd_scale = (1.0 / gradient_predivide_factor, float(gradient_predivide_factor))
         else:
             self._hvd_scale = (1.0, 1.0)
-        self._hvd_op = _c.Sum if op == _c.Sum else _c.Average
+        self._hvd_op = op
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_sparse_as_dense = sparse_as_dense
@@ -162,8 +162,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("optimizer is already a DistributedOptimizer")
     op = _c.resolve_op(op)
-    if op not in (_c.Average, _c.Sum):
-        raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    if op not in (_c.Average, _c.Sum, _c.Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum, got {op.name.lower()}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
         backward_passes_per_step < 1
     ):

@@ -17,6 +17,7 @@ from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.keras import callbacks
 from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
 from hvdray.tensorflow.ops import (
+    Adasum,
     Average,
     Max,
     Min,
