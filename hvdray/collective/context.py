@@ -38,7 +38,8 @@ class JobConfig:
 
 _lock = threading.RLock()
 _job: Optional[JobConfig] = None
-_engine: Optional[Engine] = None
+_engine: Optional[Engine] = None  # the global process set's engine (id 0)
+_set_engines: dict[int, Engine] = {}  # process set id -> this rank's engine for it (member sets only)
 _generation = 0
 
 
@@ -51,44 +52,78 @@ def configure(job: Optional[JobConfig]) -> None:
         _job = job
 
 
+def _start_engine(store_prefix: str, rank: int, size: int) -> Engine:
+    """A Gloo group of ``size`` ranks on the job's store under ``store_prefix``, and its engine."""
+    job = _current_job()
+    settings = job.settings
+    comm = Communicator(
+        job.store_factory(store_prefix),
+        rank,
+        size,
+        timeout_s=settings.timeout_s,
+        hostname=job.host_ip,
+        interface=settings.nics[0] if settings.nics else None,
+    )
+    return Engine(
+        comm,
+        cycle_time_s=settings.cycle_time_ms / 1000.0,
+        idle_cycle_time_s=settings.idle_cycle_time_ms / 1000.0,
+        fusion_threshold_bytes=int(settings.fusion_threshold_mb * 1024 * 1024),
+        stall_warning_s=settings.stall_warning_s,
+        stall_shutdown_s=settings.stall_shutdown_s,
+        cache_capacity=settings.cache_capacity,
+    )
+
+
 def init() -> None:
     """Join the configured job (or start a size-1 one). Calling it again while running is a no-op."""
     global _engine, _generation
     with _lock:
         if _engine is not None and _engine.alive:
             return
-        job = _current_job()
-        settings = job.settings
+        info = _current_job().rank_info
         _generation += 1
-        info = job.rank_info
-        store = job.store_factory(f"gen{_generation}/")
-        comm = Communicator(
-            store,
-            info.rank,
-            info.size,
-            timeout_s=settings.timeout_s,
-            hostname=job.host_ip,
-            interface=settings.nics[0] if settings.nics else None,
-        )
-        _engine = Engine(
-            comm,
-            cycle_time_s=settings.cycle_time_ms / 1000.0,
-            idle_cycle_time_s=settings.idle_cycle_time_ms / 1000.0,
-            fusion_threshold_bytes=int(settings.fusion_threshold_mb * 1024 * 1024),
-            stall_warning_s=settings.stall_warning_s,
-            stall_shutdown_s=settings.stall_shutdown_s,
-            cache_capacity=settings.cache_capacity,
-        )
+        _engine = _start_engine(f"gen{_generation}/", info.rank, info.size)
         log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
 
 
+def start_set_engine(set_id: int, set_rank: int, set_size: int) -> Engine:
+    """Start this rank's engine for process set ``set_id`` (its own Gloo group under its own store prefix)."""
+    with _lock:
+        engine(f"process set {set_id}")  # the job must be initialized
+        started = _set_engines[set_id] = _start_engine(f"gen{_generation}/ps{set_id}/", set_rank, set_size)
+        return started
+
+
+def stop_set_engine(set_id: int) -> None:
+    """Stop this rank's engine for process set ``set_id``, if it has one."""
+    with _lock:
+        stopped = _set_engines.pop(set_id, None)
+    if stopped is not None:
+        stopped.shutdown()
+
+
 def shutdown() -> None:
-    """Stop the engine and drop the Gloo group; ``init`` may be called again afterwards."""
+    """Stop the engines and drop the Gloo groups; ``init`` may be called again afterwards."""
     global _engine
     with _lock:
+        engines = list(_set_engines.values())
+        _set_engines.clear()
         engine, _engine = _engine, None
+    for stopped in engines:
+        stopped.shutdown()
     if engine is not None:
         engine.shutdown()
+    for hook in _shutdown_hooks:
+        hook()
+
+
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Call ``hook`` after every shutdown (modules that keep per-job state forget it there)."""
+    _shutdown_hooks.append(hook)
 
 
 atexit.register(shutdown)
@@ -98,12 +133,20 @@ def is_initialized() -> bool:
     return _engine is not None and _engine.alive
 
 
-def engine(what: str = "this operation") -> Engine:
-    """The running engine, or a clear error telling the user to call ``hvd.init()``."""
-    current = _engine
+def engine(what: str = "this operation", set_id: int = 0) -> Engine:
+    """The running engine (of process set ``set_id``), or a clear error telling the user to call ``hvd.init()``."""
+    current = _engine if set_id == 0 else _set_engines.get(set_id)
     if current is None:
-        raise NotInitializedError(what)
+        if _engine is None:
+            raise NotInitializedError(what)
+        raise ValueError(f"process_set {set_id} has no engine on this rank; {what} cannot run on it")
     return current
+
+
+def engines() -> list[Engine]:
+    """Every engine this rank runs: the global one first, then one per process set it belongs to."""
+    with _lock:
+        return ([_engine] if _engine is not None else []) + list(_set_engines.values())
 
 
 def rank_info(what: str = "this call") -> RankInfo:
