@@ -28,6 +28,8 @@ def init(comm: Any = None, process_sets: Optional[Sequence[Any]] = None) -> None
 
 shutdown = context.shutdown
 is_initialized = context.is_initialized
+start_timeline = context.start_timeline
+stop_timeline = context.stop_timeline
 
 
 def rank() -> int:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import NotInitializedError
+from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
 from hvdray.settings import Settings, make_settings
 
@@ -64,7 +65,7 @@ def _start_engine(store_prefix: str, rank: int, size: int) -> Engine:
         hostname=job.host_ip,
         interface=settings.nics[0] if settings.nics else None,
     )
-    return Engine(
+    started = Engine(
         comm,
         cycle_time_s=settings.cycle_time_ms / 1000.0,
         idle_cycle_time_s=settings.idle_cycle_time_ms / 1000.0,
@@ -73,6 +74,8 @@ def _start_engine(store_prefix: str, rank: int, size: int) -> Engine:
         stall_shutdown_s=settings.stall_shutdown_s,
         cache_capacity=settings.cache_capacity,
     )
+    started.timeline = _timeline
+    return started
 
 
 def init() -> None:
@@ -85,6 +88,9 @@ def init() -> None:
         _generation += 1
         _engine = _start_engine(f"gen{_generation}/", info.rank, info.size)
         log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
+        settings = _current_job().settings
+        if settings.timeline_filename and _timeline is None:
+            start_timeline(settings.timeline_filename, settings.timeline_mark_cycles)
 
 
 def start_set_engine(set_id: int, set_rank: int, set_size: int) -> Engine:
@@ -92,6 +98,7 @@ def start_set_engine(set_id: int, set_rank: int, set_size: int) -> Engine:
     with _lock:
         engine(f"process set {set_id}")  # the job must be initialized
         started = _set_engines[set_id] = _start_engine(f"gen{_generation}/ps{set_id}/", set_rank, set_size)
+        started.timeline_pid = set_id
         return started
 
 
@@ -114,6 +121,7 @@ def shutdown() -> None:
         stopped.shutdown()
     if engine is not None:
         engine.shutdown()
+    stop_timeline()
     for hook in _shutdown_hooks:
         hook()
 
@@ -127,6 +135,41 @@ def on_shutdown(hook: Callable[[], None]) -> None:
 
 
 atexit.register(shutdown)
+
+
+_timeline: Optional[Timeline] = None
+
+
+def start_timeline(filename: str, mark_cycles: bool = False) -> None:
+    """Record a Chrome-trace timeline of every engine of this rank into ``filename``.
+
+    Rank 0 writes ``filename``; if the name contains ``{rank}``, every rank writes its own file
+    (``filename.format(rank=...)``). Other ranks do nothing. A running timeline is closed first.
+    """
+    global _timeline
+    if not isinstance(filename, str) or not filename:
+        raise ValueError(f"filename must be a non-empty path, got {filename!r}")
+    if not isinstance(mark_cycles, bool):
+        raise TypeError(f"mark_cycles must be a bool, got {type(mark_cycles).__name__}")
+    rank = rank_info("hvd.start_timeline()").rank
+    stop_timeline()
+    if "{rank}" not in filename and rank != 0:
+        return
+    with _lock:
+        _timeline = Timeline(filename.format(rank=rank) if "{rank}" in filename else filename, mark_cycles)
+        for running in engines():
+            running.timeline = _timeline
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the timeline file (a no-op when none is recording)."""
+    global _timeline
+    with _lock:
+        timeline, _timeline = _timeline, None
+        for running in engines():
+            running.timeline = None
+    if timeline is not None:
+        timeline.close()
 
 
 def is_initialized() -> bool:

@@ -24,6 +24,7 @@ from hvdray.collective.adasum import adasum_tree
 from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.response_cache import FlagVector, ResponseCache
+from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import reducescatter_rows
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Request:
     tensor: Optional[torch.Tensor]
     output: Optional[torch.Tensor]
     handle: Handle
+    submitted: float = 0.0  # time.perf_counter() at submission, taken only while a timeline records
 
     @property
     def name(self) -> str:
@@ -162,6 +164,11 @@ class Engine:
         self._stall_warned: set[int] = set()
         self._drops: list[list[Any]] = []  # rank 0: stalled names to drop in the next full round
 
+        # set from other threads (start/stop_timeline); the engine thread reads it once per step
+        self.timeline: Optional[Timeline] = None
+        self.timeline_pid = 0  # the trace "process" this engine's rows go to (its process set id)
+        self._ready_at = 0.0
+
         self._thread = threading.Thread(target=self._loop, name=f"hvdray-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -175,6 +182,8 @@ class Engine:
                     f"a {self._local[name].meta['o']} named {name!r} is still in flight on rank {self.rank}; "
                     "names of outstanding ops must be unique"
                 )
+            if self.timeline is not None:
+                request.submitted = time.perf_counter()
             self._local[name] = request
             self._queue.append(request)
             self._lock.notify()
@@ -242,6 +251,11 @@ class Engine:
                     busy = self._absorb(messages) or busy
                 if self.rank == 0:
                     self._watch_cached_stalls(pending_somewhere, ready_slots)
+                timeline = self.timeline
+                if timeline is not None:
+                    self._ready_at = time.perf_counter()
+                    if busy:
+                        timeline.cycle(self.timeline_pid, self._ready_at)
                 self._run_ready(ready_slots)
                 wait_s = self._cycle_s if (busy or self._table or self._joined) else min(wait_s * 2, self._idle_s)
         except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
@@ -495,18 +509,24 @@ class Engine:
             req.tensor if req is not None else torch.zeros(m["s"], dtype=_dtype(m["d"]))
             for req, (_, m) in zip(requests, batch)
         ]
+        timeline = self.timeline
+        t_start = time.perf_counter() if timeline is not None else 0.0
         if len(inputs) == 1:
             req = requests[0]
             src = inputs[0]
             buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
             if buf is not src:
                 buf.copy_(src)
+            t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(buf, meta)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
         else:
             flat = torch.cat([t.reshape(-1) for t in inputs])
+            t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(flat, meta)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
             self.stats.fused_tensors += len(inputs)
             offset = 0
             for req, t in zip(requests, inputs):
@@ -514,6 +534,14 @@ class Engine:
                 if req is not None:
                     req.output.copy_(flat[offset : offset + n].view(t.shape))
                 offset += n
+        if timeline is not None:
+            t_done = time.perf_counter()
+            fused = {"tensors": len(inputs), "bytes": sum(t.numel() * t.element_size() for t in inputs)}
+            for req in self._running:
+                self._trace_start(timeline, req, t_start)
+                timeline.phase(self.timeline_pid, req.name, "FUSION-COPY", t_start, t_copied)
+                timeline.phase(self.timeline_pid, req.name, "REDUCE", t_copied, t_reduced, fused)
+                timeline.phase(self.timeline_pid, req.name, "COPY-OUT", t_reduced, t_done)
         self.stats.allreduce_calls += 1
         self.stats.ops += len(batch)
         for req in requests:
@@ -535,6 +563,7 @@ class Engine:
         self._running = [request] if request is not None else []
         meta = metas[min(metas)]
         op = meta["o"]
+        t_start = time.perf_counter() if self.timeline is not None else 0.0
         if op == "barrier":
             result = None
         elif op == "broadcast":
@@ -548,8 +577,19 @@ class Engine:
         else:
             raise HvdrayError(f"unknown op {op!r} for {name!r}")
         self.stats.ops += 1
+        timeline = self.timeline
+        if timeline is not None:
+            self._trace_start(timeline, request, t_start)
+            timeline.phase(self.timeline_pid, name, op.upper(), t_start, time.perf_counter())
         request.handle._finish(result=result)
         self._running = []
+
+    def _trace_start(self, timeline: Timeline, request: Request, started: float) -> None:
+        """NEGOTIATE (submitted until ready everywhere) and QUEUE (ready until its work began)."""
+        ready = min(max(self._ready_at, request.submitted) or started, started)
+        if request.submitted:
+            timeline.phase(self.timeline_pid, request.name, "NEGOTIATE", min(request.submitted, ready), ready)
+        timeline.phase(self.timeline_pid, request.name, "QUEUE", ready, started)
 
     def _broadcast(self, request: Request, meta: dict[str, Any]) -> torch.Tensor:
         out = request.output

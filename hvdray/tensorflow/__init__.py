@@ -46,6 +46,8 @@ from hvdray.tensorflow.ops import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -43,6 +43,8 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with 
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum

@@ -54,6 +54,8 @@ from hvdray.torch.ops import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from hvdray.torch.optimizer import DistributedOptimizer

@@ -28,6 +28,8 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported (shared with 
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from hvdray.collective.compression import Compression
 from hvdray.collective.ops import OpHandle, ReduceOp, poll, synchronize  # noqa: F401 - re-exported

@@ -45,6 +45,8 @@ from hvdray.tensorflow.ops import (
     remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 
