@@ -70,7 +70,7 @@ class Settings(BaseModel):
         None, description="CSV file (written by rank 0) with every autotune sample: parameters and score."
     )
     autotune_warmup_samples: int = Field(
-        3, ge=0, le=1000, description="Samples discarded at the start of autotuning (and after each change)."
+        3, ge=0, le=1000, description="Samples discarded at the start of autotuning, before any is scored."
     )
     autotune_steps_per_sample: int = Field(
         10, ge=1, le=100000, description="Engine ticks with reductions that make up one autotune sample."

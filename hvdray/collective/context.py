@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import NotInitializedError
@@ -53,7 +54,7 @@ def configure(job: Optional[JobConfig]) -> None:
         _job = job
 
 
-def _start_engine(store_prefix: str, rank: int, size: int) -> Engine:
+def _start_engine(store_prefix: str, rank: int, size: int, tuner: Optional[Autotuner] = None) -> Engine:
     """A Gloo group of ``size`` ranks on the job's store under ``store_prefix``, and its engine."""
     job = _current_job()
     settings = job.settings
@@ -73,6 +74,7 @@ def _start_engine(store_prefix: str, rank: int, size: int) -> Engine:
         stall_warning_s=settings.stall_warning_s,
         stall_shutdown_s=settings.stall_shutdown_s,
         cache_capacity=settings.cache_capacity,
+        tuner=tuner,
     )
     started.timeline = _timeline
     return started
@@ -86,11 +88,27 @@ def init() -> None:
             return
         info = _current_job().rank_info
         _generation += 1
-        _engine = _start_engine(f"gen{_generation}/", info.rank, info.size)
+        _engine = _start_engine(f"gen{_generation}/", info.rank, info.size, _make_tuner(info.rank))
         log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
         settings = _current_job().settings
         if settings.timeline_filename and _timeline is None:
             start_timeline(settings.timeline_filename, settings.timeline_mark_cycles)
+
+
+def _make_tuner(rank: int) -> Optional[Autotuner]:
+    """Rank 0's autotuner for the global engine when ``autotune`` is on (process sets are not tuned)."""
+    settings = _current_job().settings
+    if not settings.autotune or rank != 0:
+        return None
+    return Autotuner(
+        TunedParams(settings.fusion_threshold_mb, settings.cycle_time_ms, settings.cache_capacity > 0),
+        warmup_samples=settings.autotune_warmup_samples,
+        steps_per_sample=settings.autotune_steps_per_sample,
+        max_samples=settings.autotune_bayes_opt_max_samples,
+        gaussian_process_noise=settings.autotune_gaussian_process_noise,
+        log_file=settings.autotune_log_file,
+        tune_cache=settings.cache_capacity > 0,
+    )
 
 
 def start_set_engine(set_id: int, set_rank: int, set_size: int) -> Engine:

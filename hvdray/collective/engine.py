@@ -21,6 +21,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from hvdray.collective.adasum import adasum_tree
+from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.response_cache import FlagVector, ResponseCache
@@ -126,6 +127,7 @@ class Engine:
         stall_warning_s: float,
         stall_shutdown_s: float,
         cache_capacity: int = 1024,
+        tuner: Optional[Autotuner] = None,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -156,6 +158,9 @@ class Engine:
 
         # the response cache (replicated) and this rank's requests waiting on cached slots
         self._cache = ResponseCache(cache_capacity, self.rank)
+        self._cache_on = cache_capacity > 0  # replicated: autotune switches it on every rank in the same round
+        self._tuner = tuner if self.rank == 0 else None
+        self._tick_bytes = 0  # bytes reduced in this tick (autotune's score)
         self._flags = FlagVector(cache_capacity)
         self._cached_pending: dict[int, Request] = {}
         self._outbox: list[Request] = []  # requests to announce by name in the next full round
@@ -257,6 +262,9 @@ class Engine:
                     if busy:
                         timeline.cycle(self.timeline_pid, self._ready_at)
                 self._run_ready(ready_slots)
+                if self._tuner is not None and self._tick_bytes:
+                    self._tuner.record(self._tick_bytes, time.perf_counter())
+                self._tick_bytes = 0
                 wait_s = self._cycle_s if (busy or self._table or self._joined) else min(wait_s * 2, self._idle_s)
         except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
             error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
@@ -283,7 +291,7 @@ class Engine:
             queue, self._queue = self._queue, []
             wants_full = bool(self._join_announce or self._shutdown_requested)
         for request in queue:
-            slot = None if request.meta.get("a") else self._cache.lookup(request.meta)
+            slot = None if request.meta.get("a") or not self._cache_on else self._cache.lookup(request.meta)
             if slot is None:
                 self._outbox.append(request)
             else:
@@ -307,6 +315,10 @@ class Engine:
                 message["x"] = 1
         if self.rank == 0 and self._drops:
             message["drop"], self._drops = self._drops, []
+        if self._tuner is not None:
+            params = self._tuner.take_pending(time.perf_counter())
+            if params is not None:
+                message["tune"] = [params.fusion_threshold_mb, params.cycle_time_ms, params.cache_enabled]
         return json.dumps(message, separators=(",", ":")).encode() if message else b""
 
     def _absorb(self, messages: list[dict[str, Any]]) -> bool:
@@ -330,6 +342,9 @@ class Engine:
                 busy = True
                 self._joined.add(sender)
                 self._last_joined = sender
+        tune = messages[0].get("tune")
+        if tune is not None:
+            self._apply(TunedParams(*tune))
         for name, missing in messages[0].get("drop", ()):
             if self._table.pop(name, None) is not None:
                 self._order.remove(name)
@@ -346,6 +361,18 @@ class Engine:
                     )
                 )
         return busy
+
+    def _apply(self, params: TunedParams) -> None:
+        """Autotune's parameters, applied by every rank in the same round (rank 0 sent them)."""
+        self._fusion_bytes = int(params.fusion_threshold_mb * 1024 * 1024)
+        self._cycle_s = params.cycle_time_ms / 1000.0
+        self._cache_on = params.cache_enabled and self._cache.capacity > 0
+        log.debug("rank %d applies autotuned %s", self.rank, params)
+
+    @property
+    def tuned(self) -> TunedParams:
+        """The fusion threshold, cycle time and cache switch in force now."""
+        return TunedParams(self._fusion_bytes / (1024 * 1024), self._cycle_s * 1000.0, self._cache_on)
 
     def _uncache(self, name: str) -> None:
         """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
@@ -365,7 +392,8 @@ class Engine:
             or self._stall_shutdown_s and now - since >= self._stall_shutdown_s
             for slot, since in self._stall_since.items()
         )
-        return bool(self._drops) or census_due
+        tune_due = self._tuner is not None and self._tuner.pending is not None
+        return bool(self._drops) or census_due or tune_due
 
     def _watch_cached_stalls(self, pending_somewhere: list[int], ready: list[int]) -> None:
         now = time.monotonic()
@@ -439,7 +467,7 @@ class Engine:
                 if request is not None:
                     request.handle._finish(error=TensorMismatchError(problem))
                 continue
-            if not cached and not meta.get("a") and set(metas) == everyone:
+            if self._cache_on and not cached and not meta.get("a") and set(metas) == everyone:
                 evicted = self._cache.put(name, metas, self._round)
                 if evicted is not None and evicted in self._cached_pending:
                     self._outbox.append(self._cached_pending.pop(evicted))
@@ -520,6 +548,7 @@ class Engine:
             t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(buf, meta)
             t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self._tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
         else:
@@ -527,6 +556,7 @@ class Engine:
             t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(flat, meta)
             t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self._tick_bytes += flat.numel() * flat.element_size()
             self.stats.fused_tensors += len(inputs)
             offset = 0
             for req, t in zip(requests, inputs):
