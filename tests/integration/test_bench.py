@@ -37,7 +37,7 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
             assert r["speed ratio"] == pytest.approx(1.0)
     assert report["meta"]["workers"] == 2 and report["meta"]["horovod"]
     table = (tmp_path / "bench.md").read_text()
-    assert table.count("\n| ") == len(rows) + 1 and "hvdray-bench --quick" in table
+    assert table.count("\n| ") == len(rows) + 2 and "hvdray-bench --quick" in table  # header, rule, rows
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
