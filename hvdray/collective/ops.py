@@ -77,6 +77,8 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
         raise ValueError("pass either op= or the deprecated average=, not both")
     if op is None:
         return Sum if average is False else Average
+    if type(op) is ReduceOp:  # the common case, without the enum's lookup by value
+        return op
     try:
         return ReduceOp(op)
     except ValueError:
