@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed import ReduceOp
@@ -56,10 +56,11 @@ class Handle:
     a ``threading.Event``, which matters with hundreds of gradients per step.
     """
 
-    __slots__ = ("_latch", "_done", "_result", "_error", "name")
+    __slots__ = ("_latch", "_done", "_result", "_error", "name", "_on_wait")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._on_wait: Optional[Callable[[], None]] = None  # the engine's nudge: someone now waits on this op
         self._latch = _thread.allocate_lock()
         self._latch.acquire()
         self._done = False
@@ -71,6 +72,8 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._done:
+            if self._on_wait is not None:
+                self._on_wait()
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
             self._latch.release()
@@ -149,6 +152,7 @@ class Engine:
         self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
+        self._waited_on = False  # a caller blocks on an op: tick now instead of at the cycle's end
         self._shutdown_requested = False
         self._error: Optional[BaseException] = None
 
@@ -193,10 +197,18 @@ class Engine:
                 )
             if self.timeline is not None:
                 request.submitted = time.perf_counter()
+            request.handle._on_wait = self._nudge
             self._local[name] = request
             self._queue.append(request)
             self._lock.notify()
         return request.handle
+
+    def _nudge(self) -> None:
+        """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
+        with self._lock:
+            if not self._waited_on:
+                self._waited_on = True
+                self._lock.notify()
 
     def auto_name(self, op: str) -> str:
         """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
@@ -286,12 +298,14 @@ class Engine:
         with self._lock:
             while not self._shutdown_requested:
                 remaining = deadline - time.monotonic()
-                # New work with nothing older still in flight goes at once; otherwise pace by the cycle
-                # so that tensors arriving together are negotiated (and fused) together.
+                # New work with nothing older still in flight goes at once, and so does everything once
+                # a caller blocks on an op; otherwise pace by the cycle so that tensors arriving
+                # together are negotiated (and fused) together.
                 fresh = (self._queue or self._join_announce) and len(self._queue) == len(self._local)
-                if remaining <= 0 or fresh:
+                if remaining <= 0 or fresh or (self._waited_on and self._local):
                     break
                 self._lock.wait(remaining)
+            self._waited_on = False
             queue, self._queue = self._queue, []
             wants_full = bool(self._join_announce or self._shutdown_requested)
         for request in queue:
