@@ -77,7 +77,7 @@ def _concurrent():
     odds = hvd.add_process_set(hvd.ProcessSet([1, 3]))
     mine = evens if hvd.rank() % 2 == 0 else odds
     if hvd.rank() == 1:
-        time.sleep(0.5)  # the odd set starts late: the even set must not wait for it
+        time.sleep(2.0)  # the odd set starts late: the even set must not wait for it
     started = time.monotonic()
     for i in range(20):
         hvd.allreduce(torch.ones(1000), name=f"c{i}", process_set=mine)
@@ -93,7 +93,7 @@ def test_disjoint_sets_run_concurrently(make_executor):
     ex = make_executor(num_workers=4)
     results = ex.run(_concurrent)
     stamps = results[0][1]
-    # ranks 0 and 2 finished their set's 20 ops before rank 1 (which slept 0.5 s first) finished
+    # ranks 0 and 2 finished their set's 20 ops before rank 1 (which slept 2 s first) finished
     assert max(stamps[0], stamps[2]) < stamps[1]
 
 
