@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from hvdray import RayExecutor
+
+
+def _settings():
+    """Three and four workers on a loaded 2-core machine: give their start-up room."""
+    return RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=90)
+
 
 def _isolation():
     import torch
@@ -44,7 +51,7 @@ def _isolation():
 
 
 def test_sets_isolate_and_every_op_takes_process_set(make_executor):
-    ex = make_executor(num_workers=4)
+    ex = make_executor(settings=_settings(), num_workers=4)
     results = ex.run(_isolation)
     for r, out in enumerate(results):
         members = [0, 2] if r % 2 == 0 else [1, 3]
@@ -90,7 +97,7 @@ def _concurrent():
 
 
 def test_disjoint_sets_run_concurrently(make_executor):
-    ex = make_executor(num_workers=4)
+    ex = make_executor(settings=_settings(), num_workers=4)
     results = ex.run(_concurrent)
     stamps = results[0][1]
     # ranks 0 and 2 finished their set's 20 ops before rank 1 (which slept 2 s first) finished
@@ -133,7 +140,7 @@ def _errors():
 
 
 def test_misuse_raises_value_error_naming_process_set(make_executor):
-    ex = make_executor(num_workers=3)
+    ex = make_executor(settings=_settings(), num_workers=3)
     for r, (errors, ok, removed) in enumerate(ex.run(_errors)):
         assert ok == 3.0 and removed is True
         if r == 2:
@@ -183,7 +190,7 @@ def _tensorflow_sets():
 @pytest.mark.filterwarnings("ignore")
 def test_tensorflow_ops_take_process_set(make_executor):
     pytest.importorskip("tensorflow")
-    ex = make_executor(num_workers=3)
+    ex = make_executor(settings=_settings(), num_workers=3)
     results = ex.run(_tensorflow_sets)
     for r, out in enumerate(results):
         members = [0, 1] if r < 2 else [2]
