@@ -55,6 +55,32 @@ class Settings(BaseModel):
     stall_shutdown_s: float = Field(
         0.0, ge=0, description="If > 0, such a stall turns into an error on every rank after this many seconds."
     )
+    timeline_filename: Optional[str] = Field(
+        None,
+        description="Write a Chrome-trace timeline (open it in Perfetto) to this path from hvd.init() on: rank 0 "
+        "writes it, or every rank its own when the path contains '{rank}'. Also HVDRAY_TIMELINE.",
+    )
+    timeline_mark_cycles: bool = Field(False, description="Mark every engine tick that had work in the timeline.")
+    autotune: bool = Field(
+        False,
+        description="Search fusion_threshold_mb, cycle_time_ms and the response cache on/off with Bayesian "
+        "optimization while the job runs, scoring bytes reduced per second; needs bayesian-optimization.",
+    )
+    autotune_log_file: Optional[str] = Field(
+        None, description="CSV file (written by rank 0) with every autotune sample: parameters and score."
+    )
+    autotune_warmup_samples: int = Field(
+        3, ge=0, le=1000, description="Samples discarded at the start of autotuning, before any is scored."
+    )
+    autotune_steps_per_sample: int = Field(
+        10, ge=1, le=100000, description="Engine ticks with reductions that make up one autotune sample."
+    )
+    autotune_bayes_opt_max_samples: int = Field(
+        20, ge=2, le=1000, description="Scored samples before autotune settles on the best parameters seen."
+    )
+    autotune_gaussian_process_noise: float = Field(
+        0.8, ge=0, le=1, description="Noise (alpha) of autotune's Gaussian process, as scores are noisy."
+    )
 
     discovery: Optional[Any] = Field(
         None,
@@ -88,6 +114,9 @@ class Settings(BaseModel):
             if name not in data and env_name in os.environ:
                 raw = os.environ[env_name]
                 data[name] = [s for s in raw.split(",") if s] if name == "nics" else raw
+        alias = ENV_PREFIX + "TIMELINE"  # Horovod's HOROVOD_TIMELINE, spelled the hvdray way
+        if "timeline_filename" not in data and alias in os.environ:
+            data["timeline_filename"] = os.environ[alias]
         return data
 
     @model_validator(mode="after")

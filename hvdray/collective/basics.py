@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from hvdray.collective import context
+from hvdray.collective import process_sets as process_sets_module
+from hvdray.collective.process_sets import (  # noqa: F401 - re-exported by every frontend
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
 
-def init(*args: Any, **kwargs: Any) -> None:
+def init(comm: Any = None, process_sets: Optional[Sequence[Any]] = None) -> None:
     """Join the job this worker belongs to (or start a size-1 job outside an executor).
 
-    Horovod's optional arguments (``comm``, ``process_sets``) are not needed on Ray and must be left out.
+    ``process_sets``: :class:`ProcessSet` objects (or lists of ranks) to register at once; every rank
+    must pass the same list. Horovod's ``comm`` (an MPI communicator) has no meaning on Ray and must be None.
     """
-    if args or kwargs:
-        raise ValueError(f"hvd.init() takes no arguments in hvdray, got {args or ''}{kwargs or ''}")
+    if comm is not None:
+        raise ValueError("comm: hvdray does not use MPI communicators; leave comm out")
     context.init()
+    process_sets_module.add_initial_sets(process_sets)
 
 
 shutdown = context.shutdown
 is_initialized = context.is_initialized
+start_timeline = context.start_timeline
+stop_timeline = context.stop_timeline
 
 
 def rank() -> int:

@@ -15,20 +15,30 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed import ReduceOp
 
+from hvdray.collective.adasum import adasum_tree
+from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.response_cache import FlagVector, ResponseCache
+from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import reducescatter_rows
 
 log = logging.getLogger(__name__)
 
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached
 GENERATED_NAME_MARK = ".noname."
+
+#: allreduces at least this large go to Gloo on their own, reduced in the caller's output tensor:
+#: fusing them would save one call's latency (~0.1 ms) at the price of two full copies
+DIRECT_BYTES = 1 << 20
+
+#: the reduction that is not a Gloo op: gathered, then combined pairwise (see collective/adasum.py)
+ADASUM = "adasum"
 
 GLOO_OPS = {
     "sum": ReduceOp.SUM,
@@ -46,10 +56,11 @@ class Handle:
     a ``threading.Event``, which matters with hundreds of gradients per step.
     """
 
-    __slots__ = ("_latch", "_done", "_result", "_error", "name")
+    __slots__ = ("_latch", "_done", "_result", "_error", "name", "_on_wait")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._on_wait: Optional[Callable[[], None]] = None  # the engine's nudge: someone now waits on this op
         self._latch = _thread.allocate_lock()
         self._latch.acquire()
         self._done = False
@@ -61,6 +72,8 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._done:
+            if self._on_wait is not None:
+                self._on_wait()
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
             self._latch.release()
@@ -82,6 +95,7 @@ class Request:
     tensor: Optional[torch.Tensor]
     output: Optional[torch.Tensor]
     handle: Handle
+    submitted: float = 0.0  # time.perf_counter() at submission, taken only while a timeline records
 
     @property
     def name(self) -> str:
@@ -120,6 +134,7 @@ class Engine:
         stall_warning_s: float,
         stall_shutdown_s: float,
         cache_capacity: int = 1024,
+        tuner: Optional[Autotuner] = None,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -137,6 +152,7 @@ class Engine:
         self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
+        self._waited_on = False  # a caller blocks on an op: tick now instead of at the cycle's end
         self._shutdown_requested = False
         self._error: Optional[BaseException] = None
 
@@ -150,6 +166,9 @@ class Engine:
 
         # the response cache (replicated) and this rank's requests waiting on cached slots
         self._cache = ResponseCache(cache_capacity, self.rank)
+        self._cache_on = cache_capacity > 0  # replicated: autotune switches it on every rank in the same round
+        self._tuner = tuner if self.rank == 0 else None
+        self._tick_bytes = 0  # bytes reduced in this tick (autotune's score)
         self._flags = FlagVector(cache_capacity)
         self._cached_pending: dict[int, Request] = {}
         self._outbox: list[Request] = []  # requests to announce by name in the next full round
@@ -157,6 +176,11 @@ class Engine:
         self._stall_since: dict[int, float] = {}  # rank 0: cached slots pending somewhere but not everywhere
         self._stall_warned: set[int] = set()
         self._drops: list[list[Any]] = []  # rank 0: stalled names to drop in the next full round
+
+        # set from other threads (start/stop_timeline); the engine thread reads it once per step
+        self.timeline: Optional[Timeline] = None
+        self.timeline_pid = 0  # the trace "process" this engine's rows go to (its process set id)
+        self._ready_at = 0.0
 
         self._thread = threading.Thread(target=self._loop, name=f"hvdray-engine-{self.rank}", daemon=True)
         self._thread.start()
@@ -171,10 +195,20 @@ class Engine:
                     f"a {self._local[name].meta['o']} named {name!r} is still in flight on rank {self.rank}; "
                     "names of outstanding ops must be unique"
                 )
+            if self.timeline is not None:
+                request.submitted = time.perf_counter()
+            request.handle._on_wait = self._nudge
             self._local[name] = request
             self._queue.append(request)
             self._lock.notify()
         return request.handle
+
+    def _nudge(self) -> None:
+        """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
+        with self._lock:
+            if not self._waited_on:
+                self._waited_on = True
+                self._lock.notify()
 
     def auto_name(self, op: str) -> str:
         """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
@@ -238,7 +272,15 @@ class Engine:
                     busy = self._absorb(messages) or busy
                 if self.rank == 0:
                     self._watch_cached_stalls(pending_somewhere, ready_slots)
+                timeline = self.timeline
+                if timeline is not None:
+                    self._ready_at = time.perf_counter()
+                    if busy:
+                        timeline.cycle(self.timeline_pid, self._ready_at)
                 self._run_ready(ready_slots)
+                if self._tuner is not None and self._tick_bytes:
+                    self._tuner.record(self._tick_bytes, time.perf_counter())
+                self._tick_bytes = 0
                 wait_s = self._cycle_s if (busy or self._table or self._joined) else min(wait_s * 2, self._idle_s)
         except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
             error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
@@ -258,16 +300,18 @@ class Engine:
         with self._lock:
             while not self._shutdown_requested:
                 remaining = deadline - time.monotonic()
-                # New work with nothing older still in flight goes at once; otherwise pace by the cycle
-                # so that tensors arriving together are negotiated (and fused) together.
+                # New work with nothing older still in flight goes at once, and so does everything once
+                # a caller blocks on an op; otherwise pace by the cycle so that tensors arriving
+                # together are negotiated (and fused) together.
                 fresh = (self._queue or self._join_announce) and len(self._queue) == len(self._local)
-                if remaining <= 0 or fresh:
+                if remaining <= 0 or fresh or (self._waited_on and self._local):
                     break
                 self._lock.wait(remaining)
+            self._waited_on = False
             queue, self._queue = self._queue, []
             wants_full = bool(self._join_announce or self._shutdown_requested)
         for request in queue:
-            slot = None if request.meta.get("a") else self._cache.lookup(request.meta)
+            slot = None if request.meta.get("a") or not self._cache_on else self._cache.lookup(request.meta)
             if slot is None:
                 self._outbox.append(request)
             else:
@@ -291,6 +335,10 @@ class Engine:
                 message["x"] = 1
         if self.rank == 0 and self._drops:
             message["drop"], self._drops = self._drops, []
+        if self._tuner is not None:
+            params = self._tuner.take_pending(time.perf_counter())
+            if params is not None:
+                message["tune"] = [params.fusion_threshold_mb, params.cycle_time_ms, params.cache_enabled]
         return json.dumps(message, separators=(",", ":")).encode() if message else b""
 
     def _absorb(self, messages: list[dict[str, Any]]) -> bool:
@@ -314,6 +362,9 @@ class Engine:
                 busy = True
                 self._joined.add(sender)
                 self._last_joined = sender
+        tune = messages[0].get("tune")
+        if tune is not None:
+            self._apply(TunedParams(*tune))
         for name, missing in messages[0].get("drop", ()):
             if self._table.pop(name, None) is not None:
                 self._order.remove(name)
@@ -330,6 +381,18 @@ class Engine:
                     )
                 )
         return busy
+
+    def _apply(self, params: TunedParams) -> None:
+        """Autotune's parameters, applied by every rank in the same round (rank 0 sent them)."""
+        self._fusion_bytes = int(params.fusion_threshold_mb * 1024 * 1024)
+        self._cycle_s = params.cycle_time_ms / 1000.0
+        self._cache_on = params.cache_enabled and self._cache.capacity > 0
+        log.debug("rank %d applies autotuned %s", self.rank, params)
+
+    @property
+    def tuned(self) -> TunedParams:
+        """The fusion threshold, cycle time and cache switch in force now."""
+        return TunedParams(self._fusion_bytes / (1024 * 1024), self._cycle_s * 1000.0, self._cache_on)
 
     def _uncache(self, name: str) -> None:
         """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
@@ -349,7 +412,8 @@ class Engine:
             or self._stall_shutdown_s and now - since >= self._stall_shutdown_s
             for slot, since in self._stall_since.items()
         )
-        return bool(self._drops) or census_due
+        tune_due = self._tuner is not None and self._tuner.pending is not None
+        return bool(self._drops) or census_due or tune_due
 
     def _watch_cached_stalls(self, pending_somewhere: list[int], ready: list[int]) -> None:
         now = time.monotonic()
@@ -423,11 +487,14 @@ class Engine:
                 if request is not None:
                     request.handle._finish(error=TensorMismatchError(problem))
                 continue
-            if not cached and not meta.get("a") and set(metas) == everyone:
+            if self._cache_on and not cached and not meta.get("a") and set(metas) == everyone:
                 evicted = self._cache.put(name, metas, self._round)
                 if evicted is not None and evicted in self._cached_pending:
                     self._outbox.append(self._cached_pending.pop(evicted))
             if meta["o"] == "allreduce":
+                if _goes_alone(meta):  # the small ones around it keep filling the batch
+                    self._flush([(name, meta)])
+                    continue
                 if not batch.fits(meta):
                     self._flush(batch.take())
                 batch.add(name, meta)
@@ -487,31 +554,48 @@ class Engine:
         if not batch:
             return
         meta = batch[0][1]
-        requests = [self._take_local(name) for name, _ in batch]
+        with self._lock:
+            local = self._local
+            requests = [local.pop(name, None) for name, _ in batch]
         self._running = [req for req in requests if req is not None]
         inputs = [
             req.tensor if req is not None else torch.zeros(m["s"], dtype=_dtype(m["d"]))
             for req, (_, m) in zip(requests, batch)
         ]
+        timeline = self.timeline
+        t_start = time.perf_counter() if timeline is not None else 0.0
         if len(inputs) == 1:
             req = requests[0]
             src = inputs[0]
             buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
             if buf is not src:
                 buf.copy_(src)
+            t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(buf, meta)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self._tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
         else:
             flat = torch.cat([t.reshape(-1) for t in inputs])
+            t_copied = time.perf_counter() if timeline is not None else 0.0
             self._reduce(flat, meta)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self._tick_bytes += flat.numel() * flat.element_size()
             self.stats.fused_tensors += len(inputs)
-            offset = 0
-            for req, t in zip(requests, inputs):
-                n = t.numel()
-                if req is not None:
-                    req.output.copy_(flat[offset : offset + n].view(t.shape))
-                offset += n
+            # one C++ call copies every slice back (a Python loop of views and copies costs ~10 us a tensor)
+            parts = flat.split([t.numel() for t in inputs])
+            targets = [(req.output, part) for req, part in zip(requests, parts) if req is not None]
+            torch._foreach_copy_([out.view(-1) if out.is_contiguous() else out for out, _ in targets],
+                                 [part if out.is_contiguous() else part.view(out.shape) for out, part in targets])
+        if timeline is not None:
+            t_done = time.perf_counter()
+            fused = {"tensors": len(inputs), "bytes": sum(t.numel() * t.element_size() for t in inputs)}
+            for req in self._running:
+                self._trace_start(timeline, req, t_start)
+                timeline.phase(self.timeline_pid, req.name, "FUSION-COPY", t_start, t_copied)
+                timeline.phase(self.timeline_pid, req.name, "REDUCE", t_copied, t_reduced, fused)
+                timeline.phase(self.timeline_pid, req.name, "COPY-OUT", t_reduced, t_done)
         self.stats.allreduce_calls += 1
         self.stats.ops += len(batch)
         for req in requests:
@@ -522,7 +606,10 @@ class Engine:
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
         if meta["pre"] != 1.0:
             buf.mul_(meta["pre"])
-        self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
+        if meta["r"] == ADASUM:
+            buf.copy_(adasum_tree(self.comm.allgather(buf)))
+        else:
+            self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
         _postscale(buf, meta, self.size)
 
     def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
@@ -530,6 +617,7 @@ class Engine:
         self._running = [request] if request is not None else []
         meta = metas[min(metas)]
         op = meta["o"]
+        t_start = time.perf_counter() if self.timeline is not None else 0.0
         if op == "barrier":
             result = None
         elif op == "broadcast":
@@ -543,8 +631,19 @@ class Engine:
         else:
             raise HvdrayError(f"unknown op {op!r} for {name!r}")
         self.stats.ops += 1
+        timeline = self.timeline
+        if timeline is not None:
+            self._trace_start(timeline, request, t_start)
+            timeline.phase(self.timeline_pid, name, op.upper(), t_start, time.perf_counter())
         request.handle._finish(result=result)
         self._running = []
+
+    def _trace_start(self, timeline: Timeline, request: Request, started: float) -> None:
+        """NEGOTIATE (submitted until ready everywhere) and QUEUE (ready until its work began)."""
+        ready = min(max(self._ready_at, request.submitted) or started, started)
+        if request.submitted:
+            timeline.phase(self.timeline_pid, request.name, "NEGOTIATE", min(request.submitted, ready), ready)
+        timeline.phase(self.timeline_pid, request.name, "QUEUE", ready, started)
 
     def _broadcast(self, request: Request, meta: dict[str, Any]) -> torch.Tensor:
         out = request.output
@@ -632,6 +731,11 @@ class _FusionBatch:
     def take(self) -> list[tuple[str, dict[str, Any]]]:
         items, self._items, self._nbytes = self._items, [], 0
         return items
+
+
+def _goes_alone(meta: dict[str, Any]) -> bool:
+    """Adasum tensors (their coefficients are per tensor) and large ones are never fused."""
+    return meta["r"] == ADASUM or _nbytes(meta) >= DIRECT_BYTES
 
 
 def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:

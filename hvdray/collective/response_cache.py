@@ -14,14 +14,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-#: metadata fields that must stay equal for a request to reuse a slot ("n" is the key, "a" marks auto names)
-_SIGNATURE_KEYS = ("o", "d", "s", "r", "root", "pre", "post", "sp")
-
-
-def signature(meta: dict[str, Any]) -> tuple:
-    return tuple(repr(meta.get(k)) for k in _SIGNATURE_KEYS)
-
-
 class ResponseCache:
     """Slots ``0..capacity-1`` holding every rank's metadata for one negotiated tensor name."""
 
@@ -32,16 +24,17 @@ class ResponseCache:
         self._metas: dict[int, dict[int, dict[str, Any]]] = {}
         self._name_of: dict[int, str] = {}
         self._last_used: dict[int, int] = {}
-        self._signature: dict[int, tuple] = {}  # this rank's metadata signature per slot
+        self._mine: dict[int, dict[str, Any]] = {}  # this rank's metadata per slot
         self._free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self._slot_of)
 
     def lookup(self, meta: dict[str, Any]) -> Optional[int]:
-        """The slot for this rank's request, if its name is cached with this rank's identical metadata."""
+        """The slot for this rank's request, if its name is cached with this rank's identical metadata
+        (op, dtype, shape, reduction, root, scale factors, splits: the whole metadata dict, compared in C)."""
         slot = self._slot_of.get(meta["n"])
-        if slot is None or self._signature[slot] != signature(meta):
+        if slot is None or self._mine[slot] != meta:
             return None
         return slot
 
@@ -69,14 +62,14 @@ class ResponseCache:
         self._slot_of[name] = slot
         self._name_of[slot] = name
         self._metas[slot] = metas
-        self._signature[slot] = signature(metas[self._rank])
+        self._mine[slot] = metas[self._rank]
         self._last_used[slot] = round_no
         return evicted
 
     def evict(self, name: str) -> Optional[int]:
         slot = self._slot_of.pop(name, None)
         if slot is not None:
-            del self._name_of[slot], self._metas[slot], self._last_used[slot], self._signature[slot]
+            del self._name_of[slot], self._metas[slot], self._last_used[slot], self._mine[slot]
             self._free.append(slot)
         return slot
 

@@ -10,12 +10,15 @@ from hvdray.tensorflow import elastic
 from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.gradients import DistributedGradientTape
 from hvdray.tensorflow.ops import (
+    Adasum,
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     ReduceOp,
     Sum,
+    add_process_set,
     allgather,
     allgather_object,
     allreduce,
@@ -27,6 +30,7 @@ from hvdray.tensorflow.ops import (
     cross_size,
     gloo_built,
     gloo_enabled,
+    global_process_set,
     grouped_allreduce,
     init,
     is_homogeneous,
@@ -40,8 +44,11 @@ from hvdray.tensorflow.ops import (
     nccl_built,
     rank,
     reducescatter,
+    remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_")]

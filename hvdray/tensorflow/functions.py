@@ -19,19 +19,19 @@ def broadcast_variables(
     All values travel in one exchange (one ``py_function`` inside ``tf.function``, where the grouped
     assign op is returned). ``inplace`` is accepted for Horovod; the assignment is always in place.
     """
-    _ops.check_common(process_set=process_set)
+    ps = _ops.check_common(process_set=process_set)
     if isinstance(variables, (str, bytes, dict)) or not isinstance(variables, Iterable):
         raise TypeError(f"variables must be a list of variables, got {type(variables).__name__}")
     variables = list(variables)
     for i, var in enumerate(variables):
         if not hasattr(var, "assign"):
             raise TypeError(f"variables[{i}] must be a tf.Variable or keras.Variable, got {type(var).__name__}")
-    root = _c._check_root(root_rank)
+    _c.check_root(root_rank, ps)
     if not variables:
         return None
-    base = _c._check_name(name, "op") if name is not None else "broadcast_variables"
+    base = _c.check_name(name, "op") if name is not None else "broadcast_variables"
     values = [as_tensor(var, f"variables[{i}]") for i, var in enumerate(variables)]
-    received = _ops._broadcast_raw(values, root, [f"{base}.{i}" for i in range(len(values))])
+    received = _ops._broadcast_raw(values, root_rank, [f"{base}.{i}" for i in range(len(values))], ps)
     assigns = [var.assign(value) for var, value in zip(variables, received)]
     if tf.executing_eagerly():
         return None

@@ -28,10 +28,10 @@ class GradientReducer:
         device_dense: Any = "",
         device_sparse: Any = "",
     ) -> None:
-        _ops.check_common(compression, process_set, device_dense, device_sparse)
+        self.process_set = _ops.check_common(compression, process_set, device_dense, device_sparse)
         op = _c.resolve_op(op)
-        if op not in (_c.Average, _c.Sum):
-            raise ValueError(f"op= must be hvd.Average or hvd.Sum for gradients, got {op.name.lower()}")
+        if op not in (_c.Average, _c.Sum, _c.Adasum):
+            raise ValueError(f"op= must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op.name.lower()}")
         if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) or (
             gradient_predivide_factor <= 0
         ):
@@ -49,7 +49,7 @@ class GradientReducer:
 
     def __call__(self, grads: Sequence[Any]) -> list[Any]:
         grads = list(grads)
-        if _ops.size() == 1:
+        if self.process_set.size() == 1:
             return grads
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -59,6 +59,7 @@ class GradientReducer:
             reduced = _ops.grouped_allreduce(
                 [grads[i] for i in dense], compression=self.compression, op=self.op,
                 prescale_factor=self.prescale, postscale_factor=self.postscale, name=self.name,
+                process_set=self.process_set,
             )
             for i, value in zip(dense, reduced):
                 out[i] = value
@@ -66,7 +67,7 @@ class GradientReducer:
             if isinstance(g, tf.IndexedSlices):
                 out[i] = _ops.allreduce(
                     g, op=self.op, prescale_factor=self.prescale, postscale_factor=self.postscale,
-                    name=f"{self.name}.sparse.{i}",
+                    name=f"{self.name}.sparse.{i}", process_set=self.process_set,
                 )
         return out
 

@@ -18,10 +18,15 @@ import torch
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
 from hvdray.collective.ops import ReduceOp
+from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 from hvdray.tensorflow import bridge
 from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
 
 from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with the torch frontend
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
     cross_rank,
     cross_size,
     gloo_built,
@@ -38,9 +43,11 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with 
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
-Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
 
 
 # -- argument checks -----------------------------------------------------------------------------
@@ -49,29 +56,32 @@ def check_common(
     process_set: Any = None,
     device_dense: Any = "",
     device_sparse: Any = "",
-) -> None:
-    """Horovod's arguments that hvdray accepts only in the form it can honour."""
-    if process_set is not None:
-        raise ValueError("process_set: hvdray does not support process sets yet; leave it out (all ranks take part)")
+) -> ProcessSet:
+    """Horovod's arguments that hvdray accepts only in the form it can honour; returns the process set
+    to run on (the global one for ``None``), checked to be registered with this rank a member."""
+    ps = global_process_set if process_set is None else process_set
+    if ps is not global_process_set:
+        resolve(ps, "process_set")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression must be one of hvd.Compression.none/.fp16/.bf16, got {compression!r}")
     for argument, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
         if not isinstance(value, str):  # accepted for Horovod; the engine reduces on the host either way
             raise TypeError(f"{argument} must be a device string, got {type(value).__name__}")
+    return ps
 
 
 def _check_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else _c._check_name(name, "op")  # an explicit name is only validated
+    return None if name is None else _c.check_name(name, "op")  # an explicit name is only validated
 
 
 def _check_allreduce(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: Any, post: Any, argument: str = "tensor"):
     # the engine's own checks, on an empty stand-in of the same dtype (shape does not matter to them)
     stand_in = torch.empty(0, dtype=torch_dtype(x.dtype))
-    return _tf_names(_c._check_allreduce_args, stand_in, name, op, pre, post, argument)
+    return _tf_names(_c.check_allreduce_args, stand_in, name, op, pre, post, argument)
 
 
 def _check_scale(value: Any, argument: str, x: tf.Tensor) -> float:
-    return _tf_names(_c._check_scale, value, argument, torch.empty(0, dtype=torch_dtype(x.dtype)))
+    return _tf_names(_c.check_scale, value, argument, torch.empty(0, dtype=torch_dtype(x.dtype)))
 
 
 def _tf_names(check: Callable[..., Any], *args: Any) -> Any:
@@ -114,11 +124,12 @@ def _differentiable(
 
 # -- allreduce -----------------------------------------------------------------------------------
 def _allreduce_raw(
-    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any = Compression.none
+    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
+    compression: Any = Compression.none,
 ) -> tf.Tensor:
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         wire, ctx = compression.compress(to_torch(xs[0]))
-        reduced = _c.synchronize(_c.allreduce_async(wire, name, op, pre, post))
+        reduced = _c.synchronize(_c.allreduce_async(wire, name, op, pre, post, process_set=ps))
         return [to_tf(compression.decompress(reduced, ctx))]
 
     return bridge.run(kernel, [x], [x.dtype], [x.shape], "allreduce")[0]
@@ -146,23 +157,24 @@ def allreduce(
 
     A ``tf.IndexedSlices`` is reduced as Horovod does: its values and indices are allgathered.
     """
-    check_common(compression, process_set, device_dense, device_sparse)
+    ps = check_common(compression, process_set, device_dense, device_sparse)
     reduce_op = _c.resolve_op(op, average)
     name = _check_name(name)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name)
+        return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name, ps)
     x = as_tensor(tensor)
     pre, post = _check_allreduce(x, name, reduce_op, prescale_factor, postscale_factor)
 
     def backward(xs, ys, dys):
-        return [_allreduce_raw(dys[0], None, _gradient_op(reduce_op, "allreduce"), pre, post)]
+        return [_allreduce_raw(dys[0], None, _gradient_op(reduce_op, "allreduce"), pre, post, ps)]
 
-    forward = lambda xs: [_allreduce_raw(xs[0], name, reduce_op, pre, post, compression)]  # noqa: E731
+    forward = lambda xs: [_allreduce_raw(xs[0], name, reduce_op, pre, post, ps, compression)]  # noqa: E731
     return _differentiable(forward, backward, [x])[0]
 
 
 def _allreduce_sparse(
-    slices: tf.IndexedSlices, op: ReduceOp, prescale_factor: Any, postscale_factor: Any, name: Optional[str]
+    slices: tf.IndexedSlices, op: ReduceOp, prescale_factor: Any, postscale_factor: Any, name: Optional[str],
+    ps: ProcessSet,
 ) -> tf.IndexedSlices:
     if op not in (Average, Sum):
         raise ValueError(f"allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
@@ -171,20 +183,22 @@ def _allreduce_sparse(
         postscale_factor, "postscale_factor", values
     )
     if op == Average:
-        scale /= size()
-    gathered = allgather(values, name=f"{name}.values" if name else None)
-    indices = allgather(slices.indices, name=f"{name}.indices" if name else None)
+        scale /= ps.size()
+    gathered = allgather(values, name=f"{name}.values" if name else None, process_set=ps)
+    indices = allgather(slices.indices, name=f"{name}.indices" if name else None, process_set=ps)
     if scale != 1.0:
         gathered = gathered * tf.cast(scale, gathered.dtype)
     return tf.IndexedSlices(gathered, indices, dense_shape=slices.dense_shape)
 
 
 def _grouped_allreduce_raw(
-    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any
+    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any,
+    ps: ProcessSet,
 ) -> list[tf.Tensor]:
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         packed = [compression.compress(to_torch(x)) for x in eager]
-        reduced = _c.synchronize(_c.grouped_allreduce_async([w for w, _ in packed], name, op, pre, post))
+        wires = [w for w, _ in packed]
+        reduced = _c.synchronize(_c.grouped_allreduce_async(wires, name, op, pre, post, process_set=ps))
         return [to_tf(compression.decompress(r, ctx)) for r, (_, ctx) in zip(reduced, packed)]
 
     return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "grouped_allreduce")
@@ -203,7 +217,7 @@ def grouped_allreduce(
     process_set: Any = None,
 ) -> list[tf.Tensor]:
     """Reduce a list of tensors together (fused by the engine, one py_function in a graph); differentiable."""
-    check_common(compression, process_set, device_dense, device_sparse)
+    ps = check_common(compression, process_set, device_dense, device_sparse)
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
     reduce_op = _c.resolve_op(op, average)
@@ -217,16 +231,16 @@ def grouped_allreduce(
 
     def backward(xs, ys, dys):
         grad_op = _gradient_op(reduce_op, "grouped_allreduce")
-        return _grouped_allreduce_raw(dys, None, grad_op, pre, post, Compression.none)
+        return _grouped_allreduce_raw(dys, None, grad_op, pre, post, Compression.none, ps)
 
-    forward = lambda xs: _grouped_allreduce_raw(xs, name, reduce_op, pre, post, compression)  # noqa: E731
+    forward = lambda xs: _grouped_allreduce_raw(xs, name, reduce_op, pre, post, compression, ps)  # noqa: E731
     return _differentiable(forward, backward, xs)
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
-def _allgather_raw(x: tf.Tensor, name: Optional[str]) -> tf.Tensor:
+def _allgather_raw(x: tf.Tensor, name: Optional[str], ps: ProcessSet) -> tf.Tensor:
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [to_tf(_c.synchronize(_c.allgather_async(to_torch(xs[0]), name)))]
+        return [to_tf(_c.synchronize(_c.allgather_async(to_torch(xs[0]), name, ps)))]
 
     return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "allgather")[0]
 
@@ -235,23 +249,25 @@ def allgather(
     tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
 ) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
-    check_common(process_set=process_set)
+    ps = check_common(process_set=process_set)
     name = _check_name(name)
     x = as_tensor(tensor)
     _check_not_scalar(x, "allgather", name)
 
     def backward(xs, ys, dys):
-        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0)
+        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0, ps)
         rows = tf.shape(xs[0], out_type=tf.int64)[:1]
-        offset = tf.reduce_sum(_allgather_raw(rows, None)[: rank()])
+        offset = tf.reduce_sum(_allgather_raw(rows, None, ps)[: ps.rank()])
         return [summed[offset : offset + rows[0]]]
 
-    return _differentiable(lambda xs: [_allgather_raw(xs[0], name)], backward, [x])[0]
+    return _differentiable(lambda xs: [_allgather_raw(xs[0], name, ps)], backward, [x])[0]
 
 
-def _broadcast_raw(xs: list[tf.Tensor], root_rank: int, names: list[Optional[str]]) -> list[tf.Tensor]:
+def _broadcast_raw(
+    xs: list[tf.Tensor], root_rank: int, names: list[Optional[str]], ps: ProcessSet
+) -> list[tf.Tensor]:
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
-        handles = [_c.broadcast_async(to_torch(x), root_rank, n) for x, n in zip(eager, names)]
+        handles = [_c.broadcast_async(to_torch(x), root_rank, n, process_set=ps) for x, n in zip(eager, names)]
         return [to_tf(_c.synchronize(h)) for h in handles]
 
     return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "broadcast")
@@ -261,26 +277,28 @@ def broadcast(
     tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
 ) -> tf.Tensor:
     """Root's ``tensor`` on every rank; differentiable (the gradient reaches root only)."""
-    check_common(process_set=process_set)
+    ps = check_common(process_set=process_set)
     name = _check_name(name)
     x = as_tensor(tensor)
-    root = _c._check_root(root_rank)
+    _c.check_root(root_rank, ps)
 
     def backward(xs, ys, dys):
-        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0)
-        return [summed if rank() == root else tf.zeros_like(summed)]
+        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0, ps)
+        return [summed if rank() == root_rank else tf.zeros_like(summed)]
 
-    return _differentiable(lambda xs: _broadcast_raw(xs, root, [name]), backward, [x])[0]
+    return _differentiable(lambda xs: _broadcast_raw(xs, root_rank, [name], ps), backward, [x])[0]
 
 
-def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str]) -> list[tf.Tensor]:
+def _alltoall_raw(
+    x: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str], ps: ProcessSet
+) -> list[tf.Tensor]:
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         split_list = [int(s) for s in np.asarray(xs[1]).reshape(-1)] if splits is not None else None
-        output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name))
+        output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name, ps))
         return [to_tf(output), to_tf(received)]
 
     inputs = [x] if splits is None else [x, splits]
-    shapes = [_first_dim_unknown(x), tf.TensorShape([size()])]
+    shapes = [_first_dim_unknown(x), tf.TensorShape([ps.size()])]
     return bridge.run(kernel, inputs, [x.dtype, tf.int32], shapes, "alltoall")
 
 
@@ -295,7 +313,7 @@ def alltoall(
 
     Returns the gathered tensor, and also the received splits (int32) when ``splits`` was given.
     """
-    check_common(process_set=process_set)
+    ps = check_common(process_set=process_set)
     name = _check_name(name)
     x = as_tensor(tensor)
     _check_not_scalar(x, "alltoall", name)
@@ -307,14 +325,14 @@ def alltoall(
             raise TypeError(f"splits must be a list of ints or an integer tensor, got {splits!r}") from exc
         if not split_tensor.dtype.is_integer or split_tensor.shape.rank not in (None, 1):
             raise TypeError(f"splits must be a list of ints or a 1-d integer tensor, got {splits!r}")
-        if split_tensor.shape[0] is not None and split_tensor.shape[0] != size():
-            raise ValueError(f"splits must hold one count per rank ({size()}), got {split_tensor.shape[0]}")
+        if split_tensor.shape[0] is not None and split_tensor.shape[0] != ps.size():
+            raise ValueError(f"splits must hold one count per rank ({ps.size()}), got {split_tensor.shape[0]}")
 
     def backward(xs, ys, dys):
-        return [_alltoall_raw(dys[0], ys[1], None)[0]] + [None] * (len(xs) - 1)
+        return [_alltoall_raw(dys[0], ys[1], None, ps)[0]] + [None] * (len(xs) - 1)
 
     output, received = _differentiable(
-        lambda xs: _alltoall_raw(xs[0], xs[1] if len(xs) > 1 else None, name),
+        lambda xs: _alltoall_raw(xs[0], xs[1] if len(xs) > 1 else None, name, ps),
         backward,
         [x] if split_tensor is None else [x, split_tensor],
     )
@@ -322,11 +340,12 @@ def alltoall(
 
 
 def _reducescatter_raw(
-    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any = Compression.none
+    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
+    compression: Any = Compression.none,
 ) -> tf.Tensor:
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         wire, ctx = compression.compress(to_torch(xs[0]))
-        out = _c.synchronize(_c.reducescatter_async(wire, name, op, pre, post))
+        out = _c.synchronize(_c.reducescatter_async(wire, name, op, pre, post, process_set=ps))
         return [to_tf(compression.decompress(out, ctx))]
 
     return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "reducescatter")[0]
@@ -344,7 +363,7 @@ def reducescatter(
 ) -> tf.Tensor:
     """Reduce across ranks, then keep this rank's slice of dim 0 (the first ranks get any extra row);
     differentiable for Sum and Average."""
-    check_common(compression, process_set, device_dense)
+    ps = check_common(compression, process_set, device_dense)
     reduce_op = _c.resolve_op(op)
     name = _check_name(name)
     x = as_tensor(tensor)
@@ -353,11 +372,11 @@ def reducescatter(
     post = _check_scale(postscale_factor, "postscale_factor", x)
 
     def backward(xs, ys, dys):
-        scale = pre * post / (size() if _gradient_op(reduce_op, "reducescatter") == Average else 1)
-        gathered = _allgather_raw(dys[0], None)
+        scale = pre * post / (ps.size() if _gradient_op(reduce_op, "reducescatter") == Average else 1)
+        gathered = _allgather_raw(dys[0], None, ps)
         return [gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered]
 
-    forward = lambda xs: [_reducescatter_raw(xs[0], name, reduce_op, pre, post, compression)]  # noqa: E731
+    forward = lambda xs: [_reducescatter_raw(xs[0], name, reduce_op, pre, post, ps, compression)]  # noqa: E731
     return _differentiable(forward, backward, [x])[0]
 
 
@@ -368,8 +387,8 @@ def _no_input_op(run: Callable[[], int], what: str) -> tf.Tensor:
 
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank reaches the barrier (inside ``tf.function``: each time the graph runs)."""
-    check_common(process_set=process_set)
-    _no_input_op(lambda: _c.barrier() or 0, "barrier")
+    ps = check_common(process_set=process_set)
+    _no_input_op(lambda: _c.barrier(ps) or 0, "barrier")
 
 
 def join() -> tf.Tensor:
@@ -386,12 +405,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Op
                      process_set: Any = None) -> Any:
     """Root's picklable ``obj`` on every rank (pickled and authenticated with the job's secret)."""
     _check_session(session)
-    check_common(process_set=process_set)
-    return _c.broadcast_object(obj, root_rank, name)
+    ps = check_common(process_set=process_set)
+    return _c.broadcast_object(obj, root_rank, name, process_set=ps)
 
 
 def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
     _check_session(session)
-    check_common(process_set=process_set)
-    return _c.allgather_object(obj, name)
+    ps = check_common(process_set=process_set)
+    return _c.allgather_object(obj, name, process_set=ps)

@@ -4,12 +4,15 @@ from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
 from hvdray.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from hvdray.torch.ops import (
+    Adasum,
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     ReduceOp,
     Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -29,6 +32,7 @@ from hvdray.torch.ops import (
     cross_size,
     gloo_built,
     gloo_enabled,
+    global_process_set,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
@@ -47,8 +51,11 @@ from hvdray.torch.ops import (
     rank,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from hvdray.torch import elastic

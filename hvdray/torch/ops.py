@@ -8,6 +8,10 @@ import torch
 
 from hvdray.collective import ops as _c
 from hvdray.collective.basics import (  # noqa: F401 - re-exported (shared with the other frontends)
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
     cross_rank,
     cross_size,
     gloo_built,
@@ -24,11 +28,13 @@ from hvdray.collective.basics import (  # noqa: F401 - re-exported (shared with 
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from hvdray.collective.compression import Compression
 from hvdray.collective.ops import OpHandle, ReduceOp, poll, synchronize  # noqa: F401 - re-exported
 
-Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
+Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -39,9 +45,12 @@ def allreduce_async(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> OpHandle:
     """Start reducing ``tensor`` into a new tensor; ``synchronize`` the handle for the result."""
-    return _c.allreduce_async(tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+    return _c.allreduce_async(
+        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set=process_set
+    )
 
 
 def allreduce_async_(
@@ -51,25 +60,28 @@ def allreduce_async_(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> OpHandle:
     """Start reducing ``tensor`` in place."""
     return _c.allreduce_async(
-        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, output=tensor
+        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, output=tensor,
+        process_set=process_set,
     )
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float):
-        ctx.args = (op, pre, post)
-        return synchronize(_c.allreduce_async(tensor, name, op, pre, post))
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
+        ctx.args = (op, pre, post, ps)
+        return synchronize(_c.allreduce_async(tensor, name, op, pre, post, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        op, pre, post = ctx.args
+        op, pre, post, ps = ctx.args
         if op not in (Average, Sum):
             raise RuntimeError(f"allreduce with op={op.name.lower()} has no gradient; use Sum or Average")
-        return synchronize(_c.allreduce_async(grad.contiguous(), None, op, pre, post)), None, None, None, None
+        reduced = synchronize(_c.allreduce_async(grad.contiguous(), None, op, pre, post, process_set=ps))
+        return reduced, None, None, None, None, None
 
 
 def allreduce(
@@ -80,11 +92,14 @@ def allreduce(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise); differentiable."""
     _c.check_tensor(tensor, name=name)
     compressed, cctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(
+        compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set
+    )
     return compression.decompress(reduced, cctx)
 
 
@@ -95,9 +110,10 @@ def allreduce_(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce_async(
@@ -107,8 +123,12 @@ def grouped_allreduce_async(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> OpHandle:
-    return _c.grouped_allreduce_async(tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor)
+    """Start reducing a list of tensors together; the result is a list of new tensors."""
+    return _c.grouped_allreduce_async(
+        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set=process_set
+    )
 
 
 def grouped_allreduce_async_(
@@ -118,23 +138,29 @@ def grouped_allreduce_async_(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> OpHandle:
+    """Start reducing a list of tensors together, in place."""
     return _c.grouped_allreduce_async(
-        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=True
+        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=True,
+        process_set=process_set,
     )
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor):
-        ctx.args = (op, pre, post)
-        return tuple(synchronize(_c.grouped_allreduce_async(list(tensors), name, op, pre, post)))
+    def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
+        ctx.args = (op, pre, post, ps)
+        return tuple(synchronize(_c.grouped_allreduce_async(list(tensors), name, op, pre, post, process_set=ps)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        op, pre, post = ctx.args
-        reduced = synchronize(_c.grouped_allreduce_async([g.contiguous() for g in grads], None, op, pre, post))
-        return (None, None, None, None, *reduced)
+        op, pre, post, ps = ctx.args
+        if op not in (Average, Sum):
+            raise RuntimeError(f"grouped_allreduce with op={op.name.lower()} has no gradient; use Sum or Average")
+        contiguous = [g.contiguous() for g in grads]
+        reduced = synchronize(_c.grouped_allreduce_async(contiguous, None, op, pre, post, process_set=ps))
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -145,13 +171,14 @@ def grouped_allreduce(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors together (fused); differentiable."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
     packed = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduce.apply(
-        name, _c.resolve_op(op, average), prescale_factor, postscale_factor, *[t for t, _ in packed]
+        name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set, *[t for t, _ in packed]
     )
     return [compression.decompress(t, cctx) for t, (_, cctx) in zip(reduced, packed)]
 
@@ -163,8 +190,12 @@ def grouped_allreduce_(
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    """Reduce a list of tensors together, in place, and return them."""
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
@@ -173,53 +204,63 @@ allgather_async = _c.allgather_async
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str]):
-        handle = _c.allgather_async(tensor, name)  # checks the argument before it is used
-        ctx.rows = tensor.shape[0]
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], ps: Any):
+        handle = _c.allgather_async(tensor, name, ps)  # checks the argument before it is used
+        ctx.rows, ctx.ps = tensor.shape[0], ps
         return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum))
-        rows = synchronize(_c.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
-        offset = int(rows[: rank()].sum().item())
-        return summed.narrow(0, offset, ctx.rows), None
+        ps = ctx.ps
+        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum, process_set=ps))
+        rows = synchronize(_c.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64), process_set=ps))
+        offset = int(rows[: ps.rank()].sum().item())
+        return summed.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
-    return _Allgather.apply(tensor, name)
+    return _Allgather.apply(tensor, name, process_set)
 
 
 broadcast_async = _c.broadcast_async
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> OpHandle:
-    return _c.broadcast_async(tensor, root_rank, name, inplace=True)
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> OpHandle:
+    """Start overwriting ``tensor`` with root's value."""
+    return _c.broadcast_async(tensor, root_rank, name, inplace=True, process_set=process_set)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str]):
-        ctx.root_rank = root_rank
-        return synchronize(_c.broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], ps: Any):
+        ctx.root_rank, ctx.ps = root_rank, ps
+        return synchronize(_c.broadcast_async(tensor, root_rank, name, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum))
+        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum, process_set=ctx.ps))
         if rank() != ctx.root_rank:
             summed.zero_()
-        return summed, None, None
+        return summed, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Root's ``tensor`` on every rank, as a new tensor; differentiable."""
-    return _Broadcast.apply(tensor, root_rank, name)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Overwrite ``tensor`` with root's value and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 alltoall_async = _c.alltoall_async  # result: (output, received_splits)
@@ -227,24 +268,26 @@ alltoall_async = _c.alltoall_async  # result: (output, received_splits)
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str]):
-        output, received = synchronize(_c.alltoall_async(tensor, splits, name))
-        ctx.received = received
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str], ps: Any):
+        output, received = synchronize(_c.alltoall_async(tensor, splits, name, ps))
+        ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _received_grad: Any):
-        back, _ = synchronize(_c.alltoall_async(grad.contiguous(), ctx.received))
-        return back, None, None
+        back, _ = synchronize(_c.alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.ps))
+        return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
+def alltoall(
+    tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> Any:
     """Send slice i of dim 0 (``splits[i]`` rows, or equal parts) to rank i; differentiable.
 
     Returns the gathered tensor, and also the received splits when ``splits`` was given (Horovod's API).
     """
-    output, received = _Alltoall.apply(tensor, splits, name)
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return (output, received) if splits is not None else output
 
 
@@ -253,14 +296,15 @@ reducescatter_async = _c.reducescatter_async
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float):
-        ctx.scale = pre * post / (size() if op == Average else 1)
-        return synchronize(_c.reducescatter_async(tensor, name, op, pre, post))
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
+        handle = _c.reducescatter_async(tensor, name, op, pre, post, process_set=ps)
+        ctx.scale, ctx.ps = pre * post / (ps.size() if op == Average else 1), ps
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        gathered = synchronize(_c.allgather_async(grad.contiguous()))
-        return gathered * ctx.scale, None, None, None, None
+        gathered = synchronize(_c.allgather_async(grad.contiguous(), process_set=ctx.ps))
+        return gathered * ctx.scale, None, None, None, None, None
 
 
 def reducescatter(
@@ -268,19 +312,20 @@ def reducescatter(
     name: Optional[str] = None,
     compression: Any = Compression.none,
     op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """Reduce across ranks, then keep this rank's slice of dim 0; differentiable for Sum and Average."""
     _c.check_tensor(tensor, name=name)
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor)
+    out = _Reducescatter.apply(compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
 
 
-def barrier() -> None:
-    """Wait until every rank reaches the barrier."""
-    _c.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank (of ``process_set``) reaches the barrier."""
+    _c.barrier(process_set)
 
 
 def join(device: int = -1) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
+from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 
 
 class _DistributedMixin:
@@ -29,6 +30,7 @@ class _DistributedMixin:
         op: _c.ReduceOp,
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
+        process_set: Any,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
@@ -53,10 +55,11 @@ class _DistributedMixin:
             self._hvd_scale = (1.0 / gradient_predivide_factor, float(gradient_predivide_factor))
         else:
             self._hvd_scale = (1.0, 1.0)
-        self._hvd_op = _c.Sum if op == _c.Sum else _c.Average
+        self._hvd_op = op
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_process_set = process_set
         self._hvd_params = [p for p in params if p.requires_grad]
         self._hvd_delay = {id(p): backward_passes_per_step for p in self._hvd_params}
         self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any]] = {}
@@ -89,7 +92,9 @@ class _DistributedMixin:
         if not wire.is_contiguous():
             wire = wire.contiguous()
         pre, post = self._hvd_scale
-        handle = _c.allreduce_async(wire, self._hvd_names[id(p)], self._hvd_op, pre, post, output=wire)
+        handle = _c.allreduce_async(
+            wire, self._hvd_names[id(p)], self._hvd_op, pre, post, output=wire, process_set=self._hvd_process_set
+        )
         return wire, handle, ctx
 
     def synchronize(self) -> None:
@@ -158,19 +163,21 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     op: _c.ReduceOp = _c.Average,
     gradient_predivide_factor: float = 1.0,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` average (or sum) gradients across ranks before each ``step()``.
 
     The optimizer object itself is turned into its distributed form and returned, so schedulers and
-    references made before wrapping keep working.
+    references made before wrapping keep working. With ``process_set``, gradients are reduced among
+    that set's ranks only (every rank of the set must wrap its optimizer with the same set).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("optimizer is already a DistributedOptimizer")
     op = _c.resolve_op(op)
-    if op not in (_c.Average, _c.Sum):
-        raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    if op not in (_c.Average, _c.Sum, _c.Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum, got {op.name.lower()}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
         backward_passes_per_step < 1
     ):
@@ -181,6 +188,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
+    if process_set is not global_process_set:
+        resolve(process_set, "DistributedOptimizer")  # registered, and this rank a member
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
@@ -189,7 +198,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     try:
         optimizer._hvd_setup(
             named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
-            sparse_as_dense,
+            sparse_as_dense, process_set,
         )
     except BaseException:
         optimizer.__class__ = base  # a rejected named_parameters leaves the optimizer as it was

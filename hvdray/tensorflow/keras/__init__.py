@@ -17,17 +17,21 @@ from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.keras import callbacks, elastic
 from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
 from hvdray.tensorflow.ops import (
+    Adasum,
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     Sum,
+    add_process_set,
     allgather_object,
     broadcast_object,
     cross_rank,
     cross_size,
     gloo_built,
     gloo_enabled,
+    global_process_set,
     init,
     is_homogeneous,
     is_initialized,
@@ -38,8 +42,11 @@ from hvdray.tensorflow.ops import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 
