@@ -12,6 +12,8 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "HVDRAY_"
+#: Fields that hold Python objects: they have no environment variable.
+OBJECT_FIELDS = frozenset({"discovery"})
 
 
 class Settings(BaseModel):
@@ -111,7 +113,7 @@ class Settings(BaseModel):
         data = dict(data)
         for name in cls.model_fields:
             env_name = ENV_PREFIX + name.upper()
-            if name not in data and env_name in os.environ:
+            if name not in data and name not in OBJECT_FIELDS and env_name in os.environ:
                 raw = os.environ[env_name]
                 data[name] = [s for s in raw.split(",") if s] if name == "nics" else raw
         alias = ENV_PREFIX + "TIMELINE"  # Horovod's HOROVOD_TIMELINE, spelled the hvdray way
@@ -143,7 +145,10 @@ def make_settings(**kwargs: Any) -> Settings:
     try:
         return Settings(**kwargs)
     except ValidationError as exc:
-        from_env = {name for name in Settings.model_fields if name not in kwargs and ENV_PREFIX + name.upper() in os.environ}
+        from_env = {
+            name for name in Settings.model_fields
+            if name not in kwargs and name not in OBJECT_FIELDS and ENV_PREFIX + name.upper() in os.environ
+        }
         raise ValueError(_describe(exc, from_env)) from None
 
 
