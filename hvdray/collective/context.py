@@ -16,10 +16,12 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from hvdray.collective import shm
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import NotInitializedError
 from hvdray.collective.topology import RankInfo
+from hvdray.collective.transport import TransportOptions
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,13 @@ def init() -> None:
             timeout_s=settings.timeout_s,
             hostname=job.host_ip,
             interface=settings.nics[0] if settings.nics else None,
+            rank_info=info,
+            transport=TransportOptions(
+                shm=settings.shm_transport,
+                hierarchical=settings.hierarchical_allreduce,
+                buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
+                job_tag=shm.job_tag(job.secret),
+            ),
         )
         _engine = Engine(
             comm,
