@@ -238,7 +238,7 @@ class _Timespec(ctypes.Structure):
 
 #: word offsets inside a rank's control block
 _COUNTER, _PID, _STATE = 0, 1, 2
-_STATE_LEFT = 1
+_STATE_LEFT = 1  # 2 + k: left because local rank k died
 _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
@@ -256,6 +256,7 @@ class NodeBarrier:
         self._futex = _Futex()
         self._seq = 0
         self._pids: dict[int, int] = {}
+        self._dead_peer: Optional[int] = None
         self._closed = False
         self._words[self._word(local_rank, _PID)] = os.getpid()
 
@@ -294,12 +295,15 @@ class NodeBarrier:
 
     def _check_peer(self, peer: int, now: float, deadline: float) -> None:
         for rank in range(self._size):
-            if self._words[self._word(rank, _STATE)] == _STATE_LEFT and rank != self._me:
-                raise SharedMemoryError(f"local rank {rank} left the shared-memory group (it failed or shut down)")
+            state = self._words[self._word(rank, _STATE)]
+            if state and rank != self._me:
+                why = "it failed or shut down" if state == _STATE_LEFT else f"local rank {state - 2} died"
+                raise SharedMemoryError(f"local rank {rank} left the shared-memory group ({why})")
         pid = self._pids.get(peer) or self._words[self._word(peer, _PID)]
         if pid:
             self._pids[peer] = pid
             if not process_alive(pid):
+                self._dead_peer = peer
                 raise SharedMemoryError(f"local rank {peer} (pid {pid}) died")
         if now >= deadline:
             raise SharedMemoryError(
@@ -311,6 +315,6 @@ class NodeBarrier:
         if self._closed or self._seg.address == 0:
             return
         self._closed = True
-        self._words[self._word(self._me, _STATE)] = _STATE_LEFT
+        self._words[self._word(self._me, _STATE)] = _STATE_LEFT if self._dead_peer is None else 2 + self._dead_peer
         for rank in range(self._size):
             self._futex.wake(self._seg.address + 4 * self._word(rank, _COUNTER))
