@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         record("training throughput (MLP, batch 64/worker)", _alternate(
             ex, _training_round, [5 if args.quick else 40, 64], args.repeats),
             "samples/s", "DDP (gloo)", higher_is_better=True)
+    from shm_bench import shared_memory_rows  # the shared-memory transport's rows live in shm_bench.py
+
+    shared_memory_rows(record, [2, 4], args.repeats, args.quick)
     starts = {"hvdray": [_start_to_first_allreduce(args.workers) for _ in range(2 if args.quick else 3)]}
     record("executor start to first allreduce", starts, "s", "hvdray", higher_is_better=False)
     ray.shutdown()
