@@ -108,26 +108,30 @@ class Communicator:
             layout = NodeLayout.from_local_ranks([(lr, ls) for lr, ls, _ in table])
         except ValueError as exc:
             log.warning("shared-memory transport off: %s", exc)
+            self.plan = TransportPlan(False, False, str(exc))
             return
         if any(not ok for _, _, ok in table) and not unsupported:
             unsupported = "another rank cannot map shared memory"
         plan = plan_transport(layout, transport, [unsupported] if unsupported else [])
         if plan.node_shm:
             node = self._attach_node_segment(store, info, layout, transport, timeout_s)
-            agreed = torch.tensor([1 if node is not None else 0], dtype=torch.uint8)
-            self.and_flags(agreed)
-            if agreed.item():
-                node.segment.unlink()  # every local rank has it mapped: the name can go
-                self._node = node
-                if plan.hierarchical:
-                    self._cross = ProcessGroupGloo(
-                        dist.PrefixStore(f"hvdray-cross/{info.local_rank}/", store),
-                        layout.node_of(self.rank), layout.num_nodes, options,
-                    )
-            else:
+            try:
+                agreed = torch.tensor([1 if node is not None else 0], dtype=torch.uint8)
+                self.and_flags(agreed)
                 if node is not None:
+                    node.segment.unlink()  # every local rank has tried to map it: the name can go
+                if agreed.item():
+                    if plan.hierarchical:
+                        self._cross = ProcessGroupGloo(
+                            dist.PrefixStore(f"hvdray-cross/{info.local_rank}/", store),
+                            layout.node_of(self.rank), layout.num_nodes, options,
+                        )
+                    self._node, node = node, None
+                else:
+                    plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
+            finally:
+                if node is not None:  # not used (or setup failed): unmap, and unlink if this rank created it
                     node.close()
-                plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
         self.plan = plan
         log.debug("rank %d transport %s (%s)", self.rank, self.transport, plan.reason)
 

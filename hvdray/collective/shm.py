@@ -287,6 +287,8 @@ class NodeBarrier:
             value = words[index]
             if (value - seq) & _SEQ_MASK < _HALF_RANGE:
                 return
+            if self._closed:
+                raise SharedMemoryError(f"local rank {self._me} left the shared-memory group while waiting")
             now = time.monotonic()
             if now >= next_check:
                 self._check_peer(peer, now, deadline)

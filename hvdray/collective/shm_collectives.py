@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 #: parts start on 64-byte boundaries (whole cache lines) where the piece is large enough
 _ALIGN_BYTES = 64
 _SPIN_WHEN_CORES_FREE = 100
+#: how long ``close`` waits for a running op to notice that the group is closing
+_CLOSE_WAIT_S = 2.0
 
 _REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add,
@@ -63,26 +66,39 @@ class NodeCollectives:
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._failed: Optional[BaseException] = None
+        self._op_lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        """Leave the group (peers waiting on this rank fail at once) and unmap the segment."""
+        """Leave the group (peers waiting on this rank fail at once) and unmap the segment.
+
+        May be called from another thread than the ops': an op still waiting ends with an error, and
+        the memory is unmapped only once no op runs (else it stays mapped until the process exits)."""
         self._barrier.leave()
-        self._slots.clear()
-        self._data = None
-        self._base = 0
-        self.segment.close()
+        if not self._op_lock.acquire(timeout=_CLOSE_WAIT_S):
+            log.warning("a shared-memory op is still running; its segment stays mapped")
+            return
+        try:
+            self._slots.clear()
+            self._data = None
+            self._base = 0
+            self.segment.close()
+        finally:
+            self._op_lock.release()
 
     def _run(self, body: Callable[[], None]) -> None:
         """Run one op; any failure leaves the group so that the local peers fail fast too."""
-        if self._failed is not None:
-            raise SharedMemoryError(f"the node's shared-memory group failed earlier: {self._failed}")
-        try:
-            body()
-        except BaseException as exc:
-            self._failed = exc
-            self._barrier.leave()
-            raise
+        with self._op_lock:
+            if self._failed is not None:
+                raise SharedMemoryError(f"the node's shared-memory group failed earlier: {self._failed}")
+            if self._data is None:
+                raise SharedMemoryError("the node's shared-memory group was closed")
+            try:
+                body()
+            except BaseException as exc:
+                self._failed = exc
+                self._barrier.leave()
+                raise
 
     def _views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""

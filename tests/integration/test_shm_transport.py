@@ -62,6 +62,25 @@ def test_segment_is_mapped_but_already_unlinked(node_ex):
         assert files == []
 
 
+def test_reinit_maps_a_fresh_segment_and_drops_the_old_one(node_ex):
+    def cycle():
+        import torch
+
+        hvd = checks.init()
+        first = checks.mapped_segments()
+        hvd.shutdown()
+        after_shutdown = checks.mapped_segments()
+        hvd = checks.init()
+        total = hvd.allreduce(torch.ones(3), name="after-reinit", op=hvd.Sum).tolist()
+        return first, after_shutdown, checks.mapped_segments(), checks.job_files()[1], total
+
+    n = node_ex.num_workers
+    for first, after_shutdown, second, files, total in node_ex.run(cycle):
+        assert after_shutdown == [] and files == [] and total == [float(n)] * 3
+        if n > 1:
+            assert len(first) == len(second) == 1 and first != second
+
+
 def test_shm_transport_off_uses_gloo(make_executor):
     ex = make_executor(settings=_settings(shm_transport=False), num_workers=2, cpus_per_worker=0.5)
 
