@@ -103,7 +103,7 @@ class Communicator:
         """Agree on a plan with every rank, then map the node's segment (and the cross-node group)."""
         unsupported = shm.unsupported_reason()
         mine = torch.tensor([info.local_rank, info.local_size, 0 if unsupported else 1], dtype=torch.int64)
-        table = torch.stack(self.allgather(mine)).tolist()
+        table = torch.stack(self._allgather(mine)).tolist()
         try:
             layout = NodeLayout.from_local_ranks([(lr, ls) for lr, ls, _ in table])
         except ValueError as exc:
@@ -168,21 +168,26 @@ class Communicator:
     # -- primitives ------------------------------------------------------------------------
     def allgather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, in rank order (two allgathers: lengths, then padded bytes)."""
-        sizes = [int(t.item()) for t in self.allgather(torch.tensor([len(payload)], dtype=torch.int64))]
+        sizes = [int(t.item()) for t in self._allgather(torch.tensor([len(payload)], dtype=torch.int64))]
         longest = max(sizes)
         if longest == 0:
             return [b""] * self.size
         mine = torch.zeros(longest, dtype=torch.uint8)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self.allgather(mine), sizes)]
+        return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self._allgather(mine), sizes)]
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
-        self.allreduce(flags, ReduceOp.BAND)
+        self._allreduce(flags, ReduceOp.BAND)
 
+    # The engine's control traffic (and_flags, allgather_bytes) and its data ops share the private
+    # _allreduce/_allgather below, so that the public data primitives stay separate methods.
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         """Reduce ``tensor`` in place across all ranks with ``op``."""
+        self._allreduce(tensor, op)
+
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         if self._node is not None and tensor.numel():
             cross = self._cross_allreduce(op) if self._cross is not None else None
             _on_contiguous(tensor, lambda flat: self._node.allreduce(flat, op, cross))
@@ -198,6 +203,9 @@ class Communicator:
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Equal-shaped allgather; returns one tensor per rank."""
+        return self._allgather(tensor)
+
+    def _allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if self._node is not None and self._cross is None:
             out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
             if tensor.numel():
