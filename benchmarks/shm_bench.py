@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import ray
 import ray.cloudpickle

@@ -65,6 +65,7 @@ def job_tag(secret: bytes) -> str:
 
 
 def segment_path(name: str) -> str:
+    """Where the segment called ``name`` lives in the file system."""
     return os.path.join(SHM_DIR, name)
 
 
@@ -130,6 +131,7 @@ class Segment:
 
     @staticmethod
     def total_bytes(data_bytes: int) -> int:
+        """The segment's size: the header and control blocks, then ``data_bytes`` of data."""
         return HEADER_BYTES + data_bytes
 
     @classmethod
