@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few iterations and small sizes (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--address", default="local", help="Ray address (default: start a local instance)")
+    parser.add_argument("--no-shm-rows", action="store_true", help="skip the shared-memory transport's rows")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2")
@@ -311,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             starts["hvdray"].append(_hvdray_start_to_first_allreduce(args.workers))
         record("start to first allreduce", starts, "s", "raw gloo (Ray actors + init_process_group)",
                higher_is_better=False)
+        if not args.no_shm_rows:
+            from hvdray.bench_shm import shared_memory_rows
+
+            shared_memory_rows(record, [2] if args.quick else [2, 4], args.repeats, args.quick)
     finally:
         ray.shutdown()
 

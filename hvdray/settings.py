@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "HVDRAY_"
 #: Fields that hold Python objects: they have no environment variable.
@@ -104,6 +104,24 @@ class Settings(BaseModel):
     elastic_timeout: float = Field(
         600.0, gt=0, description="ElasticRayExecutor.create_settings(elastic_timeout): seconds below min workers."
     )
+    shm_transport: bool = Field(
+        True, description="Ranks on the same node exchange data through a shared-memory segment instead of "
+        "loopback TCP (Linux x86-64; falls back to Gloo where /dev/shm cannot be used).",
+    )
+    hierarchical_allreduce: Optional[bool] = Field(
+        None, description="Allreduce across nodes in three steps: shared memory inside each node, Gloo between "
+        "nodes, shared memory again. None (\"auto\"): on when the job spans several nodes with the same number "
+        "(> 1) of ranks each and shm_transport is on.",
+    )
+    shm_buffer_mb: float = Field(
+        32.0, ge=1, le=4096, description="Shared memory per node and job in MiB; larger messages go through it in "
+        "several rounds.",
+    )
+
+    @field_validator("hierarchical_allreduce", mode="before")
+    @classmethod
+    def _auto_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value.strip().lower() in ("auto", "") else value
 
     @model_validator(mode="before")
     @classmethod

@@ -3,6 +3,12 @@
 The group is built on a store handed in by the caller (the coordinator's rendezvous in a job, an
 in-memory store for a single process). ``torch.distributed.init_process_group`` is never called, so
 a user's own ``torch.distributed`` code keeps working beside hvdray.
+
+Given the ranks' places (``rank_info``) and ``TransportOptions``, ranks that share a node move data
+through a shared-memory segment instead of loopback TCP: every primitive on a single-node job, and
+allreduce across nodes hierarchically (shared memory inside each node, Gloo between the ranks that
+hold the same local rank on every node, each for its own part of the data). ``transport.plan_transport``
+decides; every rank reaches the same decision.
 """
 
 from __future__ import annotations
@@ -10,11 +16,16 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo, ReduceOp
+
+from hvdray.collective import shm
+from hvdray.collective.shm_collectives import NodeCollectives, slot_bytes_for
+from hvdray.collective.topology import RankInfo
+from hvdray.collective.transport import NodeLayout, TransportOptions, TransportPlan, plan_transport
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,8 @@ class Communicator:
         timeout_s: float,
         hostname: Optional[str] = None,
         interface: Optional[str] = None,
+        rank_info: Optional[RankInfo] = None,
+        transport: Optional[TransportOptions] = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -55,52 +68,159 @@ class Communicator:
         options._devices = [device]
         options._threads = 2
         self._pg = ProcessGroupGloo(store, rank, size, options)
+        self._node: Optional[NodeCollectives] = None
+        self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
+        self.plan = TransportPlan(False, False, "no rank placement given")
+        if rank_info is not None and transport is not None and size > 1:
+            self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` (one node), ``"hierarchical"`` (shared memory + Gloo across nodes) or ``"gloo"``."""
+        if self._node is None:
+            return "gloo"
+        return "hierarchical" if self._cross is not None else "shm"
 
     def close(self) -> None:
-        """Drop the process group; pending peers see a closed connection. Safe to call twice."""
-        if self._pg is None:
-            return
+        """Drop the process groups and leave the node's segment; pending peers fail at once."""
+        node, self._node = self._node, None
+        if node is not None:
+            node.close()
+        for pg in (self._cross, self._pg):
+            if pg is None:
+                continue
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - abort may be unsupported or already done; nothing to recover
+                log.debug("gloo abort failed", exc_info=True)
+        self._pg = self._cross = None
+
+    # -- shared memory setup ------------------------------------------------------------------
+    def _setup_shared_memory(
+        self, store: dist.Store, info: RankInfo, transport: TransportOptions, timeout_s: float,
+        options: "ProcessGroupGloo._Options",
+    ) -> None:
+        """Agree on a plan with every rank, then map the node's segment (and the cross-node group)."""
+        unsupported = shm.unsupported_reason()
+        mine = torch.tensor([info.local_rank, info.local_size, 0 if unsupported else 1], dtype=torch.int64)
+        table = torch.stack(self._allgather(mine)).tolist()
         try:
-            self._pg.abort()
-        except Exception:  # noqa: BLE001 - abort may be unsupported or already done; nothing to recover
-            log.debug("gloo abort failed", exc_info=True)
-        self._pg = None
+            layout = NodeLayout.from_local_ranks([(lr, ls) for lr, ls, _ in table])
+        except ValueError as exc:
+            log.warning("shared-memory transport off: %s", exc)
+            self.plan = TransportPlan(False, False, str(exc))
+            return
+        if any(not ok for _, _, ok in table) and not unsupported:
+            unsupported = "another rank cannot map shared memory"
+        plan = plan_transport(layout, transport, [unsupported] if unsupported else [])
+        if plan.node_shm:
+            node = self._attach_node_segment(store, info, layout, transport, timeout_s)
+            try:
+                agreed = torch.tensor([1 if node is not None else 0], dtype=torch.uint8)
+                self.and_flags(agreed)
+                if node is not None:
+                    node.segment.unlink()  # every local rank has tried to map it: the name can go
+                if agreed.item():
+                    if plan.hierarchical:
+                        self._cross = ProcessGroupGloo(
+                            dist.PrefixStore(f"hvdray-cross/{info.local_rank}/", store),
+                            layout.node_of(self.rank), layout.num_nodes, options,
+                        )
+                    self._node, node = node, None
+                else:
+                    plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
+            finally:
+                if node is not None:  # not used (or setup failed): unmap, and unlink if this rank created it
+                    node.close()
+        self.plan = plan
+        log.debug("rank %d transport %s (%s)", self.rank, self.transport, plan.reason)
+
+    def _attach_node_segment(
+        self, store: dist.Store, info: RankInfo, layout: NodeLayout, transport: TransportOptions, timeout_s: float,
+    ) -> Optional[NodeCollectives]:
+        """Local rank 0 creates the segment and publishes its name through the job's store; the others
+        map it. Returns None on this rank's failure (the caller agrees with every rank before use)."""
+        slot_bytes = slot_bytes_for(transport.buffer_bytes, info.local_size)
+        data_bytes = 2 * info.local_size * slot_bytes
+        key = f"hvdray-shm/{layout.first_rank(layout.node_of(self.rank))}"
+        segment = None
+        try:
+            if info.local_rank == 0:
+                try:
+                    segment = shm.Segment.create(transport.job_tag, info.local_size, data_bytes)
+                finally:
+                    store.set(key, segment.name.encode() if segment is not None else b"")
+            else:
+                name = store.get(key).decode()
+                if not name:
+                    raise shm.SharedMemoryError("local rank 0 could not create the node's segment")
+                segment = shm.Segment.attach(name, info.local_size, data_bytes)
+            return NodeCollectives(segment, info.local_rank, timeout_s, slot_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure here means plain Gloo for everyone
+            log.warning(
+                "rank %d cannot use the shared-memory transport (%s); the job falls back to Gloo. "
+                "A smaller shm_buffer_mb may fit /dev/shm.", self.rank, exc,
+            )
+            if segment is not None:
+                segment.close()
+            return None
 
     # -- primitives ------------------------------------------------------------------------
     def allgather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every rank's ``payload``, in rank order (two Gloo calls: lengths, then padded bytes)."""
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
-        self._pg.allgather([lengths], [length]).wait()
-        sizes = [int(t.item()) for t in lengths]
+        """Every rank's ``payload``, in rank order (two allgathers: lengths, then padded bytes)."""
+        sizes = [int(t.item()) for t in self._allgather(torch.tensor([len(payload)], dtype=torch.int64))]
         longest = max(sizes)
         if longest == 0:
             return [b""] * self.size
         mine = torch.zeros(longest, dtype=torch.uint8)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
-        self._pg.allgather([outs], [mine]).wait()
-        return [bytes(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)]
+        return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self._allgather(mine), sizes)]
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = ReduceOp.BAND
-        self._pg.allreduce([flags], opts).wait()
+        self._allreduce(flags, ReduceOp.BAND)
 
+    # The engine's control traffic (and_flags, allgather_bytes) and its data ops share the private
+    # _allreduce/_allgather below, so that the public data primitives stay separate methods.
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+        """Reduce ``tensor`` in place across all ranks with ``op``."""
+        self._allreduce(tensor, op)
+
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+        if self._node is not None and tensor.numel():
+            cross = self._cross_allreduce(op) if self._cross is not None else None
+            _on_contiguous(tensor, lambda flat: self._node.allreduce(flat, op, cross))
+            return
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         self._pg.allreduce([tensor], opts).wait()
 
+    def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return lambda part: self._cross.allreduce([part], opts).wait()
+
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Equal-shaped allgather; returns one tensor per rank."""
+        return self._allgather(tensor)
+
+    def _allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self._node is not None and self._cross is None:
+            out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
+            if tensor.numel():
+                self._node.allgather(tensor.contiguous().view(-1), out.view(-1))
+            return list(out.unbind(0))
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
         self._pg.allgather([outs], [tensor]).wait()
         return outs
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Every rank's ``tensor`` becomes rank ``root``'s, in place."""
+        if self._node is not None and self._cross is None:
+            if tensor.numel():
+                _on_contiguous(tensor, lambda flat: self._node.broadcast(flat, root))
+            return
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
@@ -116,6 +236,16 @@ class Communicator:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = op
         self._pg._reduce_scatter_base(output, tensor, opts).wait()
+
+
+def _on_contiguous(tensor: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """Run ``fn`` on a flat view of ``tensor`` (or of a contiguous copy, written back afterwards)."""
+    if tensor.is_contiguous():
+        fn(tensor.view(-1))
+    else:
+        flat = tensor.contiguous().view(-1)
+        fn(flat)
+        tensor.copy_(flat.view(tensor.shape))
 
 
 def _loopback_or_host() -> str:

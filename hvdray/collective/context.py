@@ -20,12 +20,14 @@ from typing import Callable, Optional, Protocol
 
 import torch.distributed as dist
 
+from hvdray.collective import shm
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
+from hvdray.collective.transport import TransportOptions
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
@@ -76,8 +78,13 @@ def _store_prefix() -> str:
     return f"e{_current_job().epoch}/gen{_generation}/"
 
 
-def _start_engine(store_prefix: str, rank: int, size: int, tuner: Optional[Autotuner] = None) -> Engine:
-    """A Gloo group of ``size`` ranks on the job's store under ``store_prefix``, and its engine."""
+def _start_engine(
+    store_prefix: str, rank: int, size: int, tuner: Optional[Autotuner] = None, placement: Optional[RankInfo] = None
+) -> Engine:
+    """A group of ``size`` ranks on the job's store under ``store_prefix``, and its engine.
+
+    With ``placement`` (the job's own rank info; the global set) ranks on one node may share memory;
+    without it (process sets) the group is plain Gloo."""
     job = _current_job()
     settings = job.settings
     try:
@@ -88,6 +95,13 @@ def _start_engine(store_prefix: str, rank: int, size: int, tuner: Optional[Autot
             timeout_s=settings.timeout_s,
             hostname=job.host_ip,
             interface=settings.nics[0] if settings.nics else None,
+            rank_info=placement,
+            transport=TransportOptions(
+                shm=settings.shm_transport,
+                hierarchical=settings.hierarchical_allreduce,
+                buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
+                job_tag=shm.job_tag(job.secret),
+            ),
         )
     except Exception as exc:  # noqa: BLE001 - a peer that vanished during the rendezvous
         raise HorovodInternalError(
@@ -123,7 +137,7 @@ def init() -> None:
         _generation = _generation + 1 if _generation_epoch == job.epoch else 1
         _generation_epoch = job.epoch
         info = job.rank_info
-        _engine = _start_engine(_store_prefix(), info.rank, info.size, _make_tuner(info.rank))
+        _engine = _start_engine(_store_prefix(), info.rank, info.size, _make_tuner(info.rank), placement=info)
         log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
         settings = _current_job().settings
         if settings.timeline_filename and _timeline is None:

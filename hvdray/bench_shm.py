@@ -1,0 +1,109 @@
+"""Benchmark rows for the shared-memory transport: hvdray over shared memory vs hvdray over Gloo vs raw
+torch Gloo, in the same worker processes of one node, alternating rounds.
+
+For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
+throughput of ``hvdray.bench``'s model with ``DistributedOptimizer`` (vs DDP). ``hvdray-bench`` adds
+these rows to its report; run alone it prints them:
+
+    python -m hvdray.bench_shm --local-ranks 2 4 --repeats 5      # --quick for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Callable
+
+import ray
+
+from hvdray import bench
+
+Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
+TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
+
+
+def _use_transport(shm: bool) -> str:
+    """Restart this worker's hvdray with ``shm_transport`` on or off (every rank does it in one call)."""
+    import hvdray.torch as hvd
+    from hvdray.collective import context
+
+    context.settings().shm_transport = shm
+    hvd.shutdown()
+    hvd.init()
+    return context.engine().comm.transport
+
+
+def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
+    """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport."""
+    import torch
+    import torch.distributed as dist
+
+    import hvdray.torch as hvd
+
+    tensor = torch.ones(max(1, int(size_mb * 1024 * 1024 // 4)))
+    times = {"raw gloo": bench._timed(lambda: dist.all_reduce(tensor), iterations)}
+    for impl, shm in TRANSPORTS.items():
+        _use_transport(shm)
+        times[impl] = bench._timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
+    return times
+
+
+def _training_round(steps: int, batch: int) -> dict[str, float]:
+    """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport."""
+    rates: dict[str, float] = {}
+    for impl, shm in TRANSPORTS.items():
+        _use_transport(shm)
+        measured = bench._training_round(steps, batch)
+        rates.setdefault("DDP (gloo)", measured["DDP (gloo)"])
+        rates[f"{impl} DistributedOptimizer"] = measured["hvdray DistributedOptimizer"]
+    return rates
+
+
+def shared_memory_rows(record: Record, local_ranks: list[int], repeats: int, quick: bool) -> None:
+    """Measure every row for each number of local ranks and hand them to ``record``."""
+    from hvdray import RayExecutor
+
+    for n in local_ranks:
+        settings = RayExecutor.create_settings(timeout_s=120)
+        with RayExecutor(settings, num_workers=n, cpus_per_worker=min(1.0, 4 / n)) as ex:
+            ex.run(bench._setup_raw_gloo)
+            assert ex.run(_use_transport, args=[True]) == ["shm"] * n, "the shared-memory transport is not in use"
+            size = 64
+            samples = bench._alternate(ex, _allreduce_round, [size, 2 if quick else 5], repeats)
+            busbw = {k: [2 * (n - 1) / n * size * 1024 * 1024 / t / 1e9 for t in v] for k, v in samples.items()}
+            record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
+            for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
+                samples = bench._alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
+                micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
+                record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
+            record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", bench._alternate(
+                ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local-ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 2
+    ray.init(address="local", num_cpus=max(4, *args.local_ranks), include_dashboard=False)
+
+    def record(section: str, samples: dict[str, list[float]], unit: str, baseline: str, higher: bool) -> None:
+        base = statistics.median(samples[baseline])
+        for impl, values in samples.items():
+            median = statistics.median(values)
+            ratio = median / base if higher else base / median
+            print(f"{section:58s} {impl:36s} {median:12.4g} {unit:9s} {ratio:6.2f}x vs {baseline}", flush=True)
+
+    try:
+        shared_memory_rows(record, args.local_ranks, args.repeats, args.quick)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

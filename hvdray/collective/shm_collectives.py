@@ -1,0 +1,230 @@
+"""Allreduce, allgather and broadcast among the ranks of one node through a shared segment.
+
+The data area holds two halves; each half has one slot per local rank. Every round of every op uses
+the next half, and every round has a barrier between its writes and its reads, so a rank writing in
+round k+2 knows that every rank has finished reading round k. Messages larger than a slot go in
+several rounds, so the segment stays small whatever the tensor size.
+
+Allreduce is a reduce-scatter then an all-gather inside one round: each rank copies the parts of its
+piece that the others reduce into its slot, then reduces its own part (from its own tensor and the
+peers' slots, all torch ops on tensors that view the shared memory, which run without the GIL),
+optionally hands that reduced part to a cross-node allreduce, publishes it in its slot, and finally
+copies the peers' reduced parts into its tensor. Every part is reduced exactly once, so every rank
+ends with bit-identical results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import ReduceOp
+
+from hvdray.collective.shm import NodeBarrier, Segment, SharedMemoryError
+
+log = logging.getLogger(__name__)
+
+#: parts start on 64-byte boundaries (whole cache lines) where the piece is large enough
+_ALIGN_BYTES = 64
+_SPIN_WHEN_CORES_FREE = 100
+#: allreduces up to this size take the one-barrier path (each rank reduces the whole message)
+SMALL_ALLREDUCE_BYTES = 32 << 10
+#: how long ``close`` waits for a running op to notice that the group is closing
+_CLOSE_WAIT_S = 2.0
+
+_REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+}
+
+CrossReduce = Callable[[torch.Tensor], None]
+
+
+def slot_bytes_for(buffer_bytes: int, local_size: int) -> int:
+    """Bytes per rank slot when a node's segment may use ``buffer_bytes`` for data (two halves)."""
+    return max(4096, (buffer_bytes // (2 * local_size)) // 4096 * 4096)
+
+
+class NodeCollectives:
+    """Collectives of one node's ranks over a shared :class:`Segment`; used by the engine thread only."""
+
+    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int) -> None:
+        self.segment = segment
+        self.local_rank = local_rank
+        self.local_size = segment.local_size
+        self.slot_bytes = slot_bytes
+        self.rounds = 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        spin = _SPIN_WHEN_CORES_FREE if self.local_size < cores else 0
+        self._barrier = NodeBarrier(segment, local_rank, timeout_s, spin)
+        self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
+        self._base = self._data.data_ptr()
+        self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._failed: Optional[BaseException] = None
+        self._op_lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the group (peers waiting on this rank fail at once) and unmap the segment.
+
+        May be called from another thread than the ops': an op still waiting ends with an error, and
+        the memory is unmapped only once no op runs (else it stays mapped until the process exits)."""
+        self._barrier.leave()
+        if not self._op_lock.acquire(timeout=_CLOSE_WAIT_S):
+            log.warning("a shared-memory op is still running; its segment stays mapped")
+            return
+        try:
+            self._slots.clear()
+            self._data = None
+            self._base = 0
+            self.segment.close()
+        finally:
+            self._op_lock.release()
+
+    def _run(self, body: Callable[[], None]) -> None:
+        """Run one op; any failure leaves the group so that the local peers fail fast too."""
+        with self._op_lock:
+            if self._failed is not None:
+                raise SharedMemoryError(f"the node's shared-memory group failed earlier: {self._failed}")
+            if self._data is None:
+                raise SharedMemoryError("the node's shared-memory group was closed")
+            try:
+                body()
+            except BaseException as exc:
+                self._failed = exc
+                self._barrier.leave()
+                raise
+
+    def _views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""
+        views = self._slots.get(dtype)
+        if views is None:
+            assert self._data is not None
+            views = [
+                [self._data[self._slot_offset(h, r) : self._slot_offset(h, r) + self.slot_bytes].view(dtype)
+                 for r in range(self.local_size)]
+                for h in range(2)
+            ]
+            self._slots[dtype] = views
+        return views
+
+    def _slot_offset(self, half: int, local_rank: int) -> int:
+        return (half * self.local_size + local_rank) * self.slot_bytes
+
+    def _next_half(self) -> int:
+        self.rounds += 1
+        return self.rounds & 1
+
+    def _pieces(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        step = self.slot_bytes // itemsize
+        return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+    # -- ops ----------------------------------------------------------------------------------
+    # Copies go through memmove on raw addresses (glibc's large-copy path beats a torch copy_, and
+    # ctypes releases the GIL for it); reductions are torch ops on views of the slots.
+    def allreduce(self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None) -> None:
+        """Reduce the contiguous 1-D ``flat`` in place across the local ranks (and ``cross``, if given,
+        across nodes: it is called on this rank's reduced part of every piece)."""
+        reducer = _REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        if cross is None and flat.numel() * flat.element_size() <= min(SMALL_ALLREDUCE_BYTES, self.slot_bytes):
+            self._run(lambda: self._allreduce_small(flat, reducer))
+        else:
+            self._run(lambda: self._allreduce(flat, reducer, cross))
+
+    def _allreduce_small(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+        """One round, one barrier: every rank publishes its whole message and reduces all of them, in
+        rank order (so the results are bit-identical). Cheaper than two barriers for small messages."""
+        half, nbytes, n = self._next_half(), flat.numel() * flat.element_size(), flat.numel()
+        slots = self._views(flat.dtype)[half]
+        _memmove(self._base + self._slot_offset(half, self.local_rank), flat.data_ptr(), nbytes)
+        self._barrier.wait()
+        _memmove(flat.data_ptr(), self._base + self._slot_offset(half, 0), nbytes)
+        for peer in range(1, self.local_size):
+            reducer(flat, slots[peer][:n], out=flat)
+
+    def _allreduce(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce]) -> None:
+        views = self._views(flat.dtype)
+        me, size, isz = self.local_rank, self.local_size, flat.element_size()
+        base, data = flat.data_ptr(), self._base
+        for start, stop in self._pieces(flat.numel(), isz):
+            half = self._next_half()
+            slots = views[half]
+            bounds = _part_bounds(stop - start, size, isz)
+            lo, hi = bounds[me], bounds[me + 1]
+            piece_at, own_at = base + start * isz, data + self._slot_offset(half, me)
+            # 1. expose the parts the peers reduce
+            _memmove(own_at, piece_at, lo * isz)
+            _memmove(own_at + hi * isz, piece_at + hi * isz, (stop - start - hi) * isz)
+            self._barrier.wait()
+            # 2. reduce my part (and across nodes), then publish it
+            if hi > lo:
+                acc = flat[start + lo : start + hi]
+                for peer in range(size):
+                    if peer != me:
+                        reducer(acc, slots[peer][lo:hi], out=acc)
+                if cross is not None:
+                    cross(acc)  # the same local rank on every node holds the same part: sizes agree
+                _memmove(own_at + lo * isz, piece_at + lo * isz, (hi - lo) * isz)
+            self._barrier.wait()
+            # 3. collect the peers' reduced parts
+            for peer in range(size):
+                if peer != me:
+                    at = bounds[peer] * isz
+                    _memmove(piece_at + at, data + self._slot_offset(half, peer) + at, bounds[peer + 1] * isz - at)
+
+    def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""
+        self._run(lambda: self._allgather(flat, out))
+
+    def _allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        me, isz, nbytes = self.local_rank, flat.element_size(), flat.numel() * flat.element_size()
+        src, dst = flat.data_ptr(), out.data_ptr()
+        _memmove(dst + me * nbytes, src, nbytes)
+        for start, stop in self._pieces(flat.numel(), isz):
+            half = self._next_half()
+            length = (stop - start) * isz
+            _memmove(self._base + self._slot_offset(half, me), src + start * isz, length)
+            self._barrier.wait()
+            for peer in range(self.local_size):
+                if peer != me:
+                    _memmove(dst + peer * nbytes + start * isz, self._base + self._slot_offset(half, peer), length)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Every local rank's ``flat`` becomes local rank ``root``'s."""
+        self._run(lambda: self._broadcast(flat, root))
+
+    def _broadcast(self, flat: torch.Tensor, root: int) -> None:
+        isz, at = flat.element_size(), flat.data_ptr()
+        for start, stop in self._pieces(flat.numel(), isz):
+            slot_at = self._base + self._slot_offset(self._next_half(), root)
+            length = (stop - start) * isz
+            if self.local_rank == root:
+                _memmove(slot_at, at + start * isz, length)
+            self._barrier.wait()
+            if self.local_rank != root:
+                _memmove(at + start * isz, slot_at, length)
+
+
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    if nbytes > 0:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _part_bounds(numel: int, parts: int, itemsize: int) -> list[int]:
+    """``parts + 1`` offsets splitting ``numel`` elements as evenly as whole cache lines allow."""
+    unit = max(1, _ALIGN_BYTES // itemsize)
+    units = -(-numel // unit)
+    base, extra = divmod(units, parts)
+    bounds = [0]
+    for p in range(parts):
+        bounds.append(min(numel, bounds[-1] + (base + (1 if p < extra else 0)) * unit))
+    return bounds

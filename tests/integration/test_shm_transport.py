@@ -1,0 +1,134 @@
+"""The shared-memory transport on real Ray workers of one node: 1 to 5 local ranks, every dtype and op
+against numpy (small and odd sizes, tensors larger than the segment, fused batches), allgather with
+different first dims, broadcast from every root, the settings that turn it off, and that nothing is
+left in /dev/shm after a shutdown or a killed worker."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from hvdray import RayExecutor
+from hvdray.collective import shm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import collective_checks as checks  # noqa: E402 - shared with the multi-node test
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(checks)
+
+pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
+
+def _settings(**kwargs):
+    return RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60, shm_buffer_mb=1, **kwargs)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4, 5], ids=lambda n: f"local{n}")
+def node_ex(request, ray_local):
+    """One executor per number of local ranks (half a CPU each, so 5 fit the 4-CPU test instance)."""
+    executor = RayExecutor(_settings(), num_workers=request.param, cpus_per_worker=0.5)
+    executor.start()
+    try:
+        yield executor
+    finally:
+        executor.shutdown()
+
+
+def test_allreduce_every_dtype_op_and_size_matches_numpy(node_ex):
+    n = node_ex.num_workers
+    results = node_ex.run(checks.every_dtype_op_and_size)
+    assert [transport for transport, _ in results] == ["gloo" if n == 1 else "shm"] * n
+    assert [failures for _, failures in results] == [[]] * n
+
+
+def test_allgather_with_different_first_dims_and_broadcast_from_every_root(node_ex):
+    assert node_ex.run(checks.gather_and_broadcast) == [[]] * node_ex.num_workers
+
+
+def test_segment_is_mapped_but_already_unlinked(node_ex):
+    def where():
+        checks.init()
+        return checks.transport(), checks.mapped_segments(), checks.job_files()[1]
+
+    for transport, mapped, files in node_ex.run(where):
+        if transport == "shm":
+            assert len(mapped) == 1 and mapped[0].endswith("(deleted)"), mapped
+        assert files == []
+
+
+def test_reinit_maps_a_fresh_segment_and_drops_the_old_one(node_ex):
+    def cycle():
+        import torch
+
+        hvd = checks.init()
+        first = checks.mapped_segments()
+        hvd.shutdown()
+        after_shutdown = checks.mapped_segments()
+        hvd = checks.init()
+        total = hvd.allreduce(torch.ones(3), name="after-reinit", op=hvd.Sum).tolist()
+        return first, after_shutdown, checks.mapped_segments(), checks.job_files()[1], total
+
+    n = node_ex.num_workers
+    for first, after_shutdown, second, files, total in node_ex.run(cycle):
+        assert after_shutdown == [] and files == [] and total == [float(n)] * 3
+        if n > 1:
+            assert len(first) == len(second) == 1 and first != second
+
+
+def test_shm_transport_off_uses_gloo(make_executor):
+    ex = make_executor(settings=_settings(shm_transport=False), num_workers=2, cpus_per_worker=0.5)
+
+    def run():
+        import torch
+
+        hvd = checks.init()
+        total = hvd.allreduce(torch.tensor([1.0 + hvd.rank()]), op=hvd.Sum).item()
+        return checks.transport(), total, checks.mapped_segments()
+
+    assert ex.run(run) == [("gloo", 3.0, [])] * 2
+
+
+def test_nothing_left_in_dev_shm_after_shutdown_and_after_a_killed_worker(make_executor):
+    ex = make_executor(settings=_settings(), num_workers=3, cpus_per_worker=0.5)
+
+    def start():
+        import torch
+
+        hvd = checks.init()
+        hvd.allreduce(torch.ones(10), name="warm")
+        return checks.job_files()[0], os.getpid()
+
+    tag, _ = ex.run(start)[0]
+
+    def reduce_until_rank_two_dies():
+        import torch
+
+        hvd = checks.init()
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 120:
+                if hvd.rank() == 2 and time.monotonic() - started > 2:
+                    os._exit(1)  # the process dies in the middle of the job, as a killed worker would
+                hvd.allreduce(torch.ones(100_000), name="loop", op=hvd.Sum)
+        except Exception as exc:  # noqa: BLE001 - the error is what this returns
+            return type(exc).__name__, str(exc), time.monotonic() - started
+        return "no error"
+
+    refs = ex.run_remote(reduce_until_rank_two_dies)
+    for ref in refs[:2]:
+        kind, message, took = ray.get(ref, timeout=60)  # the survivors fail fast; they do not hang
+        assert kind == "HorovodInternalError" and "local rank 2" in message, message
+        assert took < 2 + 15  # timeout_s is 30: the death is seen by its pid, long before that
+    assert _files_of(tag) == []
+    ex.shutdown()
+    assert _files_of(tag) == []
+
+
+def _files_of(tag):
+    return [f for f in os.listdir(shm.SHM_DIR) if tag in f]

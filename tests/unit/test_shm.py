@@ -1,0 +1,316 @@
+"""The shared-memory transport without Ray: segment naming, permissions and cleanup, the barrier's
+failure modes, the node collectives against numpy in real processes, the transport plan, settings."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed import ReduceOp
+
+from hvdray.collective import shm
+from hvdray.collective.shm_collectives import NodeCollectives, _part_bounds, slot_bytes_for
+from hvdray.collective.transport import NodeLayout, TransportOptions, plan_transport
+from hvdray.settings import make_settings
+
+pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
+
+
+def _job_files(tag: str) -> list[str]:
+    return [f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"{shm.NAME_PREFIX}{tag}-")]
+
+
+@pytest.fixture
+def tag():
+    tag = shm.job_tag(secrets.token_bytes(32))
+    yield tag
+    for name in _job_files(tag):
+        os.unlink(shm.segment_path(name))
+
+
+# -- segments -------------------------------------------------------------------------------------
+def test_segment_is_private_unguessable_and_unlinked(tag):
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=8192)
+    path = shm.segment_path(seg.name)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    assert mode == 0o600
+    assert seg.name.startswith(f"hvdray-{tag}-{os.getpid()}-") and len(seg.name.rsplit("-", 1)[1]) == 16
+    other = shm.Segment.attach(seg.name, local_size=2, data_bytes=8192)
+    seg.words[100] = 12345
+    assert other.words[100] == 12345  # one memory
+    seg.unlink()
+    assert _job_files(tag) == []
+    assert other.words[100] == 12345  # still mapped after the name is gone
+    other.close()
+    seg.close()
+
+
+def test_attach_checks_the_group(tag):
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=8192)
+    with pytest.raises(shm.SharedMemoryError, match="another group"):
+        shm.Segment.attach(seg.name, local_size=3, data_bytes=8192)
+    with pytest.raises(shm.SharedMemoryError, match="unexpected size"):
+        shm.Segment.attach(seg.name, local_size=2, data_bytes=4096)
+    with pytest.raises(ValueError, match="not an hvdray segment"):
+        shm.Segment.attach("../etc/passwd", local_size=2, data_bytes=8192)
+    seg.close()
+    assert _job_files(tag) == []
+
+
+def test_job_tag_depends_on_the_secret_only():
+    secret = secrets.token_bytes(32)
+    assert shm.job_tag(secret) == shm.job_tag(secret)
+    assert shm.job_tag(secret) != shm.job_tag(secrets.token_bytes(32))
+    assert secret.hex()[:16] not in shm.job_tag(secret)
+
+
+def test_segments_of_dead_creators_are_swept(tag):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = shm.segment_path(f"hvdray-{tag}-{dead_pid}-{'0' * 16}")
+    alive = shm.segment_path(f"hvdray-{tag}-{os.getppid()}-{'1' * 16}")
+    for path in (stale, alive):
+        open(path, "wb").close()
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)  # creation sweeps this job's dead creators
+    assert sorted(_job_files(tag)) == sorted([os.path.basename(alive), seg.name])
+    seg.close()
+    assert shm.remove_job_segments(b"another job") == []
+    os.unlink(alive)
+
+
+def test_remove_job_segments_removes_everything_of_the_job():
+    secret = secrets.token_bytes(32)
+    tag = shm.job_tag(secret)
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)
+    assert shm.remove_job_segments(secret) == [seg.name]
+    assert _job_files(tag) == []
+    seg.close()
+
+
+def test_creation_fails_cleanly_when_dev_shm_is_too_small(tag):
+    free = os.statvfs(shm.SHM_DIR)
+    too_big = (free.f_bavail + 1024) * free.f_frsize
+    with pytest.raises(OSError):
+        shm.Segment.create(tag, local_size=2, data_bytes=too_big // 4096 * 4096)
+    assert _job_files(tag) == []
+
+
+# -- the node collectives in real processes -------------------------------------------------------
+def _node_worker(name, local_rank, local_size, data_bytes, slot_bytes, task, queue):
+    torch.set_num_threads(1)
+    try:
+        seg = shm.Segment.attach(name, local_size, data_bytes)
+        node = NodeCollectives(seg, local_rank, timeout_s=20, slot_bytes=slot_bytes)
+        queue.put((local_rank, "ready"))
+        queue.put((local_rank, task(node, local_rank, local_size)))
+        node.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((local_rank, exc))
+
+
+def _run_node(local_size, task, slot_bytes=8192, kill=None, timeout=120):
+    """Run ``task(node, local_rank, local_size)`` in ``local_size`` fresh processes on one segment."""
+    tag = shm.job_tag(secrets.token_bytes(32))
+    data_bytes = 2 * local_size * slot_bytes
+    seg = shm.Segment.create(tag, local_size, data_bytes)
+    ctx = multiprocessing.get_context("forkserver")  # imports torch once, not once per process
+    ctx.set_forkserver_preload(["torch", "numpy", "hvdray.collective.shm_collectives"])
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_node_worker, args=(seg.name, r, local_size, data_bytes, slot_bytes, task, queue))
+             for r in range(local_size)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout
+        ready: set[int] = set()
+        results = {}
+        while len(ready) < local_size:
+            rank, message = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            ready.add(rank) if message == "ready" else results.update({rank: message})
+        if kill is not None:
+            time.sleep(kill)
+            procs[-1].kill()
+        expected = local_size - (1 if kill is not None else 0)
+        while len(results) < expected:
+            results.update([queue.get(timeout=max(0.1, deadline - time.monotonic()))])
+        return [results.get(r) for r in range(local_size)]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        seg.close()
+        assert _job_files(tag) == []
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+          torch.int64, torch.bool]
+OPS = {ReduceOp.SUM: np.sum, ReduceOp.PRODUCT: np.prod, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
+BOOL_OPS = {ReduceOp.SUM: np.any, ReduceOp.PRODUCT: np.all, ReduceOp.MIN: np.all, ReduceOp.MAX: np.any}
+SIZES = [1, 3, 17, 1000, 5003]  # 5003 x 8 bytes spans several 8 KiB slots
+
+
+def _inputs(rank, dtype, n):
+    rng = np.random.default_rng([rank, n])
+    return torch.from_numpy(rng.integers(0, 3, n)).to(dtype)
+
+
+def _every_dtype_and_op(node, rank, size):
+    failures = []
+    for dtype in DTYPES:
+        for op in OPS:
+            for n in SIZES:
+                t = _inputs(rank, dtype, n)
+                node.allreduce(t, op)
+                stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+                want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+                if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+                    failures.append((str(dtype), str(op), n))
+    return failures
+
+
+@pytest.mark.parametrize("local_size", [2, 5])
+def test_allreduce_every_dtype_and_op_matches_numpy(local_size):
+    assert _run_node(local_size, _every_dtype_and_op) == [[]] * local_size
+
+
+def _gather_and_broadcast(node, rank, size):
+    flat = torch.arange(3001, dtype=torch.float64) + 10000 * rank
+    out = torch.empty(size * 3001, dtype=torch.float64)
+    node.allgather(flat, out)
+    gathered = bool(torch.equal(out, torch.cat([torch.arange(3001, dtype=torch.float64) + 10000 * r for r in range(size)])))
+    broadcasts = []
+    for root in range(size):
+        b = torch.full((2500,), rank, dtype=torch.int32)
+        node.broadcast(b, root)
+        broadcasts.append(bool((b == root).all()))
+    return gathered, broadcasts
+
+
+def test_allgather_and_broadcast_in_several_rounds():
+    assert _run_node(3, _gather_and_broadcast, slot_bytes=4096) == [(True, [True] * 3)] * 3
+
+
+def _allreduce_forever(node, rank, size):
+    t = torch.ones(100_000)
+    started = time.monotonic()
+    try:
+        while True:
+            node.allreduce(t, ReduceOp.SUM)
+            t.fill_(1)
+    except shm.SharedMemoryError as exc:
+        return str(exc), time.monotonic() - started
+
+
+def test_a_killed_peer_is_an_error_not_a_hang():
+    results = _run_node(3, _allreduce_forever, slot_bytes=65536, kill=1.0)
+    for message, _ in results[:2]:
+        assert "local rank 2" in message and ("died" in message or "left" in message), message
+
+
+def _wait_for_a_peer_that_never_comes(node, rank, size):
+    if rank == 1:
+        time.sleep(4)
+        return "slept"
+    node._barrier._timeout_s = 1.0
+    started = time.monotonic()
+    try:
+        node.broadcast(torch.ones(10), 0)
+    except shm.SharedMemoryError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error"
+
+
+def test_a_peer_that_never_arrives_times_out():
+    message, took = _run_node(2, _wait_for_a_peer_that_never_comes)[0]
+    assert "did not reach" in message and "1.0 s" in message
+    assert 0.9 < took < 3.0
+
+
+def _close_while_an_op_waits(node, rank, size):
+    import threading
+
+    if rank == 1:
+        time.sleep(3)
+        return "slept"
+    errors = []
+
+    def op():
+        try:
+            node.broadcast(torch.ones(10), 0)
+        except shm.SharedMemoryError as exc:
+            errors.append((str(exc), time.monotonic()))
+
+    thread = threading.Thread(target=op)
+    thread.start()
+    time.sleep(0.5)
+    closing = time.monotonic()
+    node.close()
+    thread.join(5)
+    return errors[0][0], errors[0][1] - closing, node.segment.address
+
+
+def test_close_from_another_thread_ends_a_waiting_op_then_unmaps():
+    message, took, address = _run_node(2, _close_while_an_op_waits)[0]
+    assert "left the shared-memory group" in message and took < 1.0 and address == 0
+
+
+def test_part_bounds_cover_the_piece_on_cache_lines():
+    for numel, parts, itemsize in [(1, 3, 4), (17, 2, 8), (1000, 5, 2), (64, 4, 1)]:
+        bounds = _part_bounds(numel, parts, itemsize)
+        assert bounds[0] == 0 and bounds[-1] == numel and bounds == sorted(bounds) and len(bounds) == parts + 1
+        assert all(b * itemsize % 64 == 0 for b in bounds[:-1] if b < numel)
+    assert slot_bytes_for(32 << 20, 4) == 4 << 20 and slot_bytes_for(1, 5) == 4096
+
+
+# -- the plan -------------------------------------------------------------------------------------
+def test_layout_from_local_ranks():
+    assert NodeLayout.from_local_ranks([(0, 2), (1, 2), (0, 1)]).node_sizes == (2, 1)
+    layout = NodeLayout.from_local_ranks([(0, 2), (1, 2), (0, 2), (1, 2)])
+    assert layout.homogeneous and layout.node_of(3) == 1 and layout.first_rank(1) == 2
+    with pytest.raises(ValueError, match="not contiguous"):
+        NodeLayout.from_local_ranks([(0, 2), (0, 2), (1, 2), (1, 2)])
+
+
+@pytest.mark.parametrize(
+    "sizes,options,unsupported,expected",
+    [
+        ((4,), TransportOptions(), [], (True, False)),
+        ((1, 1), TransportOptions(), [], (False, False)),
+        ((4,), TransportOptions(shm=False), [], (False, False)),
+        ((4,), TransportOptions(), ["no /dev/shm"], (False, False)),
+        ((2, 2), TransportOptions(), [], (True, True)),
+        ((2, 2), TransportOptions(hierarchical=False), [], (False, False)),
+        ((2, 1), TransportOptions(), [], (False, False)),
+        ((2, 1), TransportOptions(hierarchical=True), [], (False, False)),
+        ((3, 3, 3), TransportOptions(hierarchical=True), [], (True, True)),
+    ],
+)
+def test_plan_transport(sizes, options, unsupported, expected):
+    plan = plan_transport(NodeLayout(sizes), options, unsupported)
+    assert (plan.node_shm, plan.hierarchical) == expected, plan.reason
+
+
+# -- settings -------------------------------------------------------------------------------------
+def test_transport_settings_defaults_env_and_validation(monkeypatch):
+    s = make_settings()
+    assert (s.shm_transport, s.hierarchical_allreduce, s.shm_buffer_mb) == (True, None, 32.0)
+    monkeypatch.setenv("HVDRAY_SHM_TRANSPORT", "0")
+    monkeypatch.setenv("HVDRAY_HIERARCHICAL_ALLREDUCE", "auto")
+    monkeypatch.setenv("HVDRAY_SHM_BUFFER_MB", "8")
+    s = make_settings()
+    assert (s.shm_transport, s.hierarchical_allreduce, s.shm_buffer_mb) == (False, None, 8.0)
+    monkeypatch.setenv("HVDRAY_HIERARCHICAL_ALLREDUCE", "true")
+    assert make_settings().hierarchical_allreduce is True
+    for kwargs, field in [({"shm_transport": "maybe"}, "shm_transport"), ({"shm_buffer_mb": 0.5}, "shm_buffer_mb"),
+                          ({"hierarchical_allreduce": "sometimes"}, "hierarchical_allreduce")]:
+        with pytest.raises(ValueError, match=field):
+            make_settings(**kwargs)
