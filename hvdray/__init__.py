@@ -1,15 +1,31 @@
 """hvdray: Horovod's programming model, native on Ray.
 
-``from hvdray import RayExecutor`` on the driver, ``import hvdray.torch as hvd`` in the workers.
+``from hvdray import RayExecutor`` on the driver, ``import hvdray.torch as hvd`` in the workers. The
+driver-side names are imported on first use, so that processes which only need a part of hvdray (the
+coordinator actor, a Tune trial's driver) do not pay for importing torch.
 """
 
-from hvdray import ray_logger
-from hvdray.elastic.driver import ElasticJobError
-from hvdray.executor import ElasticRayExecutor, RayExecutor, WorkerLostError
-from hvdray.settings import Settings
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ElasticJobError", "ElasticRayExecutor", "RayExecutor", "Settings", "WorkerLostError", "ray_logger", "__version__",
-]
+_PUBLIC = {
+    "ElasticJobError": "hvdray.elastic.driver",
+    "ElasticRayExecutor": "hvdray.executor",
+    "RayExecutor": "hvdray.executor",
+    "WorkerLostError": "hvdray.executor",
+    "Settings": "hvdray.settings",
+}
+
+__all__ = [*sorted(_PUBLIC), "ray_logger", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ray_logger":  # a module
+        return importlib.import_module("hvdray.ray_logger")
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'hvdray' has no attribute {name!r}")

@@ -11,8 +11,6 @@ import ray
 
 from hvdray import ray_logger
 from hvdray.actors.membership import CoordinatorMembership, export_rank_env
-from hvdray.actors.rendezvous import CoordinatorStore
-from hvdray.collective import context
 from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
 
@@ -53,6 +51,9 @@ class Worker:
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
         the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
+        from hvdray.actors.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
+        from hvdray.collective import context
+
         self._coordinator = coordinator
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
@@ -103,4 +104,6 @@ class Worker:
             self._flush_logs()
 
     def stop_collective(self) -> None:
+        from hvdray.collective import context
+
         context.shutdown()

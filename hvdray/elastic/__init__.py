@@ -2,10 +2,28 @@
 
 The driver side (discovery, the state machine) lives in :mod:`hvdray.elastic.driver` and
 :mod:`hvdray.elastic.discovery` and is used through ``RayExecutor(min_workers=..., max_workers=...)``.
+The worker-side names are imported on first use, so that the driver (which imports this package for
+its state machine) does not import torch and the collective engine.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from hvdray.collective.errors import HorovodInternalError
-from hvdray.elastic.run import run
-from hvdray.elastic.state import HostsUpdatedInterrupt, ObjectState, State
+
+_WORKER_API = {
+    "run": "hvdray.elastic.loop",
+    "State": "hvdray.elastic.state",
+    "ObjectState": "hvdray.elastic.state",
+    "HostsUpdatedInterrupt": "hvdray.elastic.state",
+}
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_API:
+        return getattr(importlib.import_module(_WORKER_API[name]), name)
+    raise AttributeError(f"module 'hvdray.elastic' has no attribute {name!r}")
