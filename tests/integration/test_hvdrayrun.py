@@ -92,20 +92,32 @@ def test_argument_errors_exit_2_with_a_message(args, message, capsys, monkeypatc
     assert not ray.is_initialized()
 
 
-def test_elastic_bounds_are_passed_to_the_executor(capsys, monkeypatch):
-    """--min-np/--max-np become RayExecutor(min_workers, max_workers); its own answer is shown."""
-    from hvdray import RayExecutor
-    from hvdray.runner import main
+ELASTIC_SCRIPT = """
+    import torch
+    import hvdray.torch as hvd
 
-    monkeypatch.chdir(ROOT)
+    hvd.init()
+    state = hvd.elastic.ObjectState(epoch=0, total=0.0)
 
-    try:
-        RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=4)
-    except (NotImplementedError, ValueError) as exc:
-        assert main(["-np", "2", "--min-np", "1", "--max-np", "4", "python", "examples/pytorch_digits.py"]) == 2
-        assert f"hvdrayrun: error: {exc}" in capsys.readouterr().err
-    else:
-        pytest.skip("elastic RayExecutor exists now: covered by the elastic tests")
+    @hvd.elastic.run
+    def train(state):
+        while state.epoch < 3:
+            state.total += hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+            state.epoch += 1
+            state.commit()
+        return state.total
+
+    print(f"rank {hvd.rank()} of {hvd.size()} elastic total={train(state):.0f}")
+"""
+
+
+def test_min_np_max_np_run_the_script_elastically(tmp_path):
+    """--min-np/--max-np become RayExecutor(min_workers, max_workers): the script's hvd.elastic.run works."""
+    script = _script(tmp_path, "elastic_train.py", ELASTIC_SCRIPT)
+    result = _hvdrayrun("--min-np", "2", "--max-np", "2", "--timeout", "30", "python", str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:rank {rank} of 2 elastic total=6" in result.stdout
 
 
 def test_console_script_points_at_the_launcher():
