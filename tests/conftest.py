@@ -40,3 +40,21 @@ def make_executor(ray_local):
     yield factory
     for executor in made:
         executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_two_nodes():
+    """A real multi-node Ray on this machine: a head without CPUs and two raylets of 2 CPUs each."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

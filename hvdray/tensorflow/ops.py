@@ -18,7 +18,7 @@ import torch
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
 from hvdray.collective.ops import ReduceOp
-from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
+from hvdray.collective.process_sets import resolve
 from hvdray.tensorflow import bridge
 from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
 

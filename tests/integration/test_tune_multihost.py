@@ -9,25 +9,10 @@ from __future__ import annotations
 import pytest
 import ray
 from ray import tune
-from ray.cluster_utils import Cluster
 
 from hvdray.tune import DistributedTrainableCreator, report
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def _where(config):
@@ -41,7 +26,7 @@ def _where(config):
     })
 
 
-def test_a_trial_with_two_hosts_puts_num_slots_workers_on_each_of_two_nodes(two_node_cluster, tmp_path):
+def test_a_trial_with_two_hosts_puts_num_slots_workers_on_each_of_two_nodes(ray_two_nodes, tmp_path):
     trainable_cls = DistributedTrainableCreator(_where, num_hosts=2, num_slots=2)
     analysis = tune.run(trainable_cls, storage_path=str(tmp_path), name="hosts", verbose=0)
     result = analysis.trials[0].last_result

@@ -8,25 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from hvdray import RayExecutor
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def _where_and_reduce():
@@ -49,7 +34,7 @@ def _where_and_reduce():
     }
 
 
-def test_num_hosts_spreads_and_assigns_local_and_cross_ranks(two_node_cluster):
+def test_num_hosts_spreads_and_assigns_local_and_cross_ranks(ray_two_nodes):
     started = time.monotonic()
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
     with RayExecutor(settings, num_hosts=2, num_workers_per_host=2) as ex:
@@ -64,7 +49,7 @@ def test_num_hosts_spreads_and_assigns_local_and_cross_ranks(two_node_cluster):
     assert time.monotonic() - started < 120
 
 
-def test_num_workers_packs_onto_one_node_when_it_fits(two_node_cluster):
+def test_num_workers_packs_onto_one_node_when_it_fits(ray_two_nodes):
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
     with RayExecutor(settings, num_workers=2) as ex:
         results = ex.run(_where_and_reduce)
@@ -73,7 +58,7 @@ def test_num_workers_packs_onto_one_node_when_it_fits(two_node_cluster):
     assert [r["cross"] for r in results] == [(0, 1), (0, 1)]
 
 
-def test_num_workers_spills_across_nodes_when_needed(two_node_cluster):
+def test_num_workers_spills_across_nodes_when_needed(ray_two_nodes):
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=30)
     with RayExecutor(settings, num_workers=3) as ex:
         results = ex.run(_where_and_reduce)

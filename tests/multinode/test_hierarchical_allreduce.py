@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import ray
 import ray.cloudpickle
-from ray.cluster_utils import Cluster
 
 from hvdray import RayExecutor
 from hvdray.collective import shm
@@ -30,20 +29,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
 def _settings(**kwargs):
     return RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60, shm_buffer_mb=1, **kwargs)
 
@@ -55,7 +40,7 @@ def _where():
     return ray.get_runtime_context().get_node_id(), checks.transport(), checks.mapped_segments()
 
 
-def test_two_nodes_of_two_ranks_reduce_hierarchically(two_nodes):
+def test_two_nodes_of_two_ranks_reduce_hierarchically(ray_two_nodes):
     with RayExecutor(_settings(), num_hosts=2, num_workers_per_host=2) as ex:
         where = ex.run(_where)
         assert where[0][0] == where[1][0] != where[2][0] == where[3][0]
@@ -78,7 +63,7 @@ def test_two_nodes_of_two_ranks_reduce_hierarchically(two_nodes):
     ],
     ids=["uneven-nodes", "hierarchical-off", "shm-off"],
 )
-def test_layouts_and_settings_that_use_plain_gloo(two_nodes, layout, settings, expected):
+def test_layouts_and_settings_that_use_plain_gloo(ray_two_nodes, layout, settings, expected):
     with RayExecutor(_settings(**settings), **layout) as ex:
         where = ex.run(_where)
         assert [transport for _, transport, _ in where] == [expected] * ex.num_workers
