@@ -65,6 +65,7 @@ def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~3 s a cycle on the 2-core CI machine: each cycle starts fresh worker processes
 def test_executor_lifecycles_leak_nothing(ray_local):
     from hvdray import RayExecutor
 
