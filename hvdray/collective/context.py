@@ -123,10 +123,15 @@ def _start_engine(
 
 
 def init() -> None:
-    """Join the configured job (or start a size-1 one). Calling it again while running is a no-op."""
+    """Join the configured job (or start a size-1 one). Calling it again is a no-op until ``shutdown``.
+
+    That holds for an engine that has stopped too (a peer shut down or the ring broke): its ops keep
+    raising what stopped it. Re-joining takes ``shutdown()`` then ``init()`` on every rank (what an
+    elastic reset does), so that all ranks count the same generations: a rank that quietly started a
+    new engine here would meet its peers' next generation, not the one they are shutting down."""
     global _engine, _generation, _generation_epoch
     with _lock:
-        if _engine is not None and _engine.alive:
+        if _engine is not None:
             return
         job = _current_job()
         if job.rank_info is None:
