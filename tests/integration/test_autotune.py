@@ -40,7 +40,7 @@ def test_autotune_improves_a_bad_configuration_and_logs_every_sample(make_execut
     log_file = tmp_path / "autotune.csv"
     settings = RayExecutor.create_settings(
         timeout_s=30, fusion_threshold_mb=0, cycle_time_ms=10, autotune=True, autotune_log_file=str(log_file),
-        autotune_warmup_samples=1, autotune_steps_per_sample=4, autotune_bayes_opt_max_samples=8,
+        autotune_warmup_samples=1, autotune_steps_per_sample=16, autotune_bayes_opt_max_samples=8,
     )
     ex = make_executor(settings=settings, num_workers=2)
     results = ex.run(_synthetic_training, args=[3000])
