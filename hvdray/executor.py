@@ -362,8 +362,7 @@ class RayExecutor:
         except KeyboardInterrupt:
             # Ctrl-C (or a notebook's interrupt): the workers may be mid-collective, so they are stopped;
             # the executor stays usable and its next call starts fresh workers in the same placement group.
-            self._stop_workers()
-            self._state = "broken"
+            self._break()
             log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
             raise
 
@@ -374,10 +373,14 @@ class RayExecutor:
             for cb in callbacks:
                 cb(record)
 
-    def _fail(self, rank: int, size: int, exc: BaseException) -> None:
-        """Stop every worker (they may wait on the failed one) and raise that rank's error."""
+    def _break(self) -> None:
+        """Stop the workers and their coordinator; the next call starts fresh ones in the same placement group."""
         self._stop_workers()
         self._state = "broken"
+
+    def _fail(self, rank: int, size: int, exc: BaseException) -> None:
+        """Stop every worker (they may wait on the failed one) and raise that rank's error."""
+        self._break()
         if isinstance(exc, ray.exceptions.OutOfMemoryError):
             raise WorkerLostError(
                 f"the worker of rank {rank} (of {size}) was killed because its node ran out of memory "
