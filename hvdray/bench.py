@@ -10,7 +10,7 @@ Measures (a) allreduce bus bandwidth at 4, 64 and 256 MB, (b) one step's gradien
 160 x 16 KB tensors and for ResNet-50's 161 parameter shapes, (c) training throughput of a small
 convolutional network on scikit-learn's digits with ``DistributedOptimizer`` vs DDP, and (d) the
 time from starting workers to the first finished allreduce (hvdray's ``RayExecutor`` vs plain Ray
-actors with ``init_process_group``). Horovod itself is not measured: its Gloo controller needs its own
+actors with ``init_process_group``), and (e) the CPU an idle engine thread uses. Horovod itself is not measured: its Gloo controller needs its own
 launcher and cannot join workers that hvdray started (``meta.horovod`` says whether it is installed).
 Writes ``bench.json``, ``bench.md`` (the table the README quotes) and ``bench.png`` to ``--out``.
 """
@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -200,6 +200,20 @@ def _alternate(executor: Any, fn: Callable[..., dict[str, float]], args: list[An
     return samples
 
 
+def _idle_round(seconds: float) -> dict[str, float]:
+    """Percent of one core the engine thread (and the whole worker process) uses while no op is submitted."""
+    from hvdray.collective import context
+
+    engine = context.engine()
+    engine_clock = time.pthread_getcpuclockid(engine._thread.ident)
+    time.sleep(1.0)  # let the engine back off to its idle tick
+    thread_before, process_before = time.clock_gettime(engine_clock), time.process_time()
+    time.sleep(seconds)
+    thread_used = time.clock_gettime(engine_clock) - thread_before
+    process_used = time.process_time() - process_before
+    return {"hvdray engine thread": 100 * thread_used / seconds, "whole worker process": 100 * process_used / seconds}
+
+
 def _hvdray_start_to_first_allreduce(workers: int) -> float:
     from hvdray import RayExecutor
 
@@ -277,14 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address)
     rows: list[dict[str, Any]] = []
 
-    def record(section: str, samples: dict[str, list[float]], unit: str, baseline: str, higher_is_better: bool) -> None:
-        base = statistics.median(samples[baseline])
+    def record(
+        section: str, samples: dict[str, list[float]], unit: str, baseline: Optional[str], higher_is_better: bool
+    ) -> None:
+        base = statistics.median(samples[baseline]) if baseline else None
         for impl, values in samples.items():
             median = statistics.median(values)
-            ratio = (median / base) if higher_is_better else (base / median)
+            ratio = None if base is None else (median / base) if higher_is_better else (base / median)
             rows.append({"section": section, "impl": impl, "median": median, "unit": unit,
                          "samples": values, "vs": baseline, "speed ratio": ratio})
-            print(f"{section:42s} {impl:30s} {median:12.4g} {unit:10s} {ratio:6.2f}x vs {baseline}", flush=True)
+            versus = f"{ratio:6.2f}x vs {baseline}" if ratio is not None else ""
+            print(f"{section:42s} {impl:30s} {median:12.4g} {unit:10s} {versus}", flush=True)
 
     started = time.perf_counter()
     try:
@@ -306,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             record("training throughput (CNN on digits, batch 64/worker)", _alternate(
                 ex, _training_round, [5 if args.quick else 40, 64], args.repeats),
                 "samples/s", "DDP (gloo)", higher_is_better=True)
+            record("idle CPU (no ops submitted)", _alternate(ex, _idle_round, [1.0 if args.quick else 5.0], 1),
+                   "% of a core", None, higher_is_better=False)
         starts: dict[str, list[float]] = {"raw gloo (Ray actors + init_process_group)": [], "hvdray": []}
         for _ in range(1 if args.quick else 3):
             starts["raw gloo (Ray actors + init_process_group)"].append(_raw_start_to_first_allreduce(args.workers))
@@ -339,7 +358,8 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "| --- | --- | ---: | --- | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r['section']} | {r['impl']} | {r['median']:.4g} | {r['unit']} | {r['speed ratio']:.2f}x vs {r['vs']} |")
+        versus = f"{r['speed ratio']:.2f}x vs {r['vs']}" if r["vs"] else ""
+        lines.append(f"| {r['section']} | {r['impl']} | {r['median']:.4g} | {r['unit']} | {versus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -352,7 +372,10 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     sections = list(dict.fromkeys(r["section"] for r in rows))
     fig, axes = plt.subplots(len(sections), 1, figsize=(9, 2.0 * len(sections)))
     for ax, section in zip(axes if len(sections) > 1 else [axes], sections):
-        mine = [r for r in rows if r["section"] == section]
+        mine = [r for r in rows if r["section"] == section and r["vs"]]
+        if not mine:
+            ax.set_axis_off()
+            continue
         ax.barh([r["impl"] for r in mine], [r["speed ratio"] for r in mine], color="#4c72b0")
         ax.axvline(1.0, color="grey", lw=0.8)
         ax.set_title(f"{section} (speed vs {mine[0]['vs']})", fontsize=9)

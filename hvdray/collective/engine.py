@@ -68,6 +68,8 @@ class Handle:
         self._error: Optional[BaseException] = None
 
     def done(self) -> bool:
+        if not self._done and self._on_wait is not None:
+            self._on_wait()  # someone polls: they want this op now, not at the end of a batching window
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
@@ -87,19 +89,20 @@ class Handle:
         self._latch.release()
 
 
-@dataclass
 class Request:
     """One op submitted on this rank: metadata every rank sees, plus the local tensors."""
 
-    meta: dict[str, Any]
-    tensor: Optional[torch.Tensor]
-    output: Optional[torch.Tensor]
-    handle: Handle
-    submitted: float = 0.0  # time.perf_counter() at submission, taken only while a timeline records
+    __slots__ = ("meta", "name", "tensor", "output", "handle", "submitted")
 
-    @property
-    def name(self) -> str:
-        return self.meta["n"]
+    def __init__(
+        self, meta: dict[str, Any], tensor: Optional[torch.Tensor], output: Optional[torch.Tensor], handle: Handle
+    ) -> None:
+        self.meta = meta
+        self.name: str = meta["n"]
+        self.tensor = tensor
+        self.output = output
+        self.handle = handle
+        self.submitted = 0.0  # time.perf_counter() at submission, taken only while a timeline records
 
 
 @dataclass
@@ -171,6 +174,13 @@ class Engine:
         self._tick_bytes = 0  # bytes reduced in this tick (autotune's score)
         self._flags = FlagVector(cache_capacity)
         self._cached_pending: dict[int, Request] = {}
+        # step-aware batching: the cached slots of this rank's last complete step (submitted between two
+        # moments with nothing in flight) and of the current one; see _collect
+        self._expected: frozenset[int] = frozenset()
+        self._step_slots: set[int] = set()
+        self._unsent_bytes = 0  # cached requests sorted since the last tick
+        self._plans: dict[tuple[int, ...], list[_Action]] = {}  # ready cached slots -> what to run
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # fusion buffers, one per dtype, grown on demand
         self._outbox: list[Request] = []  # requests to announce by name in the next full round
         self._census: dict[int, set[int]] = {}  # slot -> ranks with it pending, from the last full round
         self._stall_since: dict[int, float] = {}  # rank 0: cached slots pending somewhere but not everywhere
@@ -188,7 +198,8 @@ class Engine:
     # -- submission (any thread) ------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
         with self._lock:
-            self._raise_if_stopped()
+            if self._error is not None or self._shutdown_requested:
+                self._raise_if_stopped()
             name = request.name
             if name in self._local:
                 raise ValueError(
@@ -294,31 +305,59 @@ class Engine:
             self.comm.close()
 
     def _collect(self, wait_s: float) -> bool:
-        """Wait for this tick, then sort new requests into cached slots and the outbox; True if this
-        rank needs a full (named) negotiation round."""
-        deadline = time.monotonic() + wait_s
+        """Wait for this tick, sorting new requests into cached slots and the outbox as they come; True if
+        this rank needs a full (named) negotiation round.
+
+        When to tick: at once on shutdown, join, or when a caller blocks on (or polls) an op; otherwise new
+        work with nothing older in flight goes at once, except that once this rank's steps repeat (the
+        same cached tensors between two moments with nothing in flight, as in a training step), a step
+        goes when all of it has been submitted, or a fusion buffer's worth of it: one negotiation and one
+        fused reduction per step instead of one per early tensor. With older work in flight the tick
+        paces by the cycle time, so that tensors arriving together are negotiated and fused together.
+        """
+        started = time.monotonic()
+        deadline = started + wait_s
         with self._lock:
-            while not self._shutdown_requested:
-                remaining = deadline - time.monotonic()
-                # New work with nothing older still in flight goes at once, and so does everything once
-                # a caller blocks on an op; otherwise pace by the cycle so that tensors arriving
-                # together are negotiated (and fused) together.
-                fresh = (self._queue or self._join_announce) and len(self._queue) == len(self._local)
-                if remaining <= 0 or fresh or (self._waited_on and self._local):
+            older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
+            if not older and self._step_slots:  # nothing in flight: the last step is over, learn it
+                self._expected, self._step_slots = frozenset(self._step_slots), set()
+            while True:
+                if self._queue:
+                    self._sort(self._queue)
+                    self._queue = []
+                if self._shutdown_requested or self._join_announce or (self._waited_on and self._local):
                     break
-                self._lock.wait(remaining)
+                now = time.monotonic()
+                if self._expected and not older:
+                    if self._outbox or self._unsent_bytes and (
+                        self._unsent_bytes >= self._fusion_bytes or self._step_slots >= self._expected
+                    ):
+                        break
+                    limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
+                else:
+                    if self._local and not older:
+                        break
+                    limit = deadline
+                if now >= limit:
+                    break
+                self._lock.wait(limit - now)
             self._waited_on = False
-            queue, self._queue = self._queue, []
+            self._unsent_bytes = 0
             wants_full = bool(self._join_announce or self._shutdown_requested)
+        if self.rank == 0:
+            wants_full = self._rank0_wants_full() or wants_full
+        return wants_full or bool(self._outbox)
+
+    def _sort(self, queue: list[Request]) -> None:
+        """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name)."""
         for request in queue:
             slot = None if request.meta.get("a") or not self._cache_on else self._cache.lookup(request.meta)
             if slot is None:
                 self._outbox.append(request)
             else:
                 self._cached_pending[slot] = request
-        if self.rank == 0:
-            wants_full = self._rank0_wants_full() or wants_full
-        return wants_full or bool(self._outbox)
+                self._step_slots.add(slot)
+                self._unsent_bytes += _nbytes(request.meta)
 
     def _encode(self) -> bytes:
         message: dict[str, Any] = {}
@@ -387,6 +426,7 @@ class Engine:
         self._fusion_bytes = int(params.fusion_threshold_mb * 1024 * 1024)
         self._cycle_s = params.cycle_time_ms / 1000.0
         self._cache_on = params.cache_enabled and self._cache.capacity > 0
+        self._forget_plans()
         log.debug("rank %d applies autotuned %s", self.rank, params)
 
     @property
@@ -397,10 +437,17 @@ class Engine:
     def _uncache(self, name: str) -> None:
         """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
         slot = self._cache.evict(name)
+        self._forget_plans()
         request = self._cached_pending.pop(slot, None) if slot is not None else None
         if request is not None:
             self._outbox.append(request)
         self._stall_since.pop(slot, None)
+
+    def _forget_plans(self) -> None:
+        """Slots changed meaning or fusion changed: recompute what ready slots run as, and relearn steps."""
+        self._plans.clear()
+        self._expected = frozenset()
+        self._step_slots = set()
 
     # -- stalls (rank 0 watches, every rank acts on its "drop" list) ---------------------------
     def _rank0_wants_full(self) -> bool:
@@ -464,15 +511,50 @@ class Engine:
         """Run what is ready everywhere: cached slots in slot order, then newly negotiated names in
         announcement order (the same on every rank), fusing consecutive compatible allreduces."""
         everyone = set(range(self.size))
-        ready: list[tuple[str, dict[int, dict[str, Any]], bool]] = []
         for slot in ready_slots:
-            self._cached_pending.pop(slot, None)
+            self._cached_pending.pop(slot, None)  # a joined rank has none pending
             self._cache.touch(slot, self._round)
-            ready.append((self._cache.name_of(slot), self._cache.metas(slot), True))
-        for name in [n for n in self._order if set(self._table[n].metas) | self._joined == everyone]:
-            self._order.remove(name)
-            ready.append((name, self._table.pop(name).metas, False))
+        newly = [n for n in self._order if set(self._table[n].metas) | self._joined == everyone] if self._order else []
+        if ready_slots and not newly and not self._joined:
+            # the steady state: the same cached tensors every step, planned once
+            key = tuple(ready_slots)
+            plan = self._plans.get(key)
+            if plan is None:
+                if len(self._plans) >= _MAX_PLANS:
+                    self._plans.clear()
+                plan = self._plans[key] = self._plan(
+                    [(self._cache.name_of(slot), self._cache.metas(slot), True) for slot in ready_slots]
+                )
+        else:
+            ready = [(self._cache.name_of(slot), self._cache.metas(slot), True) for slot in ready_slots]
+            for name in newly:
+                self._order.remove(name)
+                ready.append((name, self._table.pop(name).metas, False))
+            plan = self._plan(ready)
+        for action in plan:
+            if action.problem:
+                request = self._take_local(action.names[0])
+                if request is not None:
+                    request.handle._finish(error=TensorMismatchError(action.problem))
+            elif action.fused:
+                self._flush(action)
+            else:
+                self._run_one(action.names[0], action.rank_metas)
+        if self._joined == everyone:
+            self._finish_join()
+
+    def _plan(self, ready: list[tuple[str, dict[int, dict[str, Any]], bool]]) -> list["_Action"]:
+        """What to run for these ready names, in order: mismatches become errors (identical on every
+        rank), consecutive compatible allreduces fuse up to the threshold, newly agreed names are cached."""
+        everyone = set(range(self.size))
+        plan: list[_Action] = []
         batch = _FusionBatch(self._fusion_bytes)
+
+        def close_batch() -> None:
+            items = batch.take()
+            if items:
+                plan.append(_Action(names=[n for n, _ in items], metas=[m for _, m in items], fused=True))
+
         for name, metas, cached in ready:
             meta = metas[min(metas)]
             problem = None if cached else self._mismatch(name, metas)
@@ -482,28 +564,26 @@ class Engine:
                     "only allreduce works with joined ranks"
                 )
             if problem is not None:
-                self._flush(batch.take())
-                request = self._take_local(name)
-                if request is not None:
-                    request.handle._finish(error=TensorMismatchError(problem))
+                close_batch()
+                plan.append(_Action(names=[name], metas=[meta], problem=problem))
                 continue
             if self._cache_on and not cached and not meta.get("a") and set(metas) == everyone:
                 evicted = self._cache.put(name, metas, self._round)
-                if evicted is not None and evicted in self._cached_pending:
-                    self._outbox.append(self._cached_pending.pop(evicted))
-            if meta["o"] == "allreduce":
-                if _goes_alone(meta):  # the small ones around it keep filling the batch
-                    self._flush([(name, meta)])
-                    continue
-                if not batch.fits(meta):
-                    self._flush(batch.take())
-                batch.add(name, meta)
+                if evicted is not None:
+                    self._forget_plans()
+                    if evicted in self._cached_pending:
+                        self._outbox.append(self._cached_pending.pop(evicted))
+            if meta["o"] != "allreduce":
+                close_batch()
+                plan.append(_Action(names=[name], metas=[meta], rank_metas=metas))
+            elif _goes_alone(meta):  # the small ones around it keep filling the batch
+                plan.append(_Action(names=[name], metas=[meta], fused=True))
             else:
-                self._flush(batch.take())
-                self._run_one(name, metas)
-        self._flush(batch.take())
-        if self._joined == everyone:
-            self._finish_join()
+                if not batch.fits(meta):
+                    close_batch()
+                batch.add(name, meta)
+        close_batch()
+        return plan
 
     def _finish_join(self) -> None:
         last = self._last_joined
@@ -550,23 +630,18 @@ class Engine:
                 return f"mismatched splits for alltoall {name!r}: some ranks passed splits and others did not"
         return None
 
-    def _flush(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
-        if not batch:
-            return
-        meta = batch[0][1]
+    def _flush(self, action: "_Action") -> None:
+        """One allreduce for the action's tensors: alone in its output, or fused in a staging buffer."""
+        meta = action.metas[0]
         with self._lock:
             local = self._local
-            requests = [local.pop(name, None) for name, _ in batch]
+            requests = [local.pop(name, None) for name in action.names]
         self._running = [req for req in requests if req is not None]
-        inputs = [
-            req.tensor if req is not None else torch.zeros(m["s"], dtype=_dtype(m["d"]))
-            for req, (_, m) in zip(requests, batch)
-        ]
         timeline = self.timeline
         t_start = time.perf_counter() if timeline is not None else 0.0
-        if len(inputs) == 1:
+        if len(requests) == 1:
             req = requests[0]
-            src = inputs[0]
+            src = req.tensor if req is not None else torch.zeros(meta["s"], dtype=_dtype(meta["d"]))
             buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
             if buf is not src:
                 buf.copy_(src)
@@ -577,31 +652,53 @@ class Engine:
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
         else:
-            flat = torch.cat([t.reshape(-1) for t in inputs])
+            views = self._staging_views(action)
+            # one C++ call copies every tensor in and one copies every result out (a Python loop of
+            # copies costs ~10 us a tensor); a joined rank contributes zeros
+            if all(req is not None for req in requests):
+                torch._foreach_copy_(views, [req.tensor for req in requests])
+            else:
+                for view, req in zip(views, requests):
+                    if req is None:
+                        view.zero_()
+                    else:
+                        view.copy_(req.tensor)
             t_copied = time.perf_counter() if timeline is not None else 0.0
-            self._reduce(flat, meta)
+            self._reduce(action.flat, meta)
             t_reduced = time.perf_counter() if timeline is not None else 0.0
-            self._tick_bytes += flat.numel() * flat.element_size()
-            self.stats.fused_tensors += len(inputs)
-            # one C++ call copies every slice back (a Python loop of views and copies costs ~10 us a tensor)
-            parts = flat.split([t.numel() for t in inputs])
-            targets = [(req.output, part) for req, part in zip(requests, parts) if req is not None]
-            torch._foreach_copy_([out.view(-1) if out.is_contiguous() else out for out, _ in targets],
-                                 [part if out.is_contiguous() else part.view(out.shape) for out, part in targets])
+            self._tick_bytes += action.flat.numel() * action.flat.element_size()
+            self.stats.fused_tensors += len(requests)
+            done = [(req.output, view) for req, view in zip(requests, views) if req is not None]
+            torch._foreach_copy_([out for out, _ in done], [view for _, view in done])
         if timeline is not None:
             t_done = time.perf_counter()
-            fused = {"tensors": len(inputs), "bytes": sum(t.numel() * t.element_size() for t in inputs)}
+            fused = {"tensors": len(requests), "bytes": sum(_nbytes(m) for m in action.metas)}
             for req in self._running:
                 self._trace_start(timeline, req, t_start)
                 timeline.phase(self.timeline_pid, req.name, "FUSION-COPY", t_start, t_copied)
                 timeline.phase(self.timeline_pid, req.name, "REDUCE", t_copied, t_reduced, fused)
                 timeline.phase(self.timeline_pid, req.name, "COPY-OUT", t_reduced, t_done)
         self.stats.allreduce_calls += 1
-        self.stats.ops += len(batch)
-        for req in requests:
-            if req is not None:
-                req.handle._finish(result=req.output)
+        self.stats.ops += len(requests)
+        for req in self._running:
+            req.handle._finish(result=req.output)
         self._running = []
+
+    def _staging_views(self, action: "_Action") -> list[torch.Tensor]:
+        """The action's tensors as views of this engine's fusion buffer for their dtype (kept between
+        steps, grown when a larger batch comes; plans bound to a replaced buffer are recomputed)."""
+        dtype = _dtype(action.metas[0]["d"])
+        numels = [_numel(m["s"]) for m in action.metas]
+        total = sum(numels)
+        staging = self._staging.get(dtype)
+        if staging is None or staging.numel() < total:
+            staging = self._staging[dtype] = torch.empty(total, dtype=dtype)
+            self._plans.clear()  # their views point into the old buffer
+        if action.staging is not staging:
+            action.staging = staging
+            action.flat = staging[:total]
+            action.views = [part.view(m["s"]) for part, m in zip(action.flat.split(numels), action.metas)]
+        return action.views
 
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
         if meta["pre"] != 1.0:
@@ -708,6 +805,24 @@ class Engine:
             join._finish(error=error)
 
 
+@dataclass(eq=False)
+class _Action:
+    """One entry of a plan: a (possibly fused) allreduce, another op, or a mismatch error."""
+
+    names: list[str]
+    metas: list[dict[str, Any]]  # per name, the metadata of the lowest rank that submitted it
+    fused: bool = False  # an allreduce batch (possibly of one tensor)
+    rank_metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # every rank's, for other ops
+    problem: str = ""  # a mismatch: raised on every rank for names[0]
+    staging: Optional[torch.Tensor] = None  # the fusion buffer the views below point into
+    flat: Optional[torch.Tensor] = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+#: distinct sets of ready cached slots whose plans are kept (a training loop needs one or two)
+_MAX_PLANS = 64
+
+
 class _FusionBatch:
     """Consecutive ready allreduces sharing dtype, op and scale factors, up to the fusion threshold."""
 
@@ -752,11 +867,15 @@ def _even_splits(rows: int, size: int) -> list[int]:
     return [rows // size] * size
 
 
-def _nbytes(meta: dict[str, Any]) -> int:
+def _numel(shape: list[int]) -> int:
     n = 1
-    for d in meta["s"]:
+    for d in shape:
         n *= d
-    return n * _dtype(meta["d"]).itemsize
+    return n
+
+
+def _nbytes(meta: dict[str, Any]) -> int:
+    return _numel(meta["s"]) * _dtype(meta["d"]).itemsize
 
 
 _DTYPES: dict[str, torch.dtype] = {str(d): d for d in GLOO_DTYPES}

@@ -35,6 +35,7 @@ class ReduceOp(str, enum.Enum):
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
+_NEEDS_FLOAT = frozenset((Adasum,))  # ops with a dtype condition beyond check_tensor's (bool: see below)
 
 
 class OpHandle:
@@ -42,8 +43,8 @@ class OpHandle:
 
     __slots__ = ("_parts", "_convert")
 
-    def __init__(self, parts: Sequence[Handle], convert: Callable[[list[Any]], Any]) -> None:
-        self._parts = list(parts)
+    def __init__(self, parts: list[Handle], convert: Callable[[list[Any]], Any]) -> None:
+        self._parts = parts
         self._convert = convert
 
     def done(self) -> bool:
@@ -89,6 +90,8 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
 
 def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = None) -> torch.Tensor:
     """A CPU, dense torch tensor of a dtype Gloo can reduce, or a TypeError/ValueError naming it."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _GLOO_DTYPE_SET and not tensor.is_sparse:
+        return tensor  # the common case, checked without building any message
     label = f"{argument} {name!r}" if name else argument
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -99,9 +102,10 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
     if tensor.dtype not in GLOO_DTYPES:
         supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
         raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
-    if tensor.is_sparse:
-        raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
-    return tensor
+    raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+
+
+_GLOO_DTYPE_SET = frozenset(GLOO_DTYPES)
 
 
 def check_name(name: Optional[str], op: str, engine: Optional[Engine] = None) -> str:
@@ -125,11 +129,12 @@ def check_allreduce_args(
 ) -> tuple[float, float]:
     """Check an allreduce's tensor, op and scale factors; returns ``(prescale, postscale)`` as floats."""
     check_tensor(tensor, argument, name=name)
-    label = f"{argument} {name!r}" if name else argument
-    if tensor.dtype == torch.bool and op in (Average, Product):
-        raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
-    if op == Adasum and not tensor.is_floating_point():
-        raise ValueError(f"{label} has dtype {tensor.dtype}; op=hvd.Adasum needs a floating-point tensor")
+    if op in _NEEDS_FLOAT or tensor.dtype is torch.bool:
+        label = f"{argument} {name!r}" if name else argument
+        if tensor.dtype == torch.bool and op in (Average, Product):
+            raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
+        if op == Adasum and not tensor.is_floating_point():
+            raise ValueError(f"{label} has dtype {tensor.dtype}; op=hvd.Adasum needs a floating-point tensor")
     return (
         check_scale(prescale_factor, "prescale_factor", tensor),
         check_scale(postscale_factor, "postscale_factor", tensor),
@@ -138,6 +143,8 @@ def check_allreduce_args(
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
     """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
+    if value == 1.0 and type(value) in (float, int):  # the common case (bool is not int's type)
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
     value = float(value)
@@ -162,16 +169,19 @@ def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
 
 
 def _meta(op: str, name: str, tensor: torch.Tensor, **extra: Any) -> dict[str, Any]:
-    meta = {"o": op, "n": name, "d": str(tensor.dtype), "s": list(tensor.shape), **extra}
+    meta = {"o": op, "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape), **extra}
     if GENERATED_NAME_MARK in name:
         meta["a"] = 1  # generated names never repeat: the engine does not cache them
     return meta
 
 
+_DTYPE_NAMES = {d: str(d) for d in GLOO_DTYPES}
+
+
 def _submit(
     engine: Engine, meta: dict[str, Any], tensor: Optional[torch.Tensor], output: Optional[torch.Tensor]
 ) -> Handle:
-    return engine.submit(Request(meta=meta, tensor=tensor, output=output, handle=Handle(meta["n"])))
+    return engine.submit(Request(meta, tensor, output, Handle(meta["n"])))
 
 
 def _first(results: list[Any]) -> Any:
@@ -193,9 +203,9 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
-    meta = _meta("allreduce", name, tensor, r=op.value, pre=pre, post=post)
+    meta = _meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    handle = _submit(engine, meta, tensor, out)
+    handle = engine.submit(Request(meta, tensor, out, Handle(name)))
     if op in (Min, Max) and tensor.is_floating_point():
         # Gloo's min/max keep or drop a NaN depending on the order of the operands; IEEE 754's
         # minimum/maximum (and torch) propagate it, so a NaN mask is reduced beside the tensor.

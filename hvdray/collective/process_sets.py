@@ -139,7 +139,7 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
     mine = torch.tensor([-1] if ps is None else [len(ps.ranks), *ps.ranks], dtype=torch.int64)
     name = engine.auto_name("add_process_set")
     meta = {"o": "allgather", "n": name, "d": str(mine.dtype), "s": list(mine.shape), "a": 1}
-    gathered = engine.submit(Request(meta=meta, tensor=mine, output=None, handle=Handle(name))).wait().tolist()
+    gathered = engine.submit(Request(meta, mine, None, Handle(name))).wait().tolist()
     passed: list[Optional[list[int]]] = []
     offset = 0
     for _ in range(info.size):
@@ -188,7 +188,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     # every member is here before any member's engine stops
     name = engine.auto_name("remove_process_set")
     barrier = {"o": "barrier", "n": name, "d": "", "s": [], "a": 1}
-    engine.submit(Request(meta=barrier, tensor=None, output=None, handle=Handle(name))).wait()
+    engine.submit(Request(barrier, None, None, Handle(name))).wait()
     context.stop_set_engine(set_id)
     with _lock:
         _registered.pop(set_id, None)
