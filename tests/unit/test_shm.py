@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import secrets
+import signal
 import stat
 import subprocess
 import sys
@@ -95,11 +97,19 @@ def test_remove_job_segments_removes_everything_of_the_job():
     seg.close()
 
 
-def test_creation_fails_cleanly_when_dev_shm_is_too_small(tag):
-    free = os.statvfs(shm.SHM_DIR)
-    too_big = (free.f_bavail + 1024) * free.f_frsize
-    with pytest.raises(OSError):
-        shm.Segment.create(tag, local_size=2, data_bytes=too_big // 4096 * 4096)
+def test_creation_fails_cleanly_when_the_segment_cannot_be_made(tag):
+    # A file size limit makes growing the file fail the way a full /dev/shm does (an OSError while
+    # sizing it). Filling the real /dev/shm instead would take all of this machine's memory: tmpfs
+    # is as large as RAM here, so the OOM killer fires before ENOSPC does.
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with pytest.raises(OSError):
+            shm.Segment.create(tag, local_size=2, data_bytes=64 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
     assert _job_files(tag) == []
 
 
