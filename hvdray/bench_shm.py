@@ -6,6 +6,7 @@ throughput of ``hvdray.bench``'s model with ``DistributedOptimizer`` (vs DDP). `
 these rows to its report; run alone it prints them:
 
     python -m hvdray.bench_shm --local-ranks 2 4 --repeats 5      # --quick for a smoke run
+    python -m hvdray.bench_shm --rows bandwidth latency           # only some rows
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def _training_round(steps: int, batch: int) -> dict[str, float]:
     return rates
 
 
-def shared_memory_rows(record: Record, local_ranks: list[int], repeats: int, quick: bool) -> None:
-    """Measure every row for each number of local ranks and hand them to ``record``."""
+ROWS = ("bandwidth", "latency", "training")
+
+
+def shared_memory_rows(
+    record: Record, local_ranks: list[int], repeats: int, quick: bool, rows: tuple[str, ...] = ROWS
+) -> None:
+    """Measure the ``rows`` (all by default) for each number of local ranks and hand them to ``record``."""
     from hvdray import RayExecutor
 
     for n in local_ranks:
@@ -69,16 +75,19 @@ def shared_memory_rows(record: Record, local_ranks: list[int], repeats: int, qui
         with RayExecutor(settings, num_workers=n, cpus_per_worker=min(1.0, 4 / n)) as ex:
             ex.run(bench._setup_raw_gloo)
             assert ex.run(_use_transport, args=[True]) == ["shm"] * n, "the shared-memory transport is not in use"
-            size = 64
-            samples = bench._alternate(ex, _allreduce_round, [size, 2 if quick else 5], repeats)
-            busbw = {k: [2 * (n - 1) / n * size * 1024 * 1024 / t / 1e9 for t in v] for k, v in samples.items()}
-            record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
-            for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
-                samples = bench._alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
-                micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
-                record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
-            record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", bench._alternate(
-                ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
+            if "bandwidth" in rows:
+                size = 64
+                samples = bench._alternate(ex, _allreduce_round, [size, 2 if quick else 5], repeats)
+                busbw = {k: [2 * (n - 1) / n * size * 1024 * 1024 / t / 1e9 for t in v] for k, v in samples.items()}
+                record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
+            if "latency" in rows:
+                for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
+                    samples = bench._alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
+                    micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
+                    record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
+            if "training" in rows:
+                record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", bench._alternate(
+                    ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which rows to measure (all)")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 2
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{section:58s} {impl:36s} {median:12.4g} {unit:9s} {ratio:6.2f}x vs {baseline}", flush=True)
 
     try:
-        shared_memory_rows(record, args.local_ranks, args.repeats, args.quick)
+        shared_memory_rows(record, args.local_ranks, args.repeats, args.quick, tuple(args.rows))
     finally:
         ray.shutdown()
     return 0

@@ -19,7 +19,9 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Callable, Optional
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.distributed import ReduceOp
@@ -35,6 +37,8 @@ _SPIN_WHEN_CORES_FREE = 100
 SMALL_ALLREDUCE_BYTES = 32 << 10
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0
+#: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
+_LAYOUT_CACHE_SIZE = 16
 
 _REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add,
@@ -67,6 +71,7 @@ class NodeCollectives:
         self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._layouts: OrderedDict[tuple, _TensorsLayout] = OrderedDict()
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
 
@@ -82,6 +87,7 @@ class NodeCollectives:
             return
         try:
             self._slots.clear()
+            self._layouts.clear()
             self._data = None
             self._base = 0
             self.segment.close()
@@ -181,6 +187,90 @@ class NodeCollectives:
                     at = bounds[peer] * isz
                     _memmove(piece_at + at, data + self._slot_offset(half, peer) + at, bounds[peer + 1] * isz - at)
 
+    def fits(self, nbytes: int) -> bool:
+        """True when a message of ``nbytes`` goes through :meth:`allreduce_tensors` (one slot's worth)."""
+        return nbytes <= self.slot_bytes
+
+    def allreduce_tensors(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: ReduceOp.RedOpType,
+        cross: Optional[CrossReduce] = None,
+    ) -> None:
+        """Reduce ``inputs`` (one dtype, any shapes and strides) across the local ranks as one message
+        and write the results to ``outputs`` (same shapes; may be the inputs), without a staging buffer:
+        the inputs are copied straight into this rank's slot and the reduced parts straight out of the
+        slots. Every local rank must pass the same shapes and dtype; the total must :meth:`fits`."""
+        reducer = _REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        if len(inputs) != len(outputs):
+            raise ValueError(f"allreduce_tensors got {len(inputs)} inputs but {len(outputs)} outputs")
+        if not inputs:
+            return
+        # checked with one pass per attribute: the engine calls this every step with hundreds of tensors
+        shapes = tuple(t.shape for t in inputs)
+        if outputs is not inputs and tuple(t.shape for t in outputs) != shapes:
+            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.shape != dst.shape)
+            raise ValueError(f"allreduce_tensors: output {i} has shape {tuple(outputs[i].shape)}, input {tuple(shapes[i])}")
+        dtype = inputs[0].dtype
+        dtypes = {t.dtype for t in inputs} | ({t.dtype for t in outputs} if outputs is not inputs else set())
+        if len(dtypes) > 1:
+            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.dtype != dtype or dst.dtype != dtype)
+            raise TypeError(f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}")
+        layout = self._layout(dtype, shapes)
+        if not self.fits(layout.nbytes):
+            raise ValueError(
+                f"allreduce_tensors: {layout.nbytes} bytes do not fit a {self.slot_bytes}-byte slot; "
+                "use allreduce on a flat tensor"
+            )
+        if layout.numel == 0:
+            return
+        if cross is None and layout.nbytes <= SMALL_ALLREDUCE_BYTES:
+            self._run(lambda: self._allreduce_tensors_small(layout, inputs, outputs, reducer))
+        else:
+            self._run(lambda: self._allreduce_tensors(layout, inputs, outputs, reducer, cross))
+
+    def _layout(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
+        key = (dtype, shapes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _TensorsLayout.build(self, dtype, shapes)
+            self._layouts[key] = layout
+            if len(self._layouts) > _LAYOUT_CACHE_SIZE:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
+
+    def _allreduce_tensors(
+        self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce],
+    ) -> None:
+        half = self._next_half()
+        torch._foreach_copy_(layout.inputs[half], list(inputs))
+        self._barrier.wait()
+        # reduce my part in place in my slot: nobody else reads it until the next barrier
+        acc, peers = layout.own_part[half], layout.peer_parts[half]
+        for peer in peers:
+            reducer(acc, peer, out=acc)
+        if cross is not None and acc.numel():
+            cross(acc)
+        self._barrier.wait()
+        layout.copy_out(half, outputs)
+
+    def _allreduce_tensors_small(
+        self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+        reducer: Callable[..., torch.Tensor],
+    ) -> None:
+        """One barrier: every rank reduces every slot in rank order into its scratch, then scatters it."""
+        half = self._next_half()
+        torch._foreach_copy_(layout.inputs[half], list(inputs))
+        self._barrier.wait()
+        slots, acc = layout.whole[half], layout.scratch
+        acc.copy_(slots[0])
+        for slot in slots[1:]:
+            reducer(acc, slot, out=acc)
+        torch._foreach_copy_(list(outputs), layout.scratch_views)
+
     def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""
         self._run(lambda: self._allgather(flat, out))
@@ -212,6 +302,87 @@ class NodeCollectives:
             self._barrier.wait()
             if self.local_rank != root:
                 _memmove(at + start * isz, slot_at, length)
+
+
+@dataclass
+class _TensorsLayout:
+    """The slot views one list of tensor shapes takes in ``allreduce_tensors``, for both halves."""
+
+    numel: int
+    nbytes: int
+    shapes: tuple[torch.Size, ...]
+    inputs: list[list[torch.Tensor]]  # [half]: one view of my slot per tensor, shaped like it
+    own_part: list[torch.Tensor]  # [half]: my part of my slot (reduced in place)
+    peer_parts: list[list[torch.Tensor]]  # [half]: my part of every peer's slot
+    whole: list[list[torch.Tensor]]  # [half][rank]: the message in every slot (small path)
+    out_src: list[list[torch.Tensor]]  # [half]: reduced sources: whole tensors, then straddling pieces
+    out_whole: list[int]  # tensors that lie in one rank's part: their index
+    out_pieces: list[tuple[int, int, int]]  # pieces of tensors that straddle parts: (index, start, stop)
+    all_whole: bool  # no tensor straddles parts (out_whole is every index in order)
+    scratch: torch.Tensor  # small path: the reduced message
+    scratch_views: list[torch.Tensor]  # small path: one view of the scratch per tensor, shaped like it
+
+    @classmethod
+    def build(cls, node: NodeCollectives, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
+        sizes = [_numel(shape) for shape in shapes]
+        numel, isz, me, size = sum(sizes), torch.empty((), dtype=dtype).element_size(), node.local_rank, node.local_size
+        nbytes = numel * isz
+        if nbytes > node.slot_bytes:  # fits() says no: nothing to view
+            return cls(numel, nbytes, shapes, [], [], [], [], [], [], [], True, torch.empty(0, dtype=dtype), [])
+        slots = node._views(dtype)
+        bounds = _part_bounds(numel, size, isz)
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        # sources of the copy-out: (rank, start, stop, shape), whole tensors first, then straddling pieces
+        out_whole, out_pieces, whole_sources, piece_sources = [], [], [], []
+        for i, (lo, hi) in enumerate(zip(starts, starts[1:])):
+            owners = [p for p in range(size) if bounds[p] < hi and lo < bounds[p + 1]] or [0]
+            if len(owners) == 1:
+                out_whole.append(i)
+                whole_sources.append((owners[0], lo, hi, shapes[i]))
+            for p in owners if len(owners) > 1 else []:
+                a, b = max(lo, bounds[p]), min(hi, bounds[p + 1])
+                out_pieces.append((i, a - lo, b - lo))
+                piece_sources.append((p, a, b, None))
+        sources = whole_sources + piece_sources
+        lo, hi = bounds[me], bounds[me + 1]
+        scratch = torch.empty(numel if nbytes <= SMALL_ALLREDUCE_BYTES else 0, dtype=dtype)
+        return cls(
+            numel, nbytes, shapes,
+            inputs=[[slots[h][me][a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)] for h in range(2)],
+            own_part=[slots[h][me][lo:hi] for h in range(2)],
+            peer_parts=[[slots[h][p][lo:hi] for p in range(size) if p != me] for h in range(2)],
+            whole=[[slots[h][r][:numel] for r in range(size)] for h in range(2)],
+            out_src=[[slots[h][r][a:b] if shape is None else slots[h][r][a:b].view(shape) for r, a, b, shape in sources]
+                     for h in range(2)],
+            out_whole=out_whole, out_pieces=out_pieces, all_whole=not out_pieces, scratch=scratch,
+            scratch_views=[scratch[a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
+            if scratch.numel() else [],
+        )
+
+    def copy_out(self, half: int, outputs: Sequence[torch.Tensor]) -> None:
+        """Copy the reduced message from the slots into ``outputs`` (one ``_foreach_copy_`` call)."""
+        targets = list(outputs) if self.all_whole else [outputs[i] for i in self.out_whole]
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous straddlers: (output, flat copy)
+        for i, a, b in self.out_pieces:
+            out = outputs[i]
+            if not out.is_contiguous():
+                if not staged or staged[-1][0] is not out:
+                    staged.append((out, torch.empty(out.numel(), dtype=out.dtype)))
+                targets.append(staged[-1][1][a:b])
+            else:
+                targets.append(out.view(-1)[a:b])
+        torch._foreach_copy_(targets, self.out_src[half])
+        for out, flat in staged:
+            out.copy_(flat.view(out.shape))
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:

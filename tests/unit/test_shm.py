@@ -192,6 +192,86 @@ def test_allreduce_every_dtype_and_op_matches_numpy(local_size):
     assert _run_node(local_size, _every_dtype_and_op) == [[]] * local_size
 
 
+# shapes of one fused message; float32 totals: ~1.3 KB (one-barrier path) and ~86 KB (two barriers, the
+# 80 KB tensor straddles every part)
+TENSOR_LISTS = [
+    [(3, 5), (), (0,), (7,), (2, 3, 4), (1,), (33,)],
+    [(17, 11), (), (20000,), (0, 4), (5,), (129, 3), (1000,), (3,)],
+]
+TENSOR_CASES = [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.MAX), (torch.int32, ReduceOp.PRODUCT),
+                (torch.float16, ReduceOp.MIN), (torch.int64, ReduceOp.BAND), (torch.bool, ReduceOp.SUM),
+                (torch.bfloat16, ReduceOp.SUM), (torch.uint8, ReduceOp.MAX)]
+
+
+def _tensor_inputs(rank, dtype, shapes, step):
+    """Rank-specific inputs; every other tensor is a non-contiguous (transposed) view."""
+    out = []
+    for i, shape in enumerate(shapes):
+        t = _inputs(rank * 1000 + step * 100 + i, dtype, max(1, int(np.prod(shape))))[: int(np.prod(shape))]
+        t = t.view(shape)
+        if len(shape) >= 2 and i % 2 == 0:
+            t = t.transpose(0, 1).contiguous().transpose(0, 1)  # same values, column-major strides
+        out.append(t)
+    return out
+
+
+def _tensor_lists_match_numpy(node, rank, size):
+    failures, digests = [], []
+    for dtype, op in TENSOR_CASES:
+        for shapes in TENSOR_LISTS:
+            for step in range(2):  # the second call reuses the cached layout, with other values
+                inputs = _tensor_inputs(rank, dtype, shapes, step)
+                in_place = step == 1
+                outputs = inputs if in_place else [torch.full_like(t, 7) for t in inputs]
+                node.allreduce_tensors(inputs, outputs, op)
+                for i, shape in enumerate(shapes):
+                    stack = np.stack([_tensor_inputs(r, dtype, shapes, step)[i].double().numpy() for r in range(size)])
+                    if op == ReduceOp.BAND:
+                        want = np.bitwise_and.reduce(stack.astype(np.int64), axis=0)
+                    else:
+                        want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+                    got = outputs[i]
+                    if got.shape != torch.Size(shape) or not np.array_equal(
+                            got.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+                        failures.append((str(dtype), str(op), shapes[i], step))
+                digests.append(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in outputs))
+    straddling = sum(len(layout.out_pieces) for layout in node._layouts.values())
+    return failures, hash(tuple(digests)), len(node._layouts), straddling
+
+
+@pytest.mark.parametrize("local_size", [1, 2, 3, 4, 5])
+def test_allreduce_tensors_matches_numpy_and_is_bit_identical(local_size):
+    results = _run_node(local_size, _tensor_lists_match_numpy, slot_bytes=256 << 10)
+    assert [failures for failures, _, _, _ in results] == [[]] * local_size
+    assert len({digest for _, digest, _, _ in results}) == 1  # every rank holds the same bytes
+    assert all(layouts == len(TENSOR_CASES) * len(TENSOR_LISTS) for _, _, layouts, _ in results)  # cached
+    if local_size > 1:
+        assert all(straddling > 0 for _, _, _, straddling in results)
+
+
+def _too_big_then_fine(node, rank, size):
+    big = [torch.ones(10_000), torch.ones(10_000)]  # 80 KB > a 64 KB slot
+    errors = []
+    try:
+        node.allreduce_tensors(big, big, ReduceOp.SUM)
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        node.allreduce_tensors([torch.ones(3)], [torch.ones(3, dtype=torch.float64)], ReduceOp.SUM)
+    except TypeError as exc:
+        errors.append(str(exc))
+    small = [torch.ones(3), torch.ones(2, 2)]
+    node.allreduce_tensors(small, small, ReduceOp.SUM)  # the group still works: no barrier was taken
+    return node.fits(64 << 10), node.fits((64 << 10) + 1), errors, [t.tolist() for t in small]
+
+
+def test_allreduce_tensors_that_do_not_fit_are_refused_on_every_rank():
+    for fits, too_big, errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
+        assert fits and not too_big
+        assert "do not fit" in errors[0] and "tensor 0 is torch.float32 -> torch.float64" in errors[1]
+        assert small == [[2.0] * 3, [[2.0, 2.0], [2.0, 2.0]]]
+
+
 def _gather_and_broadcast(node, rank, size):
     flat = torch.arange(3001, dtype=torch.float64) + 10000 * rank
     out = torch.empty(size * 3001, dtype=torch.float64)
