@@ -196,6 +196,17 @@ class Communicator:
         opts.reduceOp = op
         self._pg.allreduce([tensor], opts).wait()
 
+    def can_allreduce_tensors(self, nbytes: int) -> bool:
+        """Whether :meth:`allreduce_tensors` takes a message of ``nbytes`` (the node's shared memory is
+        in use and the message fits one slot); otherwise the caller stages tensors in one flat buffer."""
+        return self._node is not None and self._node.fits(nbytes)
+
+    def allreduce_tensors(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType) -> None:
+        """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
+        between them and the node's shared memory; only when :meth:`can_allreduce_tensors` says so."""
+        cross = self._cross_allreduce(op) if self._cross is not None else None
+        self._node.allreduce_tensors(inputs, outputs, op, cross)
+
     def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op

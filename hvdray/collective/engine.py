@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached
 GENERATED_NAME_MARK = ".noname."
 
-#: allreduces at least this large go to Gloo on their own, reduced in the caller's output tensor:
-#: fusing them would save one call's latency (~0.1 ms) at the price of two full copies
-DIRECT_BYTES = 1 << 20
+#: allreduces at least this large are reduced on their own, in the caller's output tensor: over Gloo,
+#: fusing them would save one call's latency (~0.1 ms) at the price of two full copies; over shared
+#: memory a call costs two barriers (a wake-up of every local rank each), worth more than copying
+#: a few MB, so the bar is higher there
+DIRECT_BYTES = {"gloo": 1 << 20, "shm": 4 << 20, "hierarchical": 4 << 20}
 
 #: the reduction that is not a Gloo op: gathered, then combined pairwise (see collective/adasum.py)
 ADASUM = "adasum"
@@ -60,7 +62,7 @@ class Handle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._on_wait: Optional[Callable[[], None]] = None  # the engine's nudge: someone now waits on this op
+        self._on_wait: Optional[Callable[["Handle"], None]] = None  # the engine's nudge: someone now waits on this op
         self._latch = _thread.allocate_lock()
         self._latch.acquire()
         self._done = False
@@ -69,13 +71,13 @@ class Handle:
 
     def done(self) -> bool:
         if not self._done and self._on_wait is not None:
-            self._on_wait()  # someone polls: they want this op now, not at the end of a batching window
+            self._on_wait(self)  # someone polls: they want this op now, not at the end of a batching window
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._done:
             if self._on_wait is not None:
-                self._on_wait()
+                self._on_wait(self)
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
             self._latch.release()
@@ -146,6 +148,7 @@ class Engine:
         self._cycle_s = cycle_time_s
         self._idle_s = idle_cycle_time_s
         self._fusion_bytes = fusion_threshold_bytes
+        self._direct_bytes = DIRECT_BYTES[comm.transport]
         self._stall_warning_s = stall_warning_s
         self._stall_shutdown_s = stall_shutdown_s
 
@@ -155,7 +158,7 @@ class Engine:
         self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
-        self._waited_on = False  # a caller blocks on an op: tick now instead of at the cycle's end
+        self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
         self._shutdown_requested = False
         self._error: Optional[BaseException] = None
 
@@ -178,6 +181,7 @@ class Engine:
         # moments with nothing in flight) and of the current one; see _collect
         self._expected: frozenset[int] = frozenset()
         self._step_slots: set[int] = set()
+        self._step_waited = False  # a caller waited on (or polled) an op since this step began
         self._unsent_bytes = 0  # cached requests sorted since the last tick
         self._plans: dict[tuple[int, ...], list[_Action]] = {}  # ready cached slots -> what to run
         self._staging: dict[torch.dtype, torch.Tensor] = {}  # fusion buffers, one per dtype, grown on demand
@@ -214,11 +218,15 @@ class Engine:
             self._lock.notify()
         return request.handle
 
-    def _nudge(self) -> None:
+    def _nudge(self, handle: Handle) -> None:
         """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
         with self._lock:
-            if not self._waited_on:
-                self._waited_on = True
+            request = self._local.get(handle.name)
+            if request is None or request.handle is not handle:
+                return  # already taken to run (or finished): nothing to hurry, and no step to end
+            self._step_waited = True
+            if self._waited is not request:
+                self._waited = request
                 self._lock.notify()
 
     def auto_name(self, op: str) -> str:
@@ -309,23 +317,28 @@ class Engine:
         this rank needs a full (named) negotiation round.
 
         When to tick: at once on shutdown, join, or when a caller blocks on (or polls) an op; otherwise new
-        work with nothing older in flight goes at once, except that once this rank's steps repeat (the
-        same cached tensors between two moments with nothing in flight, as in a training step), a step
-        goes when all of it has been submitted, or a fusion buffer's worth of it: one negotiation and one
-        fused reduction per step instead of one per early tensor. With older work in flight the tick
+        work with nothing older in flight goes at once, except that once this rank's steps repeat (a step:
+        the cached tensors submitted until a caller has waited and nothing is in flight any more, as in a
+        training step's backward pass and ``optimizer.step()``), a step goes when all of it has been
+        submitted, or a fusion buffer's worth of it: one negotiation and one fused reduction per step
+        instead of one per early tensor. With older work in flight the tick
         paces by the cycle time, so that tensors arriving together are negotiated and fused together.
         """
         started = time.monotonic()
         deadline = started + wait_s
         with self._lock:
             older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
-            if not older and self._step_slots:  # nothing in flight: the last step is over, learn it
-                self._expected, self._step_slots = frozenset(self._step_slots), set()
+            if not older and self._step_slots and self._step_waited:
+                # nothing in flight and a caller waited since the step began: the step is over, learn it
+                self._expected, self._step_slots, self._step_waited = frozenset(self._step_slots), set(), False
             while True:
                 if self._queue:
                     self._sort(self._queue)
                     self._queue = []
-                if self._shutdown_requested or self._join_announce or (self._waited_on and self._local):
+                waited = self._waited  # still in flight: a nudge from before its op finished does not count
+                if self._shutdown_requested or self._join_announce or (
+                    waited is not None and self._local.get(waited.name) is waited
+                ):
                     break
                 now = time.monotonic()
                 if self._expected and not older:
@@ -341,7 +354,7 @@ class Engine:
                 if now >= limit:
                     break
                 self._lock.wait(limit - now)
-            self._waited_on = False
+            self._waited = None
             self._unsent_bytes = 0
             wants_full = bool(self._join_announce or self._shutdown_requested)
         if self.rank == 0:
@@ -448,6 +461,7 @@ class Engine:
         self._plans.clear()
         self._expected = frozenset()
         self._step_slots = set()
+        self._step_waited = False
 
     # -- stalls (rank 0 watches, every rank acts on its "drop" list) ---------------------------
     def _rank0_wants_full(self) -> bool:
@@ -553,7 +567,8 @@ class Engine:
         def close_batch() -> None:
             items = batch.take()
             if items:
-                plan.append(_Action(names=[n for n, _ in items], metas=[m for _, m in items], fused=True))
+                metas = [m for _, m in items]
+                plan.append(_Action(names=[n for n, _ in items], metas=metas, fused=True, nbytes=sum(map(_nbytes, metas))))
 
         for name, metas, cached in ready:
             meta = metas[min(metas)]
@@ -576,8 +591,9 @@ class Engine:
             if meta["o"] != "allreduce":
                 close_batch()
                 plan.append(_Action(names=[name], metas=[meta], rank_metas=metas))
-            elif _goes_alone(meta):  # the small ones around it keep filling the batch
-                plan.append(_Action(names=[name], metas=[meta], fused=True))
+            elif meta["r"] == ADASUM or _nbytes(meta) >= self._direct_bytes:
+                # alone (Adasum's coefficients are per tensor); the small ones around it keep filling the batch
+                plan.append(_Action(names=[name], metas=[meta], fused=True, nbytes=_nbytes(meta)))
             else:
                 if not batch.fits(meta):
                     close_batch()
@@ -651,6 +667,17 @@ class Engine:
             self._tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
+        elif action.metas[0]["pre"] == 1.0 and all(req is not None for req in requests) and (
+            self.comm.can_allreduce_tensors(action.nbytes)
+        ):
+            # the transport copies the tensors straight in and the results straight out: no staging
+            outputs = [req.output for req in requests]
+            t_copied = t_start
+            self.comm.allreduce_tensors([req.tensor for req in requests], outputs, GLOO_OPS[meta["r"]])
+            _postscale_tensors(outputs, meta, self.size)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self._tick_bytes += action.nbytes
+            self.stats.fused_tensors += len(requests)
         else:
             views = self._staging_views(action)
             # one C++ call copies every tensor in and one copies every result out (a Python loop of
@@ -672,7 +699,7 @@ class Engine:
             torch._foreach_copy_([out for out, _ in done], [view for _, view in done])
         if timeline is not None:
             t_done = time.perf_counter()
-            fused = {"tensors": len(requests), "bytes": sum(_nbytes(m) for m in action.metas)}
+            fused = {"tensors": len(requests), "bytes": action.nbytes}
             for req in self._running:
                 self._trace_start(timeline, req, t_start)
                 timeline.phase(self.timeline_pid, req.name, "FUSION-COPY", t_start, t_copied)
@@ -812,6 +839,7 @@ class _Action:
     names: list[str]
     metas: list[dict[str, Any]]  # per name, the metadata of the lowest rank that submitted it
     fused: bool = False  # an allreduce batch (possibly of one tensor)
+    nbytes: int = 0  # of the batch
     rank_metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # every rank's, for other ops
     problem: str = ""  # a mismatch: raised on every rank for names[0]
     staging: Optional[torch.Tensor] = None  # the fusion buffer the views below point into
@@ -848,11 +876,6 @@ class _FusionBatch:
         return items
 
 
-def _goes_alone(meta: dict[str, Any]) -> bool:
-    """Adasum tensors (their coefficients are per tensor) and large ones are never fused."""
-    return meta["r"] == ADASUM or _nbytes(meta) >= DIRECT_BYTES
-
-
 def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:
     if meta["r"] == "average":
         if buf.is_floating_point():
@@ -861,6 +884,18 @@ def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:
             buf.floor_divide_(size)
     elif meta["post"] != 1.0:
         buf.mul_(meta["post"])
+
+
+def _postscale_tensors(outputs: list[torch.Tensor], meta: dict[str, Any], size: int) -> None:
+    """:func:`_postscale` for a batch reduced straight into its outputs (one C++ call for floats)."""
+    factor = meta["post"] / size if meta["r"] == "average" else meta["post"]
+    if factor == 1.0:
+        return
+    if outputs[0].is_floating_point():
+        torch._foreach_mul_(outputs, factor)
+    else:  # integer average floors, like Horovod
+        for out in outputs:
+            _postscale(out, meta, size)
 
 
 def _even_splits(rows: int, size: int) -> list[int]:
