@@ -1,0 +1,92 @@
+"""Step-aware batching in a size-1 job (no peers, so the engine's rounds are deterministic).
+
+Once a rank's steps repeat, the engine waits for the whole step before negotiating: one round and
+one fused reduction per training step instead of one per early gradient. Ops outside the learned
+step, polls and waits must not be held back by that.
+"""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import hvdray.torch as hvd
+from hvdray.collective import context
+
+
+@pytest.fixture
+def engine():
+    hvd.init()
+    torch.set_num_threads(1)
+    yield context.engine()
+    hvd.shutdown()
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), named_parameters=net.named_parameters())
+    return net, opt
+
+
+def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine):
+    net, opt = _model_and_optimizer()
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    per_step = []
+    for _ in range(12):
+        rounds, calls = engine.stats.rounds, engine.stats.allreduce_calls
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        per_step.append((engine.stats.rounds - rounds, engine.stats.allreduce_calls - calls))
+    # the first steps negotiate names and learn the step; from then on, 6 gradients go as one
+    assert per_step[4:] == [(1, 1)] * 8, per_step
+
+
+def test_an_op_outside_the_learned_step_is_not_held_back(engine):
+    grads = [torch.ones(100) for _ in range(6)]
+
+    def step():
+        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    for _ in range(4):
+        step()
+    assert len(engine._expected) == 6  # the step was learned
+    hvd.allreduce(torch.ones(3), name="metric")  # negotiated once, cached from now on
+    took = []
+    for _ in range(5):
+        started = time.perf_counter()
+        hvd.allreduce(torch.ones(3), name="metric")
+        took.append(time.perf_counter() - started)
+    # the engine's idle tick is 100 ms: a blocked caller must not wait for it
+    assert statistics.median(took) < 0.05, took
+
+
+def test_polling_alone_drives_a_partial_step(engine):
+    grads = [torch.ones(100) for _ in range(6)]
+    for _ in range(4):
+        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+    started = time.perf_counter()
+    handle = hvd.allreduce_async_(grads[0], name="g0", op=hvd.Sum)  # a sixth of the learned step
+    while not hvd.poll(handle):
+        time.sleep(0.001)
+    assert time.perf_counter() - started < 0.05
+    hvd.synchronize(handle)
+
+
+def test_a_partial_step_still_finishes_without_any_caller(engine):
+    grads = [torch.ones(100) for _ in range(6)]
+    for _ in range(4):
+        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+    handle = hvd.allreduce_async_(grads[0], name="g0", op=hvd.Sum)
+    time.sleep(0.5)  # nobody waits or polls: the engine's idle tick still runs it
+    assert handle.done()
+    hvd.synchronize(handle)
