@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -74,6 +75,11 @@ class Worker:
             )
         )
         ray_logger.set_sink(self._send_log)
+        # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
+        # cyclic collector's full passes, which otherwise scan it all (over 100 ms in a worker) in the
+        # middle of some training step, once enough short-lived op objects have survived into gen 2.
+        gc.collect()
+        gc.freeze()
 
     def ping(self) -> bool:
         """Answered while ``run`` is busy (elastic workers are threaded actors): the driver's liveness probe."""

@@ -196,14 +196,15 @@ class Communicator:
         opts.reduceOp = op
         self._pg.allreduce([tensor], opts).wait()
 
-    def can_allreduce_tensors(self, nbytes: int) -> bool:
-        """Whether :meth:`allreduce_tensors` takes a message of ``nbytes`` (the node's shared memory is
-        in use and the message fits one slot); otherwise the caller stages tensors in one flat buffer."""
-        return self._node is not None and self._node.fits(nbytes)
+    @property
+    def fused_message_bytes(self) -> int:
+        """The largest message :meth:`allreduce_tensors` takes: one slot of the node's shared-memory
+        segment; 0 without shared memory (the caller then stages tensors in one flat buffer)."""
+        return self._node.slot_bytes if self._node is not None else 0
 
     def allreduce_tensors(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType) -> None:
         """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
-        between them and the node's shared memory; only when :meth:`can_allreduce_tensors` says so."""
+        between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`."""
         cross = self._cross_allreduce(op) if self._cross is not None else None
         self._node.allreduce_tensors(inputs, outputs, op, cross)
 

@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached
 GENERATED_NAME_MARK = ".noname."
 
-#: allreduces at least this large are reduced on their own, in the caller's output tensor: over Gloo,
-#: fusing them would save one call's latency (~0.1 ms) at the price of two full copies; over shared
-#: memory a call costs two barriers (a wake-up of every local rank each), worth more than copying
-#: a few MB, so the bar is higher there
-DIRECT_BYTES = {"gloo": 1 << 20, "shm": 4 << 20, "hierarchical": 4 << 20}
+#: over Gloo, allreduces at least this large are reduced on their own, in the caller's output tensor:
+#: fusing them would save one call's latency (~0.1 ms) at the price of two full copies. Over shared
+#: memory a fused batch is copied straight into the node's segment and out of it, which costs no more
+#: than reducing each tensor alone and saves two barriers per tensor, so there every tensor that fits
+#: one slot of the segment fuses, and batches end at that size (see Communicator.fused_message_bytes)
+DIRECT_BYTES = 1 << 20
 
 #: the reduction that is not a Gloo op: gathered, then combined pairwise (see collective/adasum.py)
 ADASUM = "adasum"
@@ -148,7 +149,6 @@ class Engine:
         self._cycle_s = cycle_time_s
         self._idle_s = idle_cycle_time_s
         self._fusion_bytes = fusion_threshold_bytes
-        self._direct_bytes = DIRECT_BYTES[comm.transport]
         self._stall_warning_s = stall_warning_s
         self._stall_shutdown_s = stall_shutdown_s
 
@@ -562,7 +562,9 @@ class Engine:
         rank), consecutive compatible allreduces fuse up to the threshold, newly agreed names are cached."""
         everyone = set(range(self.size))
         plan: list[_Action] = []
-        batch = _FusionBatch(self._fusion_bytes)
+        straight = self.comm.fused_message_bytes
+        batch = _FusionBatch(min(self._fusion_bytes, straight) if straight else self._fusion_bytes)
+        alone_from = straight + 1 if straight else DIRECT_BYTES
 
         def close_batch() -> None:
             items = batch.take()
@@ -591,7 +593,7 @@ class Engine:
             if meta["o"] != "allreduce":
                 close_batch()
                 plan.append(_Action(names=[name], metas=[meta], rank_metas=metas))
-            elif meta["r"] == ADASUM or _nbytes(meta) >= self._direct_bytes:
+            elif meta["r"] == ADASUM or _nbytes(meta) >= alone_from:
                 # alone (Adasum's coefficients are per tensor); the small ones around it keep filling the batch
                 plan.append(_Action(names=[name], metas=[meta], fused=True, nbytes=_nbytes(meta)))
             else:
@@ -667,8 +669,9 @@ class Engine:
             self._tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
-        elif action.metas[0]["pre"] == 1.0 and all(req is not None for req in requests) and (
-            self.comm.can_allreduce_tensors(action.nbytes)
+        elif (
+            action.nbytes <= self.comm.fused_message_bytes and action.metas[0]["pre"] == 1.0
+            and all(req is not None for req in requests)
         ):
             # the transport copies the tensors straight in and the results straight out: no staging
             outputs = [req.output for req in requests]
