@@ -160,6 +160,7 @@ class Engine:
         self._join_announce = False
         self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
         self._shutdown_requested = False
+        self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
         self._error: Optional[BaseException] = None
 
         # replicated state: the same on every rank after each round
@@ -215,7 +216,8 @@ class Engine:
             request.handle._on_wait = self._nudge
             self._local[name] = request
             self._queue.append(request)
-            self._lock.notify()
+            if self._sleeping:  # a busy engine looks at the queue before it sleeps again
+                self._lock.notify()
         return request.handle
 
     def _nudge(self, handle: Handle) -> None:
@@ -353,7 +355,9 @@ class Engine:
                     limit = deadline
                 if now >= limit:
                     break
+                self._sleeping = True
                 self._lock.wait(limit - now)
+                self._sleeping = False
             self._waited = None
             self._unsent_bytes = 0
             wants_full = bool(self._join_announce or self._shutdown_requested)

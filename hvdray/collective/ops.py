@@ -106,6 +106,7 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
 
 
 _GLOO_DTYPE_SET = frozenset(GLOO_DTYPES)
+_PLAIN = (float, int)  # exact types: a bool (a subclass of int) takes the slow path and is refused there
 
 
 def check_name(name: Optional[str], op: str, engine: Optional[Engine] = None) -> str:
@@ -135,6 +136,8 @@ def check_allreduce_args(
             raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
         if op == Adasum and not tensor.is_floating_point():
             raise ValueError(f"{label} has dtype {tensor.dtype}; op=hvd.Adasum needs a floating-point tensor")
+    if prescale_factor == 1.0 == postscale_factor and type(prescale_factor) in _PLAIN and type(postscale_factor) in _PLAIN:
+        return 1.0, 1.0  # the common case, without two more calls
     return (
         check_scale(prescale_factor, "prescale_factor", tensor),
         check_scale(postscale_factor, "postscale_factor", tensor),
@@ -143,7 +146,7 @@ def check_allreduce_args(
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
     """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
-    if value == 1.0 and type(value) in (float, int):  # the common case (bool is not int's type)
+    if value == 1.0 and type(value) in _PLAIN:  # the common case
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
@@ -203,7 +206,11 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
-    meta = _meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post)
+    # _meta's dict, written out: this runs for every gradient of every step
+    meta = {"o": "allreduce", "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape),
+            "r": op._value_, "pre": pre, "post": post}
+    if GENERATED_NAME_MARK in name:
+        meta["a"] = 1
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
     handle = engine.submit(Request(meta, tensor, out, Handle(name)))
     if op in (Min, Max) and tensor.is_floating_point():
