@@ -26,15 +26,21 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     sections = {r["section"] for r in rows}
     assert sections == {
         "allreduce 4 MB bus bandwidth", "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
-        "training throughput (CNN on digits, batch 64/worker)", "start to first allreduce",
+        "training throughput (CNN on digits, batch 64/worker)", "idle CPU (no ops submitted)",
+        "start to first allreduce",
     }
     impls = {(r["section"], r["impl"]) for r in rows}
     assert ("step of 160 x 16 KB gradients", "DDP (gloo) backward") in impls
     assert ("step of 160 x 16 KB gradients", "hvdray") in impls
     for r in rows:
+        if r["section"] == "idle CPU (no ops submitted)":  # a measure without a baseline
+            assert 0 <= r["median"] < 100 and r["vs"] is None and r["speed ratio"] is None, r
+            continue
         assert r["median"] > 0 and r["speed ratio"] > 0 and len(r["samples"]) >= 1, r
         if r["impl"] == r["vs"]:
             assert r["speed ratio"] == pytest.approx(1.0)
+    idle = {r["impl"]: r["median"] for r in rows if r["section"] == "idle CPU (no ops submitted)"}
+    assert set(idle) == {"hvdray engine thread", "whole worker process"}
     assert report["meta"]["workers"] == 2 and report["meta"]["horovod"]
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| ") == len(rows) + 2 and "hvdray-bench --quick" in table  # header, rule, rows
