@@ -11,6 +11,11 @@ peers' slots, all torch ops on tensors that view the shared memory, which run wi
 optionally hands that reduced part to a cross-node allreduce, publishes it in its slot, and finally
 copies the peers' reduced parts into its tensor. Every part is reduced exactly once, so every rank
 ends with bit-identical results.
+
+``allreduce_tensors`` does the same for a list of tensors that fits one slot (the engine's fused
+gradients), without a staging buffer: the tensors are copied straight into views of the rank's slot,
+each rank reduces its part in place in its own slot, and the results are copied straight from the
+slots into the outputs. The views are built once per list of shapes and reused every step.
 """
 
 from __future__ import annotations

@@ -249,6 +249,27 @@ def test_allreduce_tensors_matches_numpy_and_is_bit_identical(local_size):
         assert all(straddling > 0 for _, _, _, straddling in results)
 
 
+def _tensors_with_a_cross_step(node, rank, size):
+    """``cross`` stands in for the cross-node allreduce of the hierarchical path (a node twice the same)."""
+    seen = []
+
+    def cross(part):
+        seen.append(part.numel())
+        part.mul_(2)
+
+    shapes = TENSOR_LISTS[0]  # small enough for the one-barrier path, which cross must not take
+    inputs = _tensor_inputs(rank, torch.float64, shapes, 0)
+    node.allreduce_tensors(inputs, inputs, ReduceOp.SUM, cross)
+    want = [2 * sum(_tensor_inputs(r, torch.float64, shapes, 0)[i] for r in range(size)) for i in range(len(shapes))]
+    return all(torch.equal(got, w) for got, w in zip(inputs, want)), sum(seen)
+
+
+def test_allreduce_tensors_hands_each_rank_part_to_cross_once():
+    results = _run_node(3, _tensors_with_a_cross_step, slot_bytes=64 << 10)
+    assert all(ok for ok, _ in results)
+    assert sum(n for _, n in results) == sum(int(np.prod(s)) for s in TENSOR_LISTS[0])  # each part once
+
+
 def _too_big_then_fine(node, rank, size):
     big = [torch.ones(10_000), torch.ones(10_000)]  # 80 KB > a 64 KB slot
     errors = []
