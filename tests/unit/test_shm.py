@@ -192,11 +192,11 @@ def test_allreduce_every_dtype_and_op_matches_numpy(local_size):
     assert _run_node(local_size, _every_dtype_and_op) == [[]] * local_size
 
 
-# shapes of one fused message; float32 totals: ~1.3 KB (one-barrier path) and ~86 KB (two barriers, the
-# 80 KB tensor straddles every part)
+# shapes of one fused message; float32 totals: ~0.3 KB (one-barrier path) and ~86 KB (two barriers; the
+# 80 KB tensor, non-contiguous like every other one, straddles every part)
 TENSOR_LISTS = [
     [(3, 5), (), (0,), (7,), (2, 3, 4), (1,), (33,)],
-    [(17, 11), (), (20000,), (0, 4), (5,), (129, 3), (1000,), (3,)],
+    [(17, 11), (), (200, 100), (0, 4), (5,), (129, 3), (1000,), (3,)],
 ]
 TENSOR_CASES = [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.MAX), (torch.int32, ReduceOp.PRODUCT),
                 (torch.float16, ReduceOp.MIN), (torch.int64, ReduceOp.BAND), (torch.bool, ReduceOp.SUM),
