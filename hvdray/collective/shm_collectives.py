@@ -221,20 +221,22 @@ class NodeCollectives:
         if len(dtypes) > 1:
             i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.dtype != dtype or dst.dtype != dtype)
             raise TypeError(f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}")
-        layout = self._layout(dtype, shapes)
-        if not self.fits(layout.nbytes):
+        cached = self._layouts.get((dtype, shapes))
+        nbytes = cached.nbytes if cached is not None else sum(_numel(s) for s in shapes) * inputs[0].element_size()
+        if not self.fits(nbytes):
             raise ValueError(
-                f"allreduce_tensors: {layout.nbytes} bytes do not fit a {self.slot_bytes}-byte slot; "
+                f"allreduce_tensors: {nbytes} bytes do not fit a {self.slot_bytes}-byte slot; "
                 "use allreduce on a flat tensor"
             )
-        if layout.numel == 0:
+        if nbytes == 0:
             return
-        if cross is None and layout.nbytes <= SMALL_ALLREDUCE_BYTES:
-            self._run(lambda: self._allreduce_tensors_small(layout, inputs, outputs, reducer))
+        if cross is None and nbytes <= SMALL_ALLREDUCE_BYTES:
+            self._run(lambda: self._allreduce_tensors_small(self._layout(dtype, shapes), inputs, outputs, reducer))
         else:
-            self._run(lambda: self._allreduce_tensors(layout, inputs, outputs, reducer, cross))
+            self._run(lambda: self._allreduce_tensors(self._layout(dtype, shapes), inputs, outputs, reducer, cross))
 
     def _layout(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
+        """The cached views for ``shapes`` (built on first use; only while the segment is mapped)."""
         key = (dtype, shapes)
         layout = self._layouts.get(key)
         if layout is None:
@@ -332,8 +334,6 @@ class _TensorsLayout:
         sizes = [_numel(shape) for shape in shapes]
         numel, isz, me, size = sum(sizes), torch.empty((), dtype=dtype).element_size(), node.local_rank, node.local_size
         nbytes = numel * isz
-        if nbytes > node.slot_bytes:  # fits() says no: nothing to view
-            return cls(numel, nbytes, shapes, [], [], [], [], [], [], [], True, torch.empty(0, dtype=dtype), [])
         slots = node._views(dtype)
         bounds = _part_bounds(numel, size, isz)
         starts = [0]

@@ -283,13 +283,20 @@ def _too_big_then_fine(node, rank, size):
         errors.append(str(exc))
     small = [torch.ones(3), torch.ones(2, 2)]
     node.allreduce_tensors(small, small, ReduceOp.SUM)  # the group still works: no barrier was taken
-    return node.fits(64 << 10), node.fits((64 << 10) + 1), errors, [t.tolist() for t in small]
+    fits = node.fits(64 << 10), node.fits((64 << 10) + 1)
+    node.close()
+    try:
+        node.allreduce_tensors([torch.ones(5)], [torch.ones(5)], ReduceOp.SUM)  # a layout not built yet
+    except shm.SharedMemoryError as exc:
+        errors.append(str(exc))
+    return fits, errors, [t.tolist() for t in small]
 
 
-def test_allreduce_tensors_that_do_not_fit_are_refused_on_every_rank():
-    for fits, too_big, errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
+def test_allreduce_tensors_refuses_what_does_not_fit_and_a_closed_group():
+    for (fits, too_big), errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
         assert fits and not too_big
         assert "do not fit" in errors[0] and "tensor 0 is torch.float32 -> torch.float64" in errors[1]
+        assert "was closed" in errors[2]
         assert small == [[2.0] * 3, [[2.0, 2.0], [2.0, 2.0]]]
 
 
