@@ -219,14 +219,18 @@ class NodeCollectives:
         shapes = tuple(t.shape for t in inputs)
         if outputs is not inputs and tuple(t.shape for t in outputs) != shapes:
             i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.shape != dst.shape)
-            raise ValueError(f"allreduce_tensors: output {i} has shape {tuple(outputs[i].shape)}, input {tuple(shapes[i])}")
+            raise ValueError(
+                f"allreduce_tensors: output {i} has shape {tuple(outputs[i].shape)}, input {tuple(shapes[i])}"
+            )
         dtype = inputs[0].dtype
         dtypes = {t.dtype for t in inputs} | ({t.dtype for t in outputs} if outputs is not inputs else set())
         if len(dtypes) > 1:
             i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.dtype != dtype or dst.dtype != dtype)
-            raise TypeError(f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}")
+            raise TypeError(
+                f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}"
+            )
         cached = self._layouts.get((dtype, shapes))
-        nbytes = cached.nbytes if cached is not None else sum(_numel(s) for s in shapes) * inputs[0].element_size()
+        nbytes = cached.nbytes if cached is not None else sum(s.numel() for s in shapes) * inputs[0].element_size()
         if not self.fits(nbytes):
             raise ValueError(
                 f"allreduce_tensors: {nbytes} bytes do not fit a {self.slot_bytes}-byte slot; "
@@ -319,9 +323,7 @@ class NodeCollectives:
 class _TensorsLayout:
     """The slot views one list of tensor shapes takes in ``allreduce_tensors``, for both halves."""
 
-    numel: int
     nbytes: int
-    shapes: tuple[torch.Size, ...]
     inputs: list[list[torch.Tensor]]  # [half]: one view of my slot per tensor, shaped like it
     own_part: list[torch.Tensor]  # [half]: my part of my slot (reduced in place)
     peer_parts: list[list[torch.Tensor]]  # [half]: my part of every peer's slot
@@ -335,7 +337,7 @@ class _TensorsLayout:
 
     @classmethod
     def build(cls, node: NodeCollectives, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
-        sizes = [_numel(shape) for shape in shapes]
+        sizes = [shape.numel() for shape in shapes]
         numel, isz, me, size = sum(sizes), torch.empty((), dtype=dtype).element_size(), node.local_rank, node.local_size
         nbytes = numel * isz
         slots = node._views(dtype)
@@ -358,13 +360,14 @@ class _TensorsLayout:
         lo, hi = bounds[me], bounds[me + 1]
         scratch = torch.empty(numel if nbytes <= SMALL_ALLREDUCE_BYTES else 0, dtype=dtype)
         return cls(
-            numel, nbytes, shapes,
-            inputs=[[slots[h][me][a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)] for h in range(2)],
+            nbytes,
+            inputs=[[slots[h][me][a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
+                    for h in range(2)],
             own_part=[slots[h][me][lo:hi] for h in range(2)],
             peer_parts=[[slots[h][p][lo:hi] for p in range(size) if p != me] for h in range(2)],
             whole=[[slots[h][r][:numel] for r in range(size)] for h in range(2)],
-            out_src=[[slots[h][r][a:b] if shape is None else slots[h][r][a:b].view(shape) for r, a, b, shape in sources]
-                     for h in range(2)],
+            out_src=[[slots[h][r][a:b] if shape is None else slots[h][r][a:b].view(shape)
+                      for r, a, b, shape in sources] for h in range(2)],
             out_whole=out_whole, out_pieces=out_pieces, all_whole=not out_pieces, scratch=scratch,
             scratch_views=[scratch[a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
             if scratch.numel() else [],
@@ -385,13 +388,6 @@ class _TensorsLayout:
         torch._foreach_copy_(targets, self.out_src[half])
         for out, flat in staged:
             out.copy_(flat.view(out.shape))
-
-
-def _numel(shape: torch.Size) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:
