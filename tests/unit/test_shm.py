@@ -192,11 +192,11 @@ def test_allreduce_every_dtype_and_op_matches_numpy(local_size):
     assert _run_node(local_size, _every_dtype_and_op) == [[]] * local_size
 
 
-# shapes of one fused message; float32 totals: ~1.3 KB (one-barrier path) and ~86 KB (two barriers, the
-# 80 KB tensor straddles every part)
+# shapes of one fused message; float32 totals: ~0.3 KB (one-barrier path) and ~86 KB (two barriers; the
+# 80 KB tensor, non-contiguous like every other one, straddles every part)
 TENSOR_LISTS = [
     [(3, 5), (), (0,), (7,), (2, 3, 4), (1,), (33,)],
-    [(17, 11), (), (20000,), (0, 4), (5,), (129, 3), (1000,), (3,)],
+    [(17, 11), (), (200, 100), (0, 4), (5,), (129, 3), (1000,), (3,)],
 ]
 TENSOR_CASES = [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.MAX), (torch.int32, ReduceOp.PRODUCT),
                 (torch.float16, ReduceOp.MIN), (torch.int64, ReduceOp.BAND), (torch.bool, ReduceOp.SUM),
@@ -249,6 +249,27 @@ def test_allreduce_tensors_matches_numpy_and_is_bit_identical(local_size):
         assert all(straddling > 0 for _, _, _, straddling in results)
 
 
+def _tensors_with_a_cross_step(node, rank, size):
+    """``cross`` stands in for the cross-node allreduce of the hierarchical path (a node twice the same)."""
+    seen = []
+
+    def cross(part):
+        seen.append(part.numel())
+        part.mul_(2)
+
+    shapes = TENSOR_LISTS[0]  # small enough for the one-barrier path, which cross must not take
+    inputs = _tensor_inputs(rank, torch.float64, shapes, 0)
+    node.allreduce_tensors(inputs, inputs, ReduceOp.SUM, cross)
+    want = [2 * sum(_tensor_inputs(r, torch.float64, shapes, 0)[i] for r in range(size)) for i in range(len(shapes))]
+    return all(torch.equal(got, w) for got, w in zip(inputs, want)), sum(seen)
+
+
+def test_allreduce_tensors_hands_each_rank_part_to_cross_once():
+    results = _run_node(3, _tensors_with_a_cross_step, slot_bytes=64 << 10)
+    assert all(ok for ok, _ in results)
+    assert sum(n for _, n in results) == sum(int(np.prod(s)) for s in TENSOR_LISTS[0])  # each part once
+
+
 def _too_big_then_fine(node, rank, size):
     big = [torch.ones(10_000), torch.ones(10_000)]  # 80 KB > a 64 KB slot
     errors = []
@@ -262,13 +283,20 @@ def _too_big_then_fine(node, rank, size):
         errors.append(str(exc))
     small = [torch.ones(3), torch.ones(2, 2)]
     node.allreduce_tensors(small, small, ReduceOp.SUM)  # the group still works: no barrier was taken
-    return node.fits(64 << 10), node.fits((64 << 10) + 1), errors, [t.tolist() for t in small]
+    fits = node.fits(64 << 10), node.fits((64 << 10) + 1)
+    node.close()
+    try:
+        node.allreduce_tensors([torch.ones(5)], [torch.ones(5)], ReduceOp.SUM)  # a layout not built yet
+    except shm.SharedMemoryError as exc:
+        errors.append(str(exc))
+    return fits, errors, [t.tolist() for t in small]
 
 
-def test_allreduce_tensors_that_do_not_fit_are_refused_on_every_rank():
-    for fits, too_big, errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
+def test_allreduce_tensors_refuses_what_does_not_fit_and_a_closed_group():
+    for (fits, too_big), errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
         assert fits and not too_big
         assert "do not fit" in errors[0] and "tensor 0 is torch.float32 -> torch.float64" in errors[1]
+        assert "was closed" in errors[2]
         assert small == [[2.0] * 3, [[2.0, 2.0], [2.0, 2.0]]]
 
 
