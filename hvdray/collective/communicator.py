@@ -202,11 +202,15 @@ class Communicator:
         segment; 0 without shared memory (the caller then stages tensors in one flat buffer)."""
         return self._node.slot_bytes if self._node is not None else 0
 
-    def allreduce_tensors(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType) -> None:
+    def allreduce_tensors(
+        self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType,
+        finish: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> None:
         """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
-        between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`."""
+        between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`.
+        ``finish`` (elementwise, in place) runs on the reduced data before it reaches the outputs."""
         cross = self._cross_allreduce(op) if self._cross is not None else None
-        self._node.allreduce_tensors(inputs, outputs, op, cross)
+        self._node.allreduce_tensors(inputs, outputs, op, cross, finish)
 
     def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
         opts = dist.AllreduceOptions()

@@ -680,8 +680,11 @@ class Engine:
             # the transport copies the tensors straight in and the results straight out: no staging
             outputs = [req.output for req in requests]
             t_copied = t_start
-            self.comm.allreduce_tensors([req.tensor for req in requests], outputs, GLOO_OPS[meta["r"]])
-            _postscale_tensors(outputs, meta, self.size)
+            scaled = meta["r"] == "average" or meta["post"] != 1.0
+            self.comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
+                [req.tensor for req in requests], outputs, GLOO_OPS[meta["r"]],
+                (lambda reduced: _postscale(reduced, meta, self.size)) if scaled else None,
+            )
             t_reduced = time.perf_counter() if timeline is not None else 0.0
             self._tick_bytes += action.nbytes
             self.stats.fused_tensors += len(requests)
@@ -891,18 +894,6 @@ def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:
             buf.floor_divide_(size)
     elif meta["post"] != 1.0:
         buf.mul_(meta["post"])
-
-
-def _postscale_tensors(outputs: list[torch.Tensor], meta: dict[str, Any], size: int) -> None:
-    """:func:`_postscale` for a batch reduced straight into its outputs (one C++ call for floats)."""
-    factor = meta["post"] / size if meta["r"] == "average" else meta["post"]
-    if factor == 1.0:
-        return
-    if outputs[0].is_floating_point():
-        torch._foreach_mul_(outputs, factor)
-    else:  # integer average floors, like Horovod
-        for out in outputs:
-            _postscale(out, meta, size)
 
 
 def _even_splits(rows: int, size: int) -> list[int]:

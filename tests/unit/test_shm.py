@@ -292,6 +292,27 @@ def _too_big_then_fine(node, rank, size):
     return fits, errors, [t.tolist() for t in small]
 
 
+def _tensors_averaged_by_finish(node, rank, size):
+    """``finish`` (the engine's averaging) runs once per element on the reduced data, on both paths."""
+    results = []
+    for shapes in TENSOR_LISTS:  # the first list takes the one-barrier path, the second the two-barrier one
+        for dtype in (torch.float64, torch.int64):
+            inputs = _tensor_inputs(rank, dtype, shapes, 0)
+            outputs = [torch.empty_like(t) for t in inputs]
+            finish = (lambda x: x.mul_(1.0 / size)) if dtype.is_floating_point else (lambda x: x.floor_divide_(size))
+            node.allreduce_tensors(inputs, outputs, ReduceOp.SUM, None, finish)
+            total = [sum(_tensor_inputs(r, dtype, shapes, 0)[i] for r in range(size)) for i in range(len(shapes))]
+            want = [t * (1.0 / size) if dtype.is_floating_point else t.floor_divide(size) for t in total]
+            results.append(all(torch.equal(got, w) for got, w in zip(outputs, want)))
+    return results
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_allreduce_tensors_finish_scales_the_reduced_data_once(local_size):
+    results = _run_node(local_size, _tensors_averaged_by_finish, slot_bytes=256 << 10)
+    assert results == [[True] * 4] * local_size
+
+
 def test_allreduce_tensors_refuses_what_does_not_fit_and_a_closed_group():
     for (fits, too_big), errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
         assert fits and not too_big
