@@ -182,7 +182,9 @@ class Engine:
         # moments with nothing in flight) and of the current one; see _collect
         self._expected: frozenset[int] = frozenset()
         self._step_slots: set[int] = set()
-        self._step_waited = False  # a caller waited on (or polled) an op since this step began
+        # the step is over once nothing is in flight after it was submitted whole or a caller waited on
+        # it (not when its first tensors finish before its last ones are submitted)
+        self._step_closing = False
         self._unsent_bytes = 0  # cached requests sorted since the last tick
         self._plans: dict[tuple[int, ...], list[_Action]] = {}  # ready cached slots -> what to run
         self._staging: dict[torch.dtype, torch.Tensor] = {}  # fusion buffers, one per dtype, grown on demand
@@ -226,7 +228,7 @@ class Engine:
             request = self._local.get(handle.name)
             if request is None or request.handle is not handle:
                 return  # already taken to run (or finished): nothing to hurry, and no step to end
-            self._step_waited = True
+            self._step_closing = True
             if self._waited is not request:
                 self._waited = request
                 self._lock.notify()
@@ -330,9 +332,8 @@ class Engine:
         deadline = started + wait_s
         with self._lock:
             older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
-            if not older and self._step_slots and self._step_waited:
-                # nothing in flight and a caller waited since the step began: the step is over, learn it
-                self._expected, self._step_slots, self._step_waited = frozenset(self._step_slots), set(), False
+            if not older and self._step_slots and self._step_closing:  # the step is over: learn it
+                self._expected, self._step_slots, self._step_closing = frozenset(self._step_slots), set(), False
             while True:
                 if self._queue:
                     self._sort(self._queue)
@@ -344,9 +345,10 @@ class Engine:
                     break
                 now = time.monotonic()
                 if self._expected and not older:
-                    if self._outbox or self._unsent_bytes and (
-                        self._unsent_bytes >= self._fusion_bytes or self._step_slots >= self._expected
-                    ):
+                    if self._unsent_bytes and self._step_slots >= self._expected:
+                        self._step_closing = True  # submitted whole
+                        break
+                    if self._outbox or self._unsent_bytes >= self._fusion_bytes:
                         break
                     limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
                 else:
@@ -465,7 +467,7 @@ class Engine:
         self._plans.clear()
         self._expected = frozenset()
         self._step_slots = set()
-        self._step_waited = False
+        self._step_closing = False
 
     # -- stalls (rank 0 watches, every rank acts on its "drop" list) ---------------------------
     def _rank0_wants_full(self) -> bool:

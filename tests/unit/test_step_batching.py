@@ -45,6 +45,27 @@ def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine
     assert per_step[4:] == [(1, 1)] * 8, per_step
 
 
+def test_a_step_that_finishes_before_anyone_waits_stays_one_round(engine):
+    # gradients arrive over time (a backward pass), and once the step is known it is reduced before the
+    # caller looks at it (optimizer.step() comes later): its completion alone must end the step
+    grads = [torch.ones(100) for _ in range(6)]
+    per_step = []
+    for step in range(12):
+        calls = engine.stats.allreduce_calls
+        handles = []
+        for i, g in enumerate(grads):
+            handles.append(hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum))
+            if step >= 4:
+                time.sleep(0.003)
+        if step >= 4:  # the first steps are submitted at once and waited on, and learned that way
+            time.sleep(0.05)
+            assert all(h.done() for h in handles)  # nobody waited
+        for h in handles:
+            hvd.synchronize(h)
+        per_step.append(engine.stats.allreduce_calls - calls)
+    assert per_step[6:] == [1] * 6, per_step  # (rounds are not counted: an idle tick may fall in a step)
+
+
 def test_an_op_outside_the_learned_step_is_not_held_back(engine):
     grads = [torch.ones(100) for _ in range(6)]
 
