@@ -31,6 +31,16 @@ def _model_and_optimizer():
     return net, opt
 
 
+def _learn_a_step_of_six() -> list[torch.Tensor]:
+    """Four identical steps of six named allreduces, each waited on: the engine learns the step."""
+    grads = [torch.ones(100) for _ in range(6)]
+    for _ in range(4):
+        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+    return grads
+
+
 def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine):
     net, opt = _model_and_optimizer()
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
@@ -67,15 +77,7 @@ def test_a_step_that_finishes_before_anyone_waits_stays_one_round(engine):
 
 
 def test_an_op_outside_the_learned_step_is_not_held_back(engine):
-    grads = [torch.ones(100) for _ in range(6)]
-
-    def step():
-        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
-        for h in handles:
-            hvd.synchronize(h)
-
-    for _ in range(4):
-        step()
+    _learn_a_step_of_six()
     assert len(engine._expected) == 6  # the step was learned
     hvd.allreduce(torch.ones(3), name="metric")  # negotiated once, cached from now on
     took = []
@@ -88,11 +90,7 @@ def test_an_op_outside_the_learned_step_is_not_held_back(engine):
 
 
 def test_polling_alone_drives_a_partial_step(engine):
-    grads = [torch.ones(100) for _ in range(6)]
-    for _ in range(4):
-        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
-        for h in handles:
-            hvd.synchronize(h)
+    grads = _learn_a_step_of_six()
     started = time.perf_counter()
     handle = hvd.allreduce_async_(grads[0], name="g0", op=hvd.Sum)  # a sixth of the learned step
     while not hvd.poll(handle):
@@ -102,11 +100,7 @@ def test_polling_alone_drives_a_partial_step(engine):
 
 
 def test_a_partial_step_still_finishes_without_any_caller(engine):
-    grads = [torch.ones(100) for _ in range(6)]
-    for _ in range(4):
-        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
-        for h in handles:
-            hvd.synchronize(h)
+    grads = _learn_a_step_of_six()
     handle = hvd.allreduce_async_(grads[0], name="g0", op=hvd.Sum)
     time.sleep(0.5)  # nobody waits or polls: the engine's idle tick still runs it
     assert handle.done()
