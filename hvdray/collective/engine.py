@@ -321,12 +321,13 @@ class Engine:
         this rank needs a full (named) negotiation round.
 
         When to tick: at once on shutdown, join, or when a caller blocks on (or polls) an op; otherwise new
-        work with nothing older in flight goes at once, except that once this rank's steps repeat (a step:
-        the cached tensors submitted until a caller has waited and nothing is in flight any more, as in a
-        training step's backward pass and ``optimizer.step()``), a step goes when all of it has been
-        submitted, or a fusion buffer's worth of it: one negotiation and one fused reduction per step
-        instead of one per early tensor. With older work in flight the tick
-        paces by the cycle time, so that tensors arriving together are negotiated and fused together.
+        work with nothing older in flight goes at once, except that once this rank's steps repeat, a step
+        goes when all of it has been submitted, or a fusion buffer's worth of it: one negotiation and one
+        fused reduction per step instead of one per early tensor. A step is the cached tensors submitted
+        until nothing is in flight any more after the step was submitted whole or a caller waited on one
+        of its ops (a training step's backward pass and ``optimizer.step()``). With older work in flight
+        the tick paces by the cycle time, so that tensors arriving together are negotiated and fused
+        together.
         """
         started = time.monotonic()
         deadline = started + wait_s
@@ -348,7 +349,7 @@ class Engine:
                     if self._unsent_bytes and self._step_slots >= self._expected:
                         self._step_closing = True  # submitted whole
                         break
-                    if self._outbox or self._unsent_bytes >= self._fusion_bytes:
+                    if self._outbox or self._unsent_bytes and self._unsent_bytes >= self._fusion_bytes:
                         break
                     limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
                 else:

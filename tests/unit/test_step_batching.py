@@ -105,3 +105,18 @@ def test_a_partial_step_still_finishes_without_any_caller(engine):
     time.sleep(0.5)  # nobody waits or polls: the engine's idle tick still runs it
     assert handle.done()
     hvd.synchronize(handle)
+
+
+def test_an_idle_engine_with_fusion_off_does_not_spin(engine):
+    settings = context.settings()
+    hvd.shutdown()
+    previous, settings.fusion_threshold_mb = settings.fusion_threshold_mb, 0.0
+    try:
+        hvd.init()
+        _learn_a_step_of_six()
+        clock = time.pthread_getcpuclockid(context.engine()._thread.ident)
+        before = time.clock_gettime(clock)
+        time.sleep(0.5)  # nothing submitted: the engine must sleep, not tick back to back
+        assert time.clock_gettime(clock) - before < 0.05
+    finally:
+        settings.fusion_threshold_mb = previous
