@@ -178,8 +178,8 @@ class Engine:
         self._tick_bytes = 0  # bytes reduced in this tick (autotune's score)
         self._flags = FlagVector(cache_capacity)
         self._cached_pending: dict[int, Request] = {}
-        # step-aware batching: the cached slots of this rank's last complete step (submitted between two
-        # moments with nothing in flight) and of the current one; see _collect
+        # step-aware batching: the cached slots of this rank's last complete step and of the current one
+        # (see _collect for what ends a step)
         self._expected: frozenset[int] = frozenset()
         self._step_slots: set[int] = set()
         # the step is over once nothing is in flight after it was submitted whole or a caller waited on
