@@ -136,8 +136,8 @@ def check_allreduce_args(
             raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
         if op == Adasum and not tensor.is_floating_point():
             raise ValueError(f"{label} has dtype {tensor.dtype}; op=hvd.Adasum needs a floating-point tensor")
-    if prescale_factor == 1.0 == postscale_factor and type(prescale_factor) in _PLAIN and type(postscale_factor) in _PLAIN:
-        return 1.0, 1.0  # the common case, without two more calls
+    if type(prescale_factor) in _PLAIN and type(postscale_factor) in _PLAIN and prescale_factor == 1.0 == postscale_factor:
+        return 1.0, 1.0  # the common case, without two more calls (types first: a tensor's == is no bool)
     return (
         check_scale(prescale_factor, "prescale_factor", tensor),
         check_scale(postscale_factor, "postscale_factor", tensor),
@@ -146,7 +146,7 @@ def check_allreduce_args(
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
     """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
-    if value == 1.0 and type(value) in _PLAIN:  # the common case
+    if type(value) in _PLAIN and value == 1.0:  # the common case (types first: a tensor's == is no bool)
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")

@@ -255,6 +255,8 @@ BAD_CALLS = {
     "op-bool-average": ("bool", lambda hvd, t: hvd.allreduce(t > 0, name="bad", op=hvd.Average)),
     "prescale-int": ("prescale_factor", lambda hvd, t: hvd.allreduce(t.long(), name="bad", prescale_factor=0.5)),
     "prescale-str": ("prescale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", prescale_factor="2")),
+    "prescale-tensor": ("prescale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", prescale_factor=t)),
+    "postscale-tensor": ("postscale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", postscale_factor=t)),
     "name-empty": ("name", lambda hvd, t: hvd.allreduce(t, name="")),
     "name-int": ("name", lambda hvd, t: hvd.allreduce(t, name=7)),
     "root-negative": ("root_rank", lambda hvd, t: hvd.broadcast(t, root_rank=-1, name="bad")),
