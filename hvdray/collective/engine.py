@@ -12,6 +12,7 @@ from __future__ import annotations
 import _thread
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -677,7 +678,7 @@ class Engine:
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
         elif (
-            action.nbytes <= self.comm.fused_message_bytes and action.metas[0]["pre"] == 1.0
+            action.nbytes <= self.comm.fused_message_bytes and meta["pre"] == 1.0
             and all(req is not None for req in requests)
         ):
             # the transport copies the tensors straight in and the results straight out: no staging
@@ -728,16 +729,17 @@ class Engine:
         """The action's tensors as views of this engine's fusion buffer for their dtype (kept between
         steps, grown when a larger batch comes; plans bound to a replaced buffer are recomputed)."""
         dtype = _dtype(action.metas[0]["d"])
-        numels = [_numel(m["s"]) for m in action.metas]
-        total = sum(numels)
         staging = self._staging.get(dtype)
+        if staging is not None and action.staging is staging:  # every step after the first
+            return action.views
+        numels = [math.prod(m["s"]) for m in action.metas]
+        total = sum(numels)
         if staging is None or staging.numel() < total:
             staging = self._staging[dtype] = torch.empty(total, dtype=dtype)
             self._plans.clear()  # their views point into the old buffer
-        if action.staging is not staging:
-            action.staging = staging
-            action.flat = staging[:total]
-            action.views = [part.view(m["s"]) for part, m in zip(action.flat.split(numels), action.metas)]
+        action.staging = staging
+        action.flat = staging[:total]
+        action.views = [part.view(m["s"]) for part, m in zip(action.flat.split(numels), action.metas)]
         return action.views
 
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
@@ -903,15 +905,8 @@ def _even_splits(rows: int, size: int) -> list[int]:
     return [rows // size] * size
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _nbytes(meta: dict[str, Any]) -> int:
-    return _numel(meta["s"]) * _dtype(meta["d"]).itemsize
+    return math.prod(meta["s"]) * _dtype(meta["d"]).itemsize
 
 
 _DTYPES: dict[str, torch.dtype] = {str(d): d for d in GLOO_DTYPES}

@@ -35,7 +35,6 @@ class ReduceOp(str, enum.Enum):
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
-_NEEDS_FLOAT = frozenset((Adasum,))  # ops with a dtype condition beyond check_tensor's (bool: see below)
 
 
 class OpHandle:
@@ -130,7 +129,7 @@ def check_allreduce_args(
 ) -> tuple[float, float]:
     """Check an allreduce's tensor, op and scale factors; returns ``(prescale, postscale)`` as floats."""
     check_tensor(tensor, argument, name=name)
-    if op in _NEEDS_FLOAT or tensor.dtype is torch.bool:
+    if op == Adasum or tensor.dtype is torch.bool:  # the only dtype conditions beyond check_tensor's
         label = f"{argument} {name!r}" if name else argument
         if tensor.dtype == torch.bool and op in (Average, Product):
             raise ValueError(f"{label} is bool; {op.name.lower()} is not defined for bool tensors")
@@ -172,10 +171,11 @@ def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
 
 
 def _meta(op: str, name: str, tensor: torch.Tensor, **extra: Any) -> dict[str, Any]:
-    meta = {"o": op, "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape), **extra}
+    # filled into the keyword dict itself, not copied into a new one: this runs for every gradient of every step
+    extra["o"], extra["n"], extra["d"], extra["s"] = op, name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape)
     if GENERATED_NAME_MARK in name:
-        meta["a"] = 1  # generated names never repeat: the engine does not cache them
-    return meta
+        extra["a"] = 1  # generated names never repeat: the engine does not cache them
+    return extra
 
 
 _DTYPE_NAMES = {d: str(d) for d in GLOO_DTYPES}
@@ -206,13 +206,9 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
-    # _meta's dict, written out: this runs for every gradient of every step
-    meta = {"o": "allreduce", "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape),
-            "r": op._value_, "pre": pre, "post": post}
-    if GENERATED_NAME_MARK in name:
-        meta["a"] = 1
+    meta = _meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    handle = engine.submit(Request(meta, tensor, out, Handle(name)))
+    handle = _submit(engine, meta, tensor, out)
     if op in (Min, Max) and tensor.is_floating_point():
         # Gloo's min/max keep or drop a NaN depending on the order of the operands; IEEE 754's
         # minimum/maximum (and torch) propagate it, so a NaN mask is reduced beside the tensor.

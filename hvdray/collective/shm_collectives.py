@@ -202,7 +202,7 @@ class NodeCollectives:
 
     def allreduce_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: ReduceOp.RedOpType,
-        cross: Optional[CrossReduce] = None, finish: Optional[CrossReduce] = None,
+        cross: Optional[CrossReduce] = None, finish: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> None:
         """Reduce ``inputs`` (one dtype, any shapes and strides) across the local ranks as one message
         and write the results to ``outputs`` (same shapes; may be the inputs), without a staging buffer:
@@ -262,7 +262,7 @@ class NodeCollectives:
 
     def _allreduce_tensors(
         self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce], finish: Optional[CrossReduce],
+        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce], finish: Optional[Callable[[torch.Tensor], None]],
     ) -> None:
         half = self._next_half()
         torch._foreach_copy_(layout.inputs[half], list(inputs))
@@ -280,7 +280,7 @@ class NodeCollectives:
 
     def _allreduce_tensors_small(
         self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-        reducer: Callable[..., torch.Tensor], finish: Optional[CrossReduce],
+        reducer: Callable[..., torch.Tensor], finish: Optional[Callable[[torch.Tensor], None]],
     ) -> None:
         """One barrier: every rank reduces every slot in rank order into its scratch, then scatters it."""
         half = self._next_half()
