@@ -7,6 +7,7 @@ variables (read on the driver when the settings are created), then the documente
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -173,8 +174,13 @@ def make_settings(**kwargs: Any) -> Settings:
 def _describe(exc: ValidationError, from_env: set[str]) -> str:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "settings"
-        field = str(err["loc"][0]) if err["loc"] else ""
+        if not err["loc"]:  # a rule across fields: name the environment variables of the fields it names
+            env = [ENV_PREFIX + f.upper() for f in sorted(from_env) if re.search(rf"\b{f}\b", err["msg"])]
+            source = f" ({', '.join(env)} from the environment)" if env else ""
+            parts.append(f"settings: {err['msg']}{source}")
+            continue
+        where = ".".join(str(p) for p in err["loc"])
+        field = str(err["loc"][0])
         source = f" (from the environment variable {ENV_PREFIX + field.upper()})" if field in from_env else ""
         parts.append(f"{where}{source}: {err['msg']} (got {err.get('input')!r})")
     return "invalid settings: " + "; ".join(parts)

@@ -43,6 +43,17 @@ def test_stall_shutdown_must_not_undercut_warning():
         make_settings(stall_warning_s=10, stall_shutdown_s=5)
 
 
+def test_a_rule_across_fields_names_the_environment_variable_that_broke_it(monkeypatch):
+    # found by the Hypothesis test of every override: HVDRAY_STALL_SHUTDOWN_S=1 under the default
+    # stall_warning_s=60 raised an error that did not say where the 1 came from
+    monkeypatch.setenv("HVDRAY_STALL_SHUTDOWN_S", "1")
+    with pytest.raises(ValueError, match=r"stall_shutdown_s .*HVDRAY_STALL_SHUTDOWN_S from the environment"):
+        make_settings()
+    with pytest.raises(ValueError, match="stall_warning_s") as explicit:
+        make_settings(stall_shutdown_s=1)  # set here, not from the environment: nothing to name
+    assert "HVDRAY_" not in str(explicit.value)
+
+
 def test_environment_overrides_defaults_not_explicit(monkeypatch):
     monkeypatch.setenv("HVDRAY_CYCLE_TIME_MS", "7")
     monkeypatch.setenv("HVDRAY_NICS", "eth0,eth1")
