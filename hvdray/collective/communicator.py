@@ -204,13 +204,14 @@ class Communicator:
 
     def allreduce_tensors(
         self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType,
-        finish: Optional[Callable[[torch.Tensor], None]] = None,
+        finish: Optional[Callable[[torch.Tensor], None]] = None, shapes: Optional[tuple[torch.Size, ...]] = None,
     ) -> None:
         """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
         between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`.
-        ``finish`` (elementwise, in place) runs on the reduced data before it reaches the outputs."""
+        ``finish`` (elementwise, in place) runs on the reduced data before it reaches the outputs;
+        ``shapes``: see :meth:`NodeCollectives.allreduce_tensors`."""
         cross = self._cross_allreduce(op) if self._cross is not None else None
-        self._node.allreduce_tensors(inputs, outputs, op, cross, finish)
+        self._node.allreduce_tensors(inputs, outputs, op, cross, finish, shapes)
 
     def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
         opts = dist.AllreduceOptions()

@@ -378,7 +378,8 @@ class Engine:
             else:
                 self._cached_pending[slot] = request
                 self._step_slots.add(slot)
-                self._unsent_bytes += _nbytes(request.meta)
+                if request.tensor is not None:  # its metadata's shape and dtype: the cache matched them
+                    self._unsent_bytes += request.tensor.nbytes
 
     def _encode(self) -> bytes:
         message: dict[str, Any] = {}
@@ -685,9 +686,12 @@ class Engine:
             outputs = [req.output for req in requests]
             t_copied = t_start
             scaled = meta["r"] == "average" or meta["post"] != 1.0
+            inputs = [req.tensor for req in requests]
+            if action.shapes is None:  # the same every time a cached plan runs: its metadata fixed them
+                action.shapes = tuple(t.shape for t in inputs)
             self.comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
-                [req.tensor for req in requests], outputs, GLOO_OPS[meta["r"]],
-                (lambda reduced: _postscale(reduced, meta, self.size)) if scaled else None,
+                inputs, outputs, GLOO_OPS[meta["r"]],
+                (lambda reduced: _postscale(reduced, meta, self.size)) if scaled else None, shapes=action.shapes,
             )
             t_reduced = time.perf_counter() if timeline is not None else 0.0
             self._tick_bytes += action.nbytes
@@ -860,6 +864,7 @@ class _Action:
     staging: Optional[torch.Tensor] = None  # the fusion buffer the views below point into
     flat: Optional[torch.Tensor] = None
     views: list[torch.Tensor] = field(default_factory=list)
+    shapes: Optional[tuple[torch.Size, ...]] = None  # of a fused batch's tensors (outputs alike), once known
 
 
 #: distinct sets of ready cached slots whose plans are kept (a training loop needs one or two)

@@ -50,6 +50,8 @@ class OpHandle:
         return all(p.done() for p in self._parts)
 
     def result(self) -> Any:
+        if self._convert is _first:  # one part, its result as it is: every gradient of every step
+            return self._parts[0].wait()
         return self._convert([p.wait() for p in self._parts])
 
 

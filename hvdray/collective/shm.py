@@ -9,8 +9,10 @@ file behind, which :func:`remove_dead_creators_segments` (run by the next segmen
 and :func:`remove_job_segments` (for the executor, after the job's workers are gone) delete.
 
 Ranks synchronise through per-rank sequence counters in the segment: a short spin, then a Linux futex
-wait on the counter word (the kernel wakes the waiter the moment the counter moves). A peer that
-died, left or failed turns into :class:`SharedMemoryError` within the timeout, never a hang.
+wait on the counter word (the kernel wakes the waiter the moment the counter moves). A rank about to
+sleep says so in its control block, and a rank that moves its counter makes the wake-up system call
+only when a peer sleeps on it (waking a sleeping thread costs tens of microseconds in a VM). A peer
+that died, left or failed turns into :class:`SharedMemoryError` within the timeout, never a hang.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import platform
 import secrets
 import sys
+import _thread
 import time
 from typing import Optional
 
@@ -238,15 +241,34 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-#: word offsets inside a rank's control block
-_COUNTER, _PID, _STATE = 0, 1, 2
+#: word offsets inside a rank's control block; _SLEEPS_ON holds 1 + the local rank whose counter this
+#: rank sleeps on (0: not sleeping)
+_COUNTER, _PID, _STATE, _SLEEPS_ON = 0, 1, 2, 3
 _STATE_LEFT = 1  # 2 + k: left because local rank k died
 _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
 
+_fence_lock = _thread.allocate_lock()
+
+
+def _full_fence() -> None:
+    """A full memory barrier: stores before it are visible to every core before loads after it.
+
+    x86-64 may let a load pass an earlier store to another address (the store-buffer case that the
+    sleeper/waker handshake below must exclude); a lock's acquire and release are atomic
+    read-modify-write instructions, which drain the store buffer."""
+    _fence_lock.acquire(False)
+    _fence_lock.release()
+
+
 class NodeBarrier:
-    """A reusable barrier of the local ranks over their counters in one :class:`Segment`."""
+    """A reusable barrier of the local ranks over their counters in one :class:`Segment`.
+
+    Sleeping and waking is a Dekker handshake on two words: a sleeper publishes whose counter it
+    sleeps on, fences, then re-reads that counter (the futex call checks it once more in the kernel);
+    a waker stores its counter, fences, then reads who sleeps on it. One of the two always sees the
+    other's store, so either the sleeper does not sleep or the waker wakes it."""
 
     def __init__(self, segment: Segment, local_rank: int, timeout_s: float, spin: int) -> None:
         self._seg = segment
@@ -271,8 +293,14 @@ class NodeBarrier:
             raise SharedMemoryError(f"local rank {self._me} already left the shared-memory group")
         self._seq = (self._seq + 1) & _SEQ_MASK
         counter = self._word(self._me, _COUNTER)
-        self._words[counter] = self._seq
-        self._futex.wake(self._seg.address + 4 * counter)
+        words = self._words
+        words[counter] = self._seq
+        _full_fence()
+        mark = self._me + 1
+        for peer in range(self._size):
+            if words[self._word(peer, _SLEEPS_ON)] == mark:
+                self._futex.wake(self._seg.address + 4 * counter)
+                break
         for peer in range(self._size):
             if peer != self._me:
                 self._await(peer)
@@ -285,17 +313,23 @@ class NodeBarrier:
         deadline = time.monotonic() + self._timeout_s
         next_check = deadline - self._timeout_s + _LIVENESS_CHECK_S
         address = self._seg.address + 4 * index
-        while True:
-            value = words[index]
-            if (value - seq) & _SEQ_MASK < _HALF_RANGE:
-                return
-            if self._closed:
-                raise SharedMemoryError(f"local rank {self._me} left the shared-memory group while waiting")
-            now = time.monotonic()
-            if now >= next_check:
-                self._check_peer(peer, now, deadline)
-                next_check = now + _LIVENESS_CHECK_S
-            self._futex.wait(address, value, min(_LIVENESS_CHECK_S, max(deadline - now, 0.001)))
+        sleeps_on = self._word(self._me, _SLEEPS_ON)
+        words[sleeps_on] = peer + 1
+        _full_fence()
+        try:
+            while True:
+                value = words[index]
+                if (value - seq) & _SEQ_MASK < _HALF_RANGE:
+                    return
+                if self._closed:
+                    raise SharedMemoryError(f"local rank {self._me} left the shared-memory group while waiting")
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_peer(peer, now, deadline)
+                    next_check = now + _LIVENESS_CHECK_S
+                self._futex.wait(address, value, min(_LIVENESS_CHECK_S, max(deadline - now, 0.001)))
+        finally:
+            words[sleeps_on] = 0  # the segment stays mapped while an op runs (NodeCollectives.close)
 
     def _check_peer(self, peer: int, now: float, deadline: float) -> None:
         for rank in range(self._size):

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: parts start on 64-byte boundaries (whole cache lines) where the piece is large enough
 _ALIGN_BYTES = 64
+#: how often a barrier re-reads a peer's counter before it sleeps, when every local rank can have a core
+#: of its own (then a peer usually arrives within the spin, and neither rank pays a sleep and a wake-up)
 _SPIN_WHEN_CORES_FREE = 100
 #: allreduces up to this size take the one-barrier path (each rank reduces the whole message)
 SMALL_ALLREDUCE_BYTES = 32 << 10
@@ -75,7 +77,7 @@ class NodeCollectives:
         self.slot_bytes = slot_bytes
         self.rounds = 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        spin = _SPIN_WHEN_CORES_FREE if self.local_size < cores else 0
+        spin = _SPIN_WHEN_CORES_FREE if self.local_size <= cores else 0
         self._barrier = NodeBarrier(segment, local_rank, timeout_s, spin)
         self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
         self._base = self._data.data_ptr()
@@ -203,13 +205,16 @@ class NodeCollectives:
     def allreduce_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: ReduceOp.RedOpType,
         cross: Optional[CrossReduce] = None, finish: Optional[Callable[[torch.Tensor], None]] = None,
+        shapes: Optional[tuple[torch.Size, ...]] = None,
     ) -> None:
         """Reduce ``inputs`` (one dtype, any shapes and strides) across the local ranks as one message
         and write the results to ``outputs`` (same shapes; may be the inputs), without a staging buffer:
         the inputs are copied straight into this rank's slot and the reduced parts straight out of the
         slots. Every local rank must pass the same shapes and dtype; the total must :meth:`fits`.
         ``finish`` (an elementwise in-place op, e.g. averaging's scale) runs on the reduced data before it
-        is copied out, after ``cross``: one flat call instead of one per output tensor."""
+        is copied out, after ``cross``: one flat call instead of one per output tensor. A caller that knows
+        the inputs' ``shapes`` and that the outputs match them in shape and dtype (the engine's cached
+        plans, every step with hundreds of tensors) passes them, and the per-tensor checks are skipped."""
         reducer = _REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
@@ -217,20 +222,9 @@ class NodeCollectives:
             raise ValueError(f"allreduce_tensors got {len(inputs)} inputs but {len(outputs)} outputs")
         if not inputs:
             return
-        # checked with one pass per attribute: the engine calls this every step with hundreds of tensors
-        shapes = tuple(t.shape for t in inputs)
-        if outputs is not inputs and tuple(t.shape for t in outputs) != shapes:
-            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.shape != dst.shape)
-            raise ValueError(
-                f"allreduce_tensors: output {i} has shape {tuple(outputs[i].shape)}, input {tuple(shapes[i])}"
-            )
         dtype = inputs[0].dtype
-        dtypes = {t.dtype for t in inputs} | ({t.dtype for t in outputs} if outputs is not inputs else set())
-        if len(dtypes) > 1:
-            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.dtype != dtype or dst.dtype != dtype)
-            raise TypeError(
-                f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}"
-            )
+        if shapes is None:
+            shapes = self._checked_shapes(inputs, outputs)
         cached = self._layouts.get((dtype, shapes))
         nbytes = cached.nbytes if cached is not None else sum(s.numel() for s in shapes) * inputs[0].element_size()
         if not self.fits(nbytes):
@@ -246,6 +240,24 @@ class NodeCollectives:
             self._run(
                 lambda: self._allreduce_tensors(self._layout(dtype, shapes), inputs, outputs, reducer, cross, finish)
             )
+
+    @staticmethod
+    def _checked_shapes(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[torch.Size, ...]:
+        """The inputs' shapes, after checking that the outputs match them and all share one dtype."""
+        shapes = tuple(t.shape for t in inputs)  # one pass per attribute, not one check per tensor
+        if outputs is not inputs and tuple(t.shape for t in outputs) != shapes:
+            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.shape != dst.shape)
+            raise ValueError(
+                f"allreduce_tensors: output {i} has shape {tuple(outputs[i].shape)}, input {tuple(shapes[i])}"
+            )
+        dtype = inputs[0].dtype
+        dtypes = {t.dtype for t in inputs} | ({t.dtype for t in outputs} if outputs is not inputs else set())
+        if len(dtypes) > 1:
+            i = next(i for i, (src, dst) in enumerate(zip(inputs, outputs)) if src.dtype != dtype or dst.dtype != dtype)
+            raise TypeError(
+                f"allreduce_tensors: tensor {i} is {inputs[i].dtype} -> {outputs[i].dtype}, tensor 0 is {dtype}"
+            )
+        return shapes
 
     def _layout(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
         """The cached views for ``shapes`` (built on first use; only while the segment is mapped)."""

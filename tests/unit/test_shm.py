@@ -402,6 +402,54 @@ def test_close_from_another_thread_ends_a_waiting_op_then_unmaps():
     assert "left the shared-memory group" in message and took < 1.0 and address == 0
 
 
+def test_a_rank_makes_the_wake_up_call_only_for_a_peer_asleep_on_it(tag, monkeypatch):
+    """Two local ranks as two threads (the futex works between threads as between processes), no spin:
+    the rank that arrives second wakes the one asleep on it; the first has nobody to wake. Thousands of
+    barriers in a row then finish without one lost wake-up (which would cost a 50 ms futex timeout)."""
+    import threading
+
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)
+    try:
+        barriers = [shm.NodeBarrier(seg, rank, timeout_s=10.0, spin=0) for rank in range(2)]
+        wakes = {0: 0, 1: 0}
+        real_wake = shm._Futex.wake
+        calls = threading.local()
+
+        def counting_wake(self, address):
+            wakes[calls.rank] += 1
+            real_wake(self, address)
+
+        monkeypatch.setattr(shm._Futex, "wake", counting_wake)
+
+        def run(rank, rounds, before=None):
+            calls.rank = rank
+            if before is not None:
+                before.wait()
+            for _ in range(rounds):
+                barriers[rank].wait()
+
+        asleep = threading.Thread(target=run, args=(1, 1))
+        asleep.start()
+        while seg.words[shm._CONTROL_BASE_WORDS + 1 * shm._WORDS_PER_RANK + shm._SLEEPS_ON] != 1:
+            time.sleep(0.001)  # rank 1 now sleeps on rank 0's counter
+        run(0, 1)
+        asleep.join(5)
+        assert not asleep.is_alive() and wakes == {0: 1, 1: 0}
+
+        wakes.update({0: 0, 1: 0})
+        go = threading.Barrier(2)
+        peer = threading.Thread(target=run, args=(1, 3000, go))
+        peer.start()
+        started = time.monotonic()
+        run(0, 3000, go)
+        peer.join(30)
+        took = time.monotonic() - started
+        assert not peer.is_alive()
+        assert took < 0.05 * 3000 / 10, f"3000 barriers took {took:.1f} s: wake-ups are being lost"
+    finally:
+        seg.close()
+
+
 def test_part_bounds_cover_the_piece_on_cache_lines():
     for numel, parts, itemsize in [(1, 3, 4), (17, 2, 8), (1000, 5, 2), (64, 4, 1)]:
         bounds = _part_bounds(numel, parts, itemsize)
