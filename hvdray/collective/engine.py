@@ -153,7 +153,10 @@ class Engine:
         self._stall_warning_s = stall_warning_s
         self._stall_shutdown_s = stall_shutdown_s
 
-        self._lock = threading.Condition()
+        # the fields below are shared with submitting threads; ``with self._lock`` takes the lock itself,
+        # since a Condition's with-statement costs two Python calls on every op's submission
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # the engine thread sleeps on it between ticks
         self._queue: list[Request] = []
         self._local: dict[str, Request] = {}  # submitted here, not finished yet
         self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
@@ -220,7 +223,7 @@ class Engine:
             self._local[name] = request
             self._queue.append(request)
             if self._sleeping:  # a busy engine looks at the queue before it sleeps again
-                self._lock.notify()
+                self._wake.notify()
         return request.handle
 
     def _nudge(self, handle: Handle) -> None:
@@ -232,7 +235,7 @@ class Engine:
             self._step_closing = True
             if self._waited is not request:
                 self._waited = request
-                self._lock.notify()
+                self._wake.notify()
 
     def auto_name(self, op: str) -> str:
         """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
@@ -248,14 +251,14 @@ class Engine:
                 raise ValueError(f"rank {self.rank} has already joined")
             self._join_handle = Handle("join")
             self._join_announce = True
-            self._lock.notify()
+            self._wake.notify()
             return self._join_handle
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell every rank to stop after this round; wait for the thread, then drop the group."""
         with self._lock:
             self._shutdown_requested = True
-            self._lock.notify()
+            self._wake.notify()
         self._thread.join(timeout_s)
         self.comm.close()
 
@@ -360,7 +363,7 @@ class Engine:
                 if now >= limit:
                     break
                 self._sleeping = True
-                self._lock.wait(limit - now)
+                self._wake.wait(limit - now)
                 self._sleeping = False
             self._waited = None
             self._unsent_bytes = 0
