@@ -249,19 +249,6 @@ _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
 
-_fence_lock = _thread.allocate_lock()
-
-
-def _full_fence() -> None:
-    """A full memory barrier: stores before it are visible to every core before loads after it.
-
-    x86-64 may let a load pass an earlier store to another address (the store-buffer case that the
-    sleeper/waker handshake below must exclude); a lock's acquire and release are atomic
-    read-modify-write instructions, which drain the store buffer."""
-    _fence_lock.acquire(False)
-    _fence_lock.release()
-
-
 class NodeBarrier:
     """A reusable barrier of the local ranks over their counters in one :class:`Segment`.
 
@@ -282,7 +269,19 @@ class NodeBarrier:
         self._pids: dict[int, int] = {}
         self._dead_peer: Optional[int] = None
         self._closed = False
+        # for _full_fence: one lock per barrier, whose ops run one at a time, so taking it never fails
+        self._fence_lock = _thread.allocate_lock()
         self._words[self._word(local_rank, _PID)] = os.getpid()
+
+    def _full_fence(self) -> None:
+        """A full memory barrier: stores before it are visible to every core before loads after it.
+
+        x86-64 may let a load pass an earlier store to another address (the store-buffer case that the
+        sleeper/waker handshake must exclude); an uncontended lock's acquire and release are atomic
+        read-modify-write instructions, which drain the store buffer. (A contended acquire fails
+        without one, hence a lock of this barrier's own, not one shared by every thread.)"""
+        self._fence_lock.acquire(False)
+        self._fence_lock.release()
 
     def _word(self, local_rank: int, field: int) -> int:
         return _CONTROL_BASE_WORDS + local_rank * _WORDS_PER_RANK + field
@@ -295,7 +294,7 @@ class NodeBarrier:
         counter = self._word(self._me, _COUNTER)
         words = self._words
         words[counter] = self._seq
-        _full_fence()
+        self._full_fence()
         mark = self._me + 1
         for peer in range(self._size):
             if words[self._word(peer, _SLEEPS_ON)] == mark:
@@ -315,7 +314,7 @@ class NodeBarrier:
         address = self._seg.address + 4 * index
         sleeps_on = self._word(self._me, _SLEEPS_ON)
         words[sleeps_on] = peer + 1
-        _full_fence()
+        self._full_fence()
         try:
             while True:
                 value = words[index]
