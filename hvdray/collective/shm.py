@@ -17,6 +17,7 @@ that died, left or failed turns into :class:`SharedMemoryError` within the timeo
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import glob
 import hashlib
@@ -27,7 +28,6 @@ import os
 import platform
 import secrets
 import sys
-import _thread
 import time
 from typing import Optional
 
