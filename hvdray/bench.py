@@ -103,7 +103,9 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
 
 
 def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[str, float]:
-    """One step's gradient reduction: raw Gloo per tensor and hand-fused, DDP's buckets, hvdray."""
+    """One step's gradient reduction: raw Gloo per tensor and hand-fused, DDP's buckets, hvdray with one
+    async allreduce per gradient (as ``DistributedOptimizer``'s hooks submit them) and with one
+    ``grouped_allreduce`` of all of them (``DistributedOptimizer(groups=1)``)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -141,11 +143,15 @@ def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[st
         for h in handles:
             hvd.synchronize(h)
 
+    def hvdray_grouped_step() -> None:
+        hvd.synchronize(hvd.grouped_allreduce_async_(grads, op=hvd.Sum, name="bench.group"))
+
     return {
         "raw gloo per tensor": _timed(per_tensor, iterations),
         "raw gloo hand-fused": _timed(hand_fused, iterations),
         "DDP (gloo) backward": _timed(ddp_backward, iterations),
         "hvdray": _timed(hvdray_step, iterations),
+        "hvdray grouped": _timed(hvdray_grouped_step, iterations),
     }
 
 

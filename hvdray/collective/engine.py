@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributed import ReduceOp
@@ -208,23 +208,33 @@ class Engine:
 
     # -- submission (any thread) ------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
+        self.submit_many((request,))
+        return request.handle
+
+    def submit_many(self, requests: Sequence[Request]) -> None:
+        """Submit several requests at once (a grouped op's tensors): one lock acquisition, all or none."""
         with self._lock:
             if self._error is not None or self._shutdown_requested:
                 self._raise_if_stopped()
-            name = request.name
-            if name in self._local:
-                raise ValueError(
-                    f"a {self._local[name].meta['o']} named {name!r} is still in flight on rank {self.rank}; "
-                    "names of outstanding ops must be unique"
-                )
-            if self.timeline is not None:
-                request.submitted = time.perf_counter()
-            request.handle._on_wait = self._nudge
-            self._local[name] = request
-            self._queue.append(request)
+            local = self._local
+            seen: set[str] = set()
+            for request in requests:
+                name = request.name
+                if name in local or name in seen:
+                    raise ValueError(
+                        f"a {(local.get(name) or request).meta['o']} named {name!r} is still in flight on rank "
+                        f"{self.rank}; names of outstanding ops must be unique"
+                    )
+                seen.add(name)
+            submitted = time.perf_counter() if self.timeline is not None else 0.0
+            nudge = self._nudge
+            for request in requests:
+                request.submitted = submitted
+                request.handle._on_wait = nudge
+                local[request.name] = request
+            self._queue.extend(requests)
             if self._sleeping:  # a busy engine looks at the queue before it sleeps again
                 self._wake.notify()
-        return request.handle
 
     def _nudge(self, handle: Handle) -> None:
         """A caller is about to block on an op: whatever it submitted is all that is coming for now."""

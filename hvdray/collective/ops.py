@@ -8,6 +8,7 @@ blocking form is the async form plus ``synchronize``.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import io
@@ -208,16 +209,26 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
-    meta = _meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post)
+    requests = _allreduce_requests(tensor, name, op, pre, post, output)
+    engine.submit_many(requests)
+    if len(requests) == 1:
+        return OpHandle([requests[0].handle], _first)
+    return OpHandle([r.handle for r in requests], _propagate_nan)
+
+
+def _allreduce_requests(
+    tensor: torch.Tensor, name: str, op: ReduceOp, pre: float, post: float, output: Optional[torch.Tensor]
+) -> list[Request]:
+    """The engine requests of one checked allreduce: the tensor's, and for a floating-point min or max a
+    NaN mask's beside it (Gloo's min/max keep or drop a NaN depending on the order of the operands;
+    IEEE 754's minimum/maximum, and torch, propagate it)."""
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    handle = _submit(engine, meta, tensor, out)
+    requests = [Request(_meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post), tensor, out, Handle(name))]
     if op in (Min, Max) and tensor.is_floating_point():
-        # Gloo's min/max keep or drop a NaN depending on the order of the operands; IEEE 754's
-        # minimum/maximum (and torch) propagate it, so a NaN mask is reduced beside the tensor.
-        nan = tensor.isnan()
-        nan_meta = _meta("allreduce", f"{name}.nan", nan, r=Max.value, pre=1.0, post=1.0)
-        return OpHandle([handle, _submit(engine, nan_meta, nan, torch.empty_like(nan))], _propagate_nan)
-    return OpHandle([handle], _first)
+        nan, nan_name = tensor.isnan(), f"{name}.nan"
+        nan_meta = _meta("allreduce", nan_name, nan, r=Max.value, pre=1.0, post=1.0)
+        requests.append(Request(nan_meta, nan, torch.empty_like(nan), Handle(nan_name)))
+    return requests
 
 
 def _propagate_nan(results: list[torch.Tensor]) -> torch.Tensor:
@@ -234,21 +245,36 @@ def grouped_allreduce_async(
     inplace: bool = False,
     process_set: Optional[ProcessSet] = None,
 ) -> OpHandle:
-    """Allreduce a list of tensors as one group (fused where they fit); the result is a list."""
+    """Allreduce a list of tensors as one group, submitted together (and so negotiated and fused
+    together where they fit); the result is a list."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
     op = resolve_op(op)
+    pre, post = 1.0, 1.0
     for i, t in enumerate(tensors):  # all checked before any is submitted
-        check_allreduce_args(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
+        pre, post = check_allreduce_args(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
     engine, _ = resolve(process_set, "grouped_allreduce")
     base = check_name(name, "grouped_allreduce", engine)
-    parts = []
+    requests: list[Request] = []
+    parts = []  # requests per tensor: 1, or 2 with a NaN mask
     for i, t in enumerate(tensors):
-        handle = allreduce_async(
-            t, f"{base}.{i}", op, prescale_factor, postscale_factor, t if inplace else None, process_set
-        )
-        parts.extend(handle._parts)
-    return OpHandle(parts, list)
+        mine = _allreduce_requests(t, f"{base}.{i}", op, pre, post, t if inplace else None)
+        requests += mine
+        parts.append(len(mine))
+    engine.submit_many(requests)
+    handles = [r.handle for r in requests]
+    if len(requests) == len(tensors):
+        return OpHandle(handles, list)
+    return OpHandle(handles, functools.partial(_grouped_propagate_nan, parts))
+
+
+def _grouped_propagate_nan(parts: list[int], results: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A grouped min/max's results: per tensor its result, with its NaN mask applied where it has one."""
+    out, i = [], 0
+    for n in parts:
+        out.append(results[i] if n == 1 else _propagate_nan(results[i : i + 2]))
+        i += n
+    return out
 
 
 def allgather_async(

@@ -31,6 +31,7 @@ class _DistributedMixin:
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
         process_set: Any,
+        groups: Any,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
@@ -62,23 +63,35 @@ class _DistributedMixin:
         self._hvd_process_set = process_set
         self._hvd_params = [p for p in params if p.requires_grad]
         self._hvd_delay = {id(p): backward_passes_per_step for p in self._hvd_params}
-        self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any]] = {}
+        # gradients allreduced together: each group in one grouped_allreduce once all of its are ready
+        self._hvd_groups = _parameter_groups(groups, self._hvd_params)
+        self._hvd_group_of = {id(p): i for i, group in enumerate(self._hvd_groups) for p in group}
+        self._hvd_group_ready = [0] * len(self._hvd_groups)
+        # id(param) -> (wire tensor, handle, compression context, index in its group's result or None)
+        self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any, Optional[int]]] = {}
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         key = id(p)
-        if key in self._hvd_handles:
+        if key in self._hvd_handles or self._hvd_delay[key] <= 0:
             raise AssertionError(
                 "gradients were computed more than backward_passes_per_step times before step(); raise "
                 "backward_passes_per_step to accumulate gradients locally"
             )
         self._hvd_delay[key] -= 1
         if self._hvd_delay[key] == 0:
-            self._hvd_handles[key] = self._hvd_submit(p)
+            group = self._hvd_group_of.get(key)
+            if group is None:
+                self._hvd_submit(p)
+            else:
+                self._hvd_group_ready[group] += 1
+                if self._hvd_group_ready[group] == len(self._hvd_groups[group]):
+                    self._hvd_submit_group(group)
 
-    def _hvd_submit(self, p: torch.Tensor) -> tuple[torch.Tensor, _c.OpHandle, Any]:
+    def _hvd_wire(self, p: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``p``'s gradient as it travels (compressed, contiguous), and what decompressing it needs."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
@@ -89,37 +102,64 @@ class _DistributedMixin:
                 )
             p.grad = p.grad.to_dense()
         wire, ctx = self._hvd_compression.compress(p.grad)
-        if not wire.is_contiguous():
-            wire = wire.contiguous()
+        return (wire if wire.is_contiguous() else wire.contiguous()), ctx
+
+    def _hvd_submit(self, p: torch.Tensor) -> None:
+        wire, ctx = self._hvd_wire(p)
         pre, post = self._hvd_scale
         handle = _c.allreduce_async(
             wire, self._hvd_names[id(p)], self._hvd_op, pre, post, output=wire, process_set=self._hvd_process_set
         )
-        return wire, handle, ctx
+        self._hvd_handles[id(p)] = (wire, handle, ctx, None)
+
+    def _hvd_submit_group(self, group: int) -> None:
+        params = self._hvd_groups[group]
+        wires, ctxs = zip(*(self._hvd_wire(p) for p in params))
+        pre, post = self._hvd_scale
+        handle = _c.grouped_allreduce_async(
+            list(wires), f"grouped.{self._hvd_names[id(params[0])]}", self._hvd_op, pre, post, inplace=True,
+            process_set=self._hvd_process_set,
+        )
+        for i, (p, wire, ctx) in enumerate(zip(params, wires, ctxs)):
+            self._hvd_handles[id(p)] = (wire, handle, ctx, i)
+        self._hvd_group_ready[group] = 0
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (submitting any a hook did not) and write results to ``.grad``."""
         for p in self._hvd_params:
             if id(p) not in self._hvd_handles:
-                self._hvd_handles[id(p)] = self._hvd_submit(p)
+                group = self._hvd_group_of.get(id(p))
+                if group is None:
+                    self._hvd_submit(p)
+                else:  # the whole group, as on a rank where every hook of it fired (unused ones reduce zeros)
+                    self._hvd_submit_group(group)
         by_id = {id(p): p for p in self._hvd_params}
+        grouped: dict[int, list[torch.Tensor]] = {}  # id(handle) -> a group's results
         try:
-            for key, (wire, handle, ctx) in self._hvd_handles.items():
-                reduced = _c.synchronize(handle)
+            for key, (wire, handle, ctx, index) in self._hvd_handles.items():
+                if index is None:
+                    reduced = _c.synchronize(handle)
+                else:
+                    results = grouped.get(id(handle))
+                    if results is None:
+                        results = grouped[id(handle)] = _c.synchronize(handle)
+                    reduced = results[index]
                 grad = by_id[key].grad
                 if reduced is not grad:
                     grad.copy_(self._hvd_compression.decompress(reduced, ctx))
         finally:
-            self._hvd_handles.clear()
-            for p in self._hvd_params:
-                self._hvd_delay[id(p)] = self._hvd_passes
+            self._hvd_reset_step()
         self._hvd_synchronized = True
 
-    def _hvd_discard_in_flight(self) -> None:
-        """Forget gradient reductions of a ring that broke (an elastic restore rolls the step back)."""
+    def _hvd_reset_step(self) -> None:
         self._hvd_handles.clear()
         for p in self._hvd_params:
             self._hvd_delay[id(p)] = self._hvd_passes
+        self._hvd_group_ready = [0] * len(self._hvd_groups)
+
+    def _hvd_discard_in_flight(self) -> None:
+        """Forget gradient reductions of a ring that broke (an elastic restore rolls the step back)."""
+        self._hvd_reset_step()
         self._hvd_synchronized = False
 
     @contextlib.contextmanager
@@ -162,6 +202,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     backward_passes_per_step: int = 1,
     op: _c.ReduceOp = _c.Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
@@ -170,6 +212,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     The optimizer object itself is turned into its distributed form and returned, so schedulers and
     references made before wrapping keep working. With ``process_set``, gradients are reduced among
     that set's ranks only (every rank of the set must wrap its optimizer with the same set).
+
+    ``groups`` (Horovod's): an int ``k`` splits the parameters, in the optimizer's order, into ``k``
+    groups of consecutive parameters; a list of lists of parameters groups those (the rest go one by
+    one). A group's gradients are submitted as one ``grouped_allreduce`` once all of them are ready: one
+    call instead of one per gradient. ``num_groups`` is Horovod's older spelling of an int ``groups``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -188,6 +235,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    if num_groups and groups is not None:
+        raise ValueError("pass either groups= or the older num_groups=, not both")
     if process_set is not global_process_set:
         resolve(process_set, "DistributedOptimizer")  # registered, and this rank a member
     base = type(optimizer)
@@ -198,13 +249,47 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     try:
         optimizer._hvd_setup(
             named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
-            sparse_as_dense, process_set,
+            sparse_as_dense, process_set, groups if groups is not None else num_groups,
         )
     except BaseException:
         optimizer.__class__ = base  # a rejected named_parameters leaves the optimizer as it was
         raise
     _repatch_scheduler_step(optimizer, cls)
     return optimizer
+
+
+def _parameter_groups(groups: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """``groups`` (an int, or lists of parameters) as tuples of the optimizer's trainable ``params``."""
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise TypeError(f"groups must be an int or a list of lists of parameters, got {type(groups).__name__}")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups must be >= 0, got {groups}")
+        if groups == 0 or not params:
+            return []
+        count = min(groups, len(params))
+        size, extra = divmod(len(params), count)  # consecutive runs, the first ``extra`` one longer
+        bounds = [0]
+        for i in range(count):
+            bounds.append(bounds[-1] + size + (1 if i < extra else 0))
+        return [tuple(params[a:b]) for a, b in zip(bounds, bounds[1:])]
+    trainable = {id(p) for p in params}
+    seen: set[int] = set()
+    result = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)) or not group:
+            raise ValueError(f"groups[{i}] must be a non-empty list of parameters, got {group!r}")
+        for j, p in enumerate(group):
+            if not isinstance(p, torch.Tensor) or id(p) not in trainable:
+                raise ValueError(
+                    f"groups[{i}][{j}] is not a trainable parameter of the optimizer (pass the same "
+                    "torch.nn.Parameter objects the optimizer holds)"
+                )
+            if id(p) in seen:
+                raise ValueError(f"groups[{i}][{j}] is already in an earlier group; a parameter belongs to one group")
+            seen.add(id(p))
+        result.append(tuple(group))
+    return result
 
 
 def _repatch_scheduler_step(optimizer: torch.optim.Optimizer, cls: type) -> None:

@@ -207,7 +207,12 @@ def _ieee_allreduce(dtype_name: str) -> dict[str, torch.Tensor]:
 
     mine = _ieee_tensors(dtype_name)[hvd.rank()]
     ops = {"sum": hvd.Sum, "product": hvd.Product, "min": hvd.Min, "max": hvd.Max, "average": hvd.Average}
-    return {k: hvd.allreduce(mine, name=f"ieee.{dtype_name}.{k}", op=op) for k, op in ops.items()}
+    out = {k: hvd.allreduce(mine, name=f"ieee.{dtype_name}.{k}", op=op) for k, op in ops.items()}
+    # grouped: a NaN mask rides beside each floating-point tensor, none beside the integer one
+    ints = torch.tensor([hvd.rank(), 5 - hvd.rank()])
+    for k in ("min", "max"):
+        out[f"grouped_{k}"] = hvd.grouped_allreduce([mine, ints, mine * 2], name=f"ieee.{dtype_name}.g{k}", op=ops[k])
+    return out
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64", "float16", "bfloat16"])
@@ -220,7 +225,16 @@ def test_non_finite_values_reduce_as_ieee_says(job, dtype_name):
         "max": torch.maximum(a, b),
         "average": (a + b) / 2,
     }
+    grouped = {"grouped_min": [expected["min"], torch.tensor([0, 4]), torch.minimum(2 * a, 2 * b)],
+               "grouped_max": [expected["max"], torch.tensor([1, 5]), torch.maximum(2 * a, 2 * b)]}
     for rank, got in enumerate(job.run(_ieee_allreduce, args=[dtype_name])):
+        for key, wants in grouped.items():
+            assert len(got[key]) == 3, (rank, key, got[key])
+            assert torch.equal(got[key][1], wants[1]), (rank, key, got[key])
+            for part in (0, 2):
+                want, result = wants[part], got[key][part]
+                assert torch.equal(result.isnan(), want.isnan()), (rank, key, part, result, want)
+                assert torch.equal(result[~want.isnan()], want[~want.isnan()]), (rank, key, part, result, want)
         for op, want in expected.items():
             assert torch.equal(got[op].isnan(), want.isnan()), (rank, op, got[op], want)
             finite = ~want.isnan()

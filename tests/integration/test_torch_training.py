@@ -94,6 +94,11 @@ CASES = {
     "fp16": {"fp16": True},
     "unused_and_partial": {"extras": True},
     "synchronize_clip_skip": {"clip": True},
+    # gradients in groups, each group one grouped_allreduce (Horovod's groups= and num_groups=)
+    "groups_int": {"groups": 3},
+    "groups_lists_passes_2": {"groups": [["fc1.weight", "fc2.bias"], ["fc2.weight"]], "passes": 2},
+    "num_groups_unused_and_partial": {"num_groups": 2, "extras": True},
+    "groups_fp16_sum": {"groups": 2, "fp16": True, "op": "sum"},
 }
 
 
@@ -104,14 +109,28 @@ def _train_distributed(xs: torch.Tensor, ys: torch.Tensor, cases: dict) -> dict:
     import torch
 
     import hvdray.torch as hvd
+    from hvdray.collective import ops as collective_ops
 
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
+    group_calls: list[int] = []  # the size of every grouped_allreduce the optimizer submits
+    grouped = collective_ops.grouped_allreduce_async
+
+    def counted(tensors, *args, **kwargs):
+        group_calls.append(len(tensors))
+        return grouped(tensors, *args, **kwargs)
+
+    collective_ops.grouped_allreduce_async = counted
     results = {}
     for name, case in cases.items():
         dtype = torch.float32 if case.get("fp16") else torch.float64
         model = _build_model(dtype, case.get("extras", False))
+        groups = case.get("groups")
+        if isinstance(groups, list):  # parameter names -> the model's parameters
+            by_name = dict(model.named_parameters())
+            groups = [[by_name[n] for n in group] for group in groups]
+        group_calls.clear()
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
             named_parameters=model.named_parameters() if case.get("named", True) else None,
@@ -119,6 +138,8 @@ def _train_distributed(xs: torch.Tensor, ys: torch.Tensor, cases: dict) -> dict:
             backward_passes_per_step=case.get("passes", 1),
             op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
             gradient_predivide_factor=case.get("predivide", 1.0),
+            num_groups=case.get("num_groups", 0),
+            groups=groups,
         )
         passes = case.get("passes", 1)
         with warnings.catch_warnings(record=True) as caught:
@@ -141,7 +162,9 @@ def _train_distributed(xs: torch.Tensor, ys: torch.Tensor, cases: dict) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
             "warnings": [str(w.message) for w in caught],
+            "group_calls": list(group_calls),
         }
+    collective_ops.grouped_allreduce_async = grouped
     return results
 
 
@@ -429,6 +452,16 @@ def _misuse() -> dict:
         lambda: hvd.DistributedOptimizer(sgd(), op=hvd.Sum, gradient_predivide_factor=2.0)
     )
     bad["bad_compression"] = raised(lambda: hvd.DistributedOptimizer(sgd(), compression="fp16"))
+    params = list(model.parameters())
+    bad["groups_negative"] = raised(lambda: hvd.DistributedOptimizer(sgd(), groups=-1))
+    bad["groups_type"] = raised(lambda: hvd.DistributedOptimizer(sgd(), groups="2"))
+    bad["groups_empty"] = raised(lambda: hvd.DistributedOptimizer(sgd(), groups=[params[:1], []]))
+    bad["groups_foreign"] = raised(
+        lambda: hvd.DistributedOptimizer(sgd(), groups=[[params[0], torch.nn.Parameter(torch.ones(2))]])
+    )
+    bad["groups_twice"] = raised(lambda: hvd.DistributedOptimizer(sgd(), groups=[params[:2], params[1:3]]))
+    bad["num_groups_and_groups"] = raised(lambda: hvd.DistributedOptimizer(sgd(), num_groups=2, groups=2))
+    bad["num_groups_negative"] = raised(lambda: hvd.DistributedOptimizer(sgd(), num_groups=-1))
 
     # a failed wrap leaves the optimizer as it was: still a plain SGD that steps and can be wrapped
     plain = sgd()
@@ -586,6 +619,13 @@ def test_distributed_optimizer_misuse_fails_loudly(executor_of_size):
         "predivide_0": ("ValueError", "gradient_predivide_factor"),
         "predivide_with_sum": ("ValueError", "gradient_predivide_factor"),
         "bad_compression": ("TypeError", "compression"),
+        "groups_negative": ("ValueError", "groups"),
+        "groups_type": ("TypeError", "groups"),
+        "groups_empty": ("ValueError", "groups[1]"),
+        "groups_foreign": ("ValueError", "groups[0][1]"),
+        "groups_twice": ("ValueError", "groups[1][0]"),
+        "num_groups_and_groups": ("ValueError", "num_groups"),
+        "num_groups_negative": ("ValueError", "num_groups"),
     }
     for key, (kind, text) in expected.items():
         assert bad[key].startswith(kind + ":") and text in bad[key], f"{key}: {bad[key]}"
@@ -643,6 +683,18 @@ def test_distributed_optimizer_matches_single_process_training(executor_of_size,
         if case.get("extras"):
             assert torch.equal(res[0][name]["grads"]["unused"], torch.zeros(3, dtype=torch.float64))
             assert not torch.equal(res[0][name]["params"]["partial"], _build_model(torch.float64, True).partial)
+        # groups: every step submitted each group once, as one grouped_allreduce of all its gradients
+        trainable = 6 if case.get("extras") else 4
+        groups = case.get("groups", case.get("num_groups"))
+        if groups is None:
+            want = []
+        elif isinstance(groups, int):
+            want = [trainable // groups + (1 if i < trainable % groups else 0) for i in range(groups)] * STEPS
+        else:
+            want = [len(g) for g in groups] * STEPS
+        for rank in range(size):
+            got_calls = res[rank][name]["group_calls"]  # in the order the groups completed
+            assert sorted(got_calls) == sorted(want), f"{name} rank {rank}: {got_calls}"
         # the training really moved the parameters (the comparison is not vacuous)
         start = _build_model(torch.float64, case.get("extras", False))
         assert not torch.allclose(ref["params"]["fc1.weight"].double(), start.fc1.weight.detach(), atol=1e-3)
