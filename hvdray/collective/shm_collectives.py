@@ -51,7 +51,8 @@ _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
 _LAYOUT_CACHE_SIZE = 16
 
-_REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
+#: the elementwise torch op of each reduction (also the Gloo path's gather-then-reduce in communicator.py)
+REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add,
     ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MIN: torch.minimum,
@@ -149,7 +150,7 @@ class NodeCollectives:
     def allreduce(self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None) -> None:
         """Reduce the contiguous 1-D ``flat`` in place across the local ranks (and ``cross``, if given,
         across nodes: it is called on this rank's reduced part of every piece)."""
-        reducer = _REDUCERS.get(op)
+        reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
         if cross is None and flat.numel() * flat.element_size() <= min(SMALL_ALLREDUCE_BYTES, self.slot_bytes):
@@ -215,7 +216,7 @@ class NodeCollectives:
         is copied out, after ``cross``: one flat call instead of one per output tensor. A caller that knows
         the inputs' ``shapes`` and that the outputs match them in shape and dtype (the engine's cached
         plans, every step with hundreds of tensors) passes them, and the per-tensor checks are skipped."""
-        reducer = _REDUCERS.get(op)
+        reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
         if len(inputs) != len(outputs):

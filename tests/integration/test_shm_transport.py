@@ -94,6 +94,56 @@ def test_shm_transport_off_uses_gloo(make_executor):
     assert ex.run(run) == [("gloo", 3.0, [])] * 2
 
 
+GLOO_DTYPES = ["float32", "float64", "float16", "bfloat16", "uint8", "int8", "int32", "int64", "bool"]
+
+
+def _gloo_inputs(rank: int, dtype: str, numel: int):
+    import torch
+
+    values = (torch.arange(numel) % 3 + rank) % (2 if dtype == "bool" else 1 << 30)
+    return values.to(getattr(torch, dtype))
+
+
+def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor):
+    """Over Gloo (jobs across nodes, shm_transport=False), messages whose every-rank copies fit
+    GATHER_REDUCE_BYTES are an allgather plus a reduction in rank order, larger ones Gloo's allreduce:
+    both sides of the threshold, every dtype and op, against torch on the driver."""
+    import torch
+
+    from hvdray.collective.communicator import GATHER_REDUCE_BYTES
+
+    n = 3
+    ex = make_executor(settings=_settings(shm_transport=False), num_workers=n, cpus_per_worker=0.5)
+    ops = ["sum", "min", "max", "product"]
+    cases = []
+    for dtype in GLOO_DTYPES:
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        for numel in (5, GATHER_REDUCE_BYTES // (n * itemsize) + 1):
+            for op in ops if dtype != "bool" else ["sum", "min", "max"]:
+                cases.append((dtype, numel, op))
+
+    def run(cases):
+        import torch
+
+        hvd = checks.init()
+        out = []
+        for dtype, numel, op in cases:
+            x = _gloo_inputs(hvd.rank(), dtype, numel)
+            name = f"gloo.{dtype}.{numel}.{op}"
+            out.append(hvd.allreduce(x, name=name, op={"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max,
+                                                        "product": hvd.Product}[op]))
+        return checks.transport(), out
+
+    reducers = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
+    for transport, results in ex.run(run, args=[cases]):
+        assert transport == "gloo"
+        for (dtype, numel, op), got in zip(cases, results):
+            want = _gloo_inputs(0, dtype, numel)
+            for rank in range(1, n):
+                want = reducers[op](want, _gloo_inputs(rank, dtype, numel))
+            assert got.dtype == want.dtype and torch.equal(got, want), (dtype, numel, op, got[:5], want[:5])
+
+
 def test_nothing_left_in_dev_shm_after_shutdown_and_after_a_killed_worker(make_executor):
     ex = make_executor(settings=_settings(), num_workers=3, cpus_per_worker=0.5)
 
