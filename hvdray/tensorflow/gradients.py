@@ -9,13 +9,16 @@ import tensorflow as tf
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
+from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, resolve_groups
 from hvdray.tensorflow import ops as _ops
 
 
 class GradientReducer:
     """Reduces a list of gradients: dense ones in one grouped allreduce (fused by the engine, one
-    ``py_function`` in a graph), ``tf.IndexedSlices`` by allgather (or densified with
-    ``sparse_as_dense``); ``None`` stays ``None``. Names are stable, so every step negotiates the same tensors."""
+    ``py_function`` in a graph), or one per group with Horovod's ``groups`` (see gradient_groups.py;
+    listed variables' gradients per group, the others in one more), ``tf.IndexedSlices`` by allgather
+    (or densified with ``sparse_as_dense``); ``None`` stays ``None``. Names are stable, so every step
+    negotiates the same tensors."""
 
     def __init__(
         self,
@@ -27,6 +30,7 @@ class GradientReducer:
         process_set: Any = None,
         device_dense: Any = "",
         device_sparse: Any = "",
+        groups: GroupSpec = 0,
     ) -> None:
         self.process_set = _ops.check_common(compression, process_set, device_dense, device_sparse)
         op = _c.resolve_op(op)
@@ -46,22 +50,26 @@ class GradientReducer:
         self.op = op
         factor = float(gradient_predivide_factor)
         self.prescale, self.postscale = (1.0 / factor, factor) if op == _c.Average else (1.0, 1.0)
+        self.groups = groups
 
-    def __call__(self, grads: Sequence[Any]) -> list[Any]:
+    def __call__(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> list[Any]:
+        """``grads`` reduced across ranks; ``variables`` (in the same order) place them in their groups."""
         grads = list(grads)
+        if variables is not None and len(variables) != len(grads):
+            raise ValueError(f"{len(grads)} gradients but {len(variables)} variables")
         if self.process_set.size() == 1:
             return grads
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         out = list(grads)
         dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
-        if dense:
+        for name, members in self._dense_groups(dense, variables):
             reduced = _ops.grouped_allreduce(
-                [grads[i] for i in dense], compression=self.compression, op=self.op,
-                prescale_factor=self.prescale, postscale_factor=self.postscale, name=self.name,
+                [grads[i] for i in members], compression=self.compression, op=self.op,
+                prescale_factor=self.prescale, postscale_factor=self.postscale, name=name,
                 process_set=self.process_set,
             )
-            for i, value in zip(dense, reduced):
+            for i, value in zip(members, reduced):
                 out[i] = value
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
@@ -70,6 +78,31 @@ class GradientReducer:
                     name=f"{self.name}.sparse.{i}", process_set=self.process_set,
                 )
         return out
+
+
+    def _dense_groups(self, dense: list[int], variables: Optional[Sequence[Any]]) -> list[tuple[str, list[int]]]:
+        """(allreduce name, gradient indices) of each group of the ``dense`` gradients, empty ones left out."""
+        if isinstance(self.groups, int):
+            if not self.groups:
+                return [(self.name, dense)] if dense else []
+            return [(f"{self.name}.group{g}", dense[a:b]) for g, (a, b) in enumerate(consecutive_runs(len(dense), self.groups))]
+        if variables is None:
+            raise ValueError("groups= lists variables, but the gradients came without their variables")
+        position = {id(v): i for i, v in enumerate(variables)}
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(self.groups):
+            for j, v in enumerate(group):
+                if id(v) not in position:
+                    raise ValueError(f"groups[{g}][{j}] is not one of the variables whose gradients are reduced")
+                if position[id(v)] in group_of:
+                    raise ValueError(f"groups[{g}][{j}] is already in an earlier group; a variable belongs to one group")
+                group_of[position[id(v)]] = g
+        members: list[list[int]] = [[] for _ in self.groups]
+        rest = []
+        for i in dense:
+            (members[group_of[i]] if i in group_of else rest).append(i)
+        named = [(f"{self.name}.group{g}", m) for g, m in enumerate(members) if m]
+        return named + ([(self.name, rest)] if rest else [])
 
 
 class _DistributedTape:
@@ -86,7 +119,7 @@ class _DistributedTape:
     ) -> Any:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)  # type: ignore[misc]
         flat = tf.nest.flatten(grads)  # None and IndexedSlices are leaves
-        return tf.nest.pack_sequence_as(grads, self._hvd_reduce(flat))
+        return tf.nest.pack_sequence_as(grads, self._hvd_reduce(flat, tf.nest.flatten(sources)))
 
 
 _tape_classes: dict[type, type] = {}
@@ -100,13 +133,15 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's public name
     sparse_as_dense: bool = False,
     op: Any = _c.Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
     process_set: Any = None,
     name: Optional[str] = None,
 ) -> tf.GradientTape:
     """Make ``gradtape.gradient(...)`` average (or sum) the gradients across ranks.
 
     The tape itself is turned into its distributed form and returned, so it may be wrapped inside
-    or after its ``with`` block.
+    or after its ``with`` block. ``groups`` / ``num_groups``: see gradient_groups.py.
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
@@ -114,7 +149,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's public name
         raise ValueError("gradtape is already a DistributedGradientTape")
     reducer = GradientReducer(
         name or "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
-        process_set, device_dense, device_sparse,
+        process_set, device_dense, device_sparse, resolve_groups(groups, num_groups),
     )
     base = type(gradtape)
     cls = _tape_classes.get(base)

@@ -16,6 +16,7 @@ import torch
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
+from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, resolve_groups
 from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 
 
@@ -31,7 +32,7 @@ class _DistributedMixin:
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
         process_set: Any,
-        groups: Any,
+        groups: GroupSpec,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
@@ -235,10 +236,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
-    if num_groups and groups is not None:
-        raise ValueError("pass either groups= or the older num_groups=, not both")
+    group_spec = resolve_groups(groups, num_groups)
     if process_set is not global_process_set:
         resolve(process_set, "DistributedOptimizer")  # registered, and this rank a member
     base = type(optimizer)
@@ -249,7 +247,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     try:
         optimizer._hvd_setup(
             named_parameters, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
-            sparse_as_dense, process_set, groups if groups is not None else num_groups,
+            sparse_as_dense, process_set, group_spec,
         )
     except BaseException:
         optimizer.__class__ = base  # a rejected named_parameters leaves the optimizer as it was
@@ -258,27 +256,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     return optimizer
 
 
-def _parameter_groups(groups: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """``groups`` (an int, or lists of parameters) as tuples of the optimizer's trainable ``params``."""
-    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
-        raise TypeError(f"groups must be an int or a list of lists of parameters, got {type(groups).__name__}")
+def _parameter_groups(groups: GroupSpec, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """The resolved ``groups`` (see gradient_groups.py) as tuples of the optimizer's trainable ``params``."""
     if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError(f"groups must be >= 0, got {groups}")
-        if groups == 0 or not params:
-            return []
-        count = min(groups, len(params))
-        size, extra = divmod(len(params), count)  # consecutive runs, the first ``extra`` one longer
-        bounds = [0]
-        for i in range(count):
-            bounds.append(bounds[-1] + size + (1 if i < extra else 0))
-        return [tuple(params[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [tuple(params[a:b]) for a, b in consecutive_runs(len(params), groups)]
     trainable = {id(p) for p in params}
     seen: set[int] = set()
-    result = []
     for i, group in enumerate(groups):
-        if not isinstance(group, (list, tuple)) or not group:
-            raise ValueError(f"groups[{i}] must be a non-empty list of parameters, got {group!r}")
         for j, p in enumerate(group):
             if not isinstance(p, torch.Tensor) or id(p) not in trainable:
                 raise ValueError(
@@ -288,8 +272,7 @@ def _parameter_groups(groups: Any, params: list[torch.Tensor]) -> list[tuple[tor
             if id(p) in seen:
                 raise ValueError(f"groups[{i}][{j}] is already in an earlier group; a parameter belongs to one group")
             seen.add(id(p))
-        result.append(tuple(group))
-    return result
+    return [tuple(group) for group in groups]
 
 
 def _repatch_scheduler_step(optimizer: torch.optim.Optimizer, cls: type) -> None:

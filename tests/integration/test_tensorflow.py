@@ -502,6 +502,33 @@ def _tapes() -> dict:
         return dense(grads), kinds(grads)
 
     out["average"] = distributed()
+    # Horovod's groups: count the grouped allreduces (tensors per call) each form makes
+    from hvdray.tensorflow import ops as tf_ops
+
+    grouped, calls = tf_ops.grouped_allreduce, []
+
+    def counted(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        return grouped(tensors, *args, **kwargs)
+
+    tf_ops.grouped_allreduce = counted
+    for key, kwargs in (("groups_int", {"groups": 2}), ("num_groups", {"num_groups": 1}),
+                        ("groups_lists", {"groups": [[emb]]})):
+        calls.clear()
+        reduced, reduced_kinds = distributed(sparse_as_dense=True, **kwargs)
+        out[key] = (reduced, reduced_kinds, list(calls))
+    tf_ops.grouped_allreduce = grouped
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), name="grouped", groups=[[w]])
+    before = w.numpy()
+    with tf.GradientTape() as tape:
+        value = loss()
+    opt.apply_gradients(zip(tape.gradient(value, [w]), [w]))
+    out["apply_step_groups"] = (before - w.numpy()) / 0.5
+    w.assign(before)  # the checks below take gradients at the starting point
+    with tf.GradientTape() as tape:
+        value = loss()
+    out["groups_foreign"] = _error(lambda: hvd_tf.DistributedGradientTape(tape, groups=[[tf.Variable(1.0)]]).gradient(
+        value, variables))
     out["sum"] = distributed(op=hvd_tf.Sum)
     out["dense"] = distributed(sparse_as_dense=True)
     out["predivide"] = distributed(gradient_predivide_factor=4.0)
@@ -549,6 +576,9 @@ def _tapes() -> dict:
             lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum, gradient_predivide_factor=2.0)
         ),
         "tape_twice": _error(lambda: hvd_tf.DistributedGradientTape(hvd_tf.DistributedGradientTape(tf.GradientTape()))),
+        "groups_negative": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), groups=-1)),
+        "groups_empty": _error(lambda: hvd_tf.DistributedGradientTape(tf.GradientTape(), groups=[[w], []])),
+        "groups_and_num_groups": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2, groups=2)),
         "root_type": _error(lambda: hvd.callbacks.BroadcastGlobalVariablesCallback("0")),
         "warmup_epochs": _error(lambda: hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0)),
         "initial_lr": _error(lambda: hvd.callbacks.LearningRateScheduleCallback(None, 0.5)),
@@ -580,6 +610,15 @@ def test_distributed_gradient_tape_averages_every_ranks_gradients(ex):
         np.testing.assert_allclose(o["graph"]["w"], mean[0], rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(o["graph"]["emb"], mean[1], rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(o["apply_step"], mean[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(o["apply_step_groups"], mean[0], rtol=1e-12, atol=1e-12)
+        # groups: the same averages, in one grouped allreduce per group (w and emb dense; unused has none)
+        for key, want_calls in (("groups_int", [1, 1]), ("num_groups", [2]), ("groups_lists", [1, 1])):
+            grads, kinds, calls = o[key]
+            assert calls == want_calls, (key, calls)
+            assert grads[2] is None and kinds[1] != "IndexedSlices", key
+            for i in range(2):
+                np.testing.assert_allclose(grads[i], mean[i], rtol=1e-12, atol=1e-12, err_msg=f"rank {r} {key} {i}")
+        assert o["groups_foreign"].startswith("ValueError:") and "groups[0][0]" in o["groups_foreign"]
         errors = o["errors"]
         for key, (kind, text) in {
             "not_optimizer": ("TypeError", "optimizer"),
@@ -588,6 +627,9 @@ def test_distributed_gradient_tape_averages_every_ranks_gradients(ex):
             "op": ("ValueError", "op="),
             "predivide_sum": ("ValueError", "gradient_predivide_factor"),
             "tape_twice": ("ValueError", "already"),
+            "groups_negative": ("ValueError", "groups"),
+            "groups_empty": ("ValueError", "groups[1]"),
+            "groups_and_num_groups": ("ValueError", "num_groups"),
             "root_type": ("TypeError", "root_rank"),
             "warmup_epochs": ("ValueError", "warmup_epochs"),
             "initial_lr": ("ValueError", "initial_lr"),

@@ -13,6 +13,7 @@ import keras
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
+from hvdray.collective.gradient_groups import resolve_groups
 from hvdray.tensorflow.gradients import GradientReducer
 from hvdray.tensorflow.ops import check_common
 
@@ -25,7 +26,12 @@ class _DistributedOptimizer:
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if self._hvd_reduce is None:  # deserialized by plain keras.models.load_model(custom_objects=...)
             self._hvd_reduce = GradientReducer(f"{type(self).__name__}.grads")
-        return super().apply(self._hvd_reduce(list(grads)), trainable_variables)  # type: ignore[misc]
+        grads = list(grads)
+        variables = trainable_variables if trainable_variables is not None else getattr(self, "_trainable_variables", None)
+        if variables is not None and len(variables) != len(grads):
+            variables = None  # a Keras path that pairs them itself: groups of variables then cannot apply
+        reduced = self._hvd_reduce(grads, None if variables is None else list(variables))
+        return super().apply(reduced, trainable_variables)  # type: ignore[misc]
 
 
 _classes: dict[type, type] = {}
@@ -50,13 +56,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     op: Any = _c.Average,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
     process_set: Any = None,
 ) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer average (or sum) gradients across ranks, so that ``model.fit`` trains
     one model on the union of every rank's batches.
 
     The optimizer object itself is made distributed and returned (its variables and any references to
-    it stay valid). ``name`` prefixes the names of the gradient allreduces.
+    it stay valid). ``name`` prefixes the names of the gradient allreduces. ``groups`` / ``num_groups``:
+    Horovod's (an int, or lists of the model's variables; see hvdray/collective/gradient_groups.py).
     """
     if keras.backend.backend() != "tensorflow":
         raise ValueError(
@@ -91,7 +100,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     base = type(optimizer)
     reducer = GradientReducer(
         f"{name or 'Distributed' + base.__name__}.grads", compression, sparse_as_dense, op,
-        gradient_predivide_factor, process_set, device_dense, device_sparse,
+        gradient_predivide_factor, process_set, device_dense, device_sparse, resolve_groups(groups, num_groups),
     )
     optimizer.__class__ = distributed_class(base)
     optimizer._hvd_reduce = reducer
