@@ -77,7 +77,6 @@ class Communicator:
         self._pg = ProcessGroupGloo(store, rank, size, options)
         self._node: Optional[NodeCollectives] = None
         self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
-        self._cross_size = 0
         self.plan = TransportPlan(False, False, "no rank placement given")
         if rank_info is not None and transport is not None and size > 1:
             self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
@@ -134,7 +133,6 @@ class Communicator:
                             dist.PrefixStore(f"hvdray-cross/{info.local_rank}/", store),
                             layout.node_of(self.rank), layout.num_nodes, options,
                         )
-                        self._cross_size = layout.num_nodes
                     self._node, node = node, None
                 else:
                     plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
@@ -201,7 +199,7 @@ class Communicator:
             cross = self._cross_allreduce(op) if self._cross is not None else None
             _on_contiguous(tensor, lambda flat: self._node.allreduce(flat, op, cross))
             return
-        _gloo_allreduce(self._pg, self.size, tensor, op)
+        _gloo_allreduce(self._pg, tensor, op)
 
     @property
     def fused_message_bytes(self) -> int:
@@ -221,8 +219,8 @@ class Communicator:
         self._node.allreduce_tensors(inputs, outputs, op, cross, finish, shapes)
 
     def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
-        cross, nodes = self._cross, self._cross_size
-        return lambda part: _gloo_allreduce(cross, nodes, part, op)
+        cross = self._cross
+        return lambda part: _gloo_allreduce(cross, part, op)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Equal-shaped allgather; returns one tensor per rank."""
@@ -261,10 +259,10 @@ class Communicator:
         self._pg._reduce_scatter_base(output, tensor, opts).wait()
 
 
-def _gloo_allreduce(pg: ProcessGroupGloo, size: int, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
-    """Allreduce ``tensor`` in place over ``pg`` (``size`` ranks): small messages as an allgather and a
-    reduction in rank order (see :data:`GATHER_REDUCE_BYTES`), others with Gloo's allreduce."""
-    reducer = REDUCERS.get(op)
+def _gloo_allreduce(pg: ProcessGroupGloo, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+    """Allreduce ``tensor`` in place over ``pg``: small messages as an allgather and a reduction in rank
+    order (see :data:`GATHER_REDUCE_BYTES`), others with Gloo's allreduce."""
+    reducer, size = REDUCERS.get(op), pg.size()
     if reducer is not None and size > 1 and tensor.numel() * tensor.element_size() * size <= GATHER_REDUCE_BYTES:
         if tensor.numel():
             _on_contiguous(tensor, lambda flat: _gather_reduce(pg, size, flat, reducer))

@@ -8,7 +8,7 @@ frameworks (``hvdray.torch``, ``hvdray.tensorflow``) check that listed variables
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 GroupSpec = Union[int, list[list[Any]]]
 
@@ -32,6 +32,23 @@ def resolve_groups(groups: Any, num_groups: Any) -> GroupSpec:
         if not isinstance(group, (list, tuple)) or not group:
             raise ValueError(f"groups[{i}] must be a non-empty list of variables, got {group!r}")
     return [list(group) for group in groups]
+
+
+def group_of_positions(groups: list[list[Any]], items: Sequence[Any], what: str) -> dict[int, int]:
+    """For lists of ``groups``: position in ``items`` -> index of the group holding that item (matched by
+    identity). A listed object that is not among ``items`` (``what`` says what those are), or one listed
+    twice, is a ValueError naming ``groups[i][j]``."""
+    position = {id(item): i for i, item in enumerate(items)}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for j, item in enumerate(group):
+            at = position.get(id(item))
+            if at is None:
+                raise ValueError(f"groups[{g}][{j}] is not {what}")
+            if at in group_of:
+                raise ValueError(f"groups[{g}][{j}] is already in an earlier group; each belongs to one group")
+            group_of[at] = g
+    return group_of
 
 
 def consecutive_runs(count: int, k: int) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
-from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, resolve_groups
+from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
 from hvdray.tensorflow import ops as _ops
 
 
@@ -88,15 +88,7 @@ class GradientReducer:
             return [(f"{self.name}.group{g}", dense[a:b]) for g, (a, b) in enumerate(consecutive_runs(len(dense), self.groups))]
         if variables is None:
             raise ValueError("groups= lists variables, but the gradients came without their variables")
-        position = {id(v): i for i, v in enumerate(variables)}
-        group_of: dict[int, int] = {}
-        for g, group in enumerate(self.groups):
-            for j, v in enumerate(group):
-                if id(v) not in position:
-                    raise ValueError(f"groups[{g}][{j}] is not one of the variables whose gradients are reduced")
-                if position[id(v)] in group_of:
-                    raise ValueError(f"groups[{g}][{j}] is already in an earlier group; a variable belongs to one group")
-                group_of[position[id(v)]] = g
+        group_of = group_of_positions(self.groups, variables, "one of the variables whose gradients are reduced")
         members: list[list[int]] = [[] for _ in self.groups]
         rest = []
         for i in dense:

@@ -16,7 +16,7 @@ import torch
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
-from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, resolve_groups
+from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
 from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 
 
@@ -260,18 +260,10 @@ def _parameter_groups(groups: GroupSpec, params: list[torch.Tensor]) -> list[tup
     """The resolved ``groups`` (see gradient_groups.py) as tuples of the optimizer's trainable ``params``."""
     if isinstance(groups, int):
         return [tuple(params[a:b]) for a, b in consecutive_runs(len(params), groups)]
-    trainable = {id(p) for p in params}
-    seen: set[int] = set()
-    for i, group in enumerate(groups):
-        for j, p in enumerate(group):
-            if not isinstance(p, torch.Tensor) or id(p) not in trainable:
-                raise ValueError(
-                    f"groups[{i}][{j}] is not a trainable parameter of the optimizer (pass the same "
-                    "torch.nn.Parameter objects the optimizer holds)"
-                )
-            if id(p) in seen:
-                raise ValueError(f"groups[{i}][{j}] is already in an earlier group; a parameter belongs to one group")
-            seen.add(id(p))
+    group_of_positions(  # every listed parameter is the optimizer's, and in one group only
+        groups, params, "a trainable parameter of the optimizer (pass the same torch.nn.Parameter objects the "
+        "optimizer holds)",
+    )
     return [tuple(group) for group in groups]
 
 

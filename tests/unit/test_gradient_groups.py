@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdray.collective.gradient_groups import consecutive_runs, resolve_groups
+from hvdray.collective.gradient_groups import consecutive_runs, group_of_positions, resolve_groups
 
 
 @pytest.mark.parametrize("count,k", [(1, 1), (4, 3), (6, 2), (7, 3), (3, 5), (10, 10), (0, 2), (5, 0)])
@@ -34,3 +34,12 @@ def test_resolve_groups_merges_the_two_spellings_and_names_what_is_wrong():
     ]:
         with pytest.raises(kind, match=text.replace("[", r"\[").replace("]", r"\]")):
             resolve_groups(groups, num_groups)
+
+
+def test_group_of_positions_maps_listed_items_and_names_strangers_and_repeats():
+    a, b, c = object(), object(), object()
+    assert group_of_positions([[c], [a]], [a, b, c], "ours") == {2: 0, 0: 1}
+    with pytest.raises(ValueError, match=r"groups\[1\]\[0\] is not ours"):
+        group_of_positions([[a], [object()]], [a, b], "ours")
+    with pytest.raises(ValueError, match=r"groups\[1\]\[1\] is already in an earlier group"):
+        group_of_positions([[a, b], [c, a]], [a, b, c], "ours")
