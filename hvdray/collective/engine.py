@@ -13,6 +13,7 @@ import _thread
 import json
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class EngineStats:
     ops: int = 0
     allreduce_calls: int = 0
     fused_tensors: int = 0
+    wakeups: int = 0  # times the engine thread woke up (notified or timed out) while waiting for work
 
 
 class Engine:
@@ -165,6 +167,12 @@ class Engine:
         self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
         self._shutdown_requested = False
         self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
+        # while it sleeps: how many queued requests, or queued bytes, make it worth waking the engine (a
+        # step's remaining tensors, the rest of a fusion buffer), so that a backward pass submitting
+        # hundreds of gradients does not wake the engine thread once per gradient
+        self._wake_count = 1
+        self._wake_bytes = 0
+        self._queued_bytes = 0
         self._error: Optional[BaseException] = None
 
         # replicated state: the same on every rank after each round
@@ -228,12 +236,18 @@ class Engine:
                 seen.add(name)
             submitted = time.perf_counter() if self.timeline is not None else 0.0
             nudge = self._nudge
+            nbytes = self._queued_bytes
             for request in requests:
                 request.submitted = submitted
                 request.handle._on_wait = nudge
                 local[request.name] = request
-            self._queue.extend(requests)
-            if self._sleeping:  # a busy engine looks at the queue before it sleeps again
+                if request.tensor is not None:
+                    nbytes += request.tensor.nbytes
+            self._queued_bytes = nbytes
+            queue = self._queue
+            queue.extend(requests)
+            # a busy engine looks at the queue before it sleeps again
+            if self._sleeping and (len(queue) >= self._wake_count or nbytes >= self._wake_bytes):
                 self._wake.notify()
 
     def _nudge(self, handle: Handle) -> None:
@@ -353,6 +367,7 @@ class Engine:
                 if self._queue:
                     self._sort(self._queue)
                     self._queue = []
+                    self._queued_bytes = 0
                 waited = self._waited  # still in flight: a nudge from before its op finished does not count
                 if self._shutdown_requested or self._join_announce or (
                     waited is not None and self._local.get(waited.name) is waited
@@ -366,15 +381,23 @@ class Engine:
                     if self._outbox or self._unsent_bytes and self._unsent_bytes >= self._fusion_bytes:
                         break
                     limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
+                    # wake for the step's missing tensors or a fusion buffer's worth (a caller that
+                    # blocks on an op ticks at once through the nudge, whatever it submitted)
+                    wake_count = max(1, len(self._expected) - len(self._step_slots & self._expected))
+                    wake_bytes = max(1, self._fusion_bytes - self._unsent_bytes)
                 else:
                     if self._local and not older:
                         break
                     limit = deadline
+                    # with older work in flight the tick waits for the cycle's end whatever arrives
+                    wake_count, wake_bytes = (1, 0) if not older else (_NEVER, _NEVER)
                 if now >= limit:
                     break
+                self._wake_count, self._wake_bytes = wake_count, wake_bytes
                 self._sleeping = True
                 self._wake.wait(limit - now)
                 self._sleeping = False
+                self.stats.wakeups += 1
             self._waited = None
             self._unsent_bytes = 0
             wants_full = bool(self._join_announce or self._shutdown_requested)
@@ -857,6 +880,7 @@ class Engine:
             self._running = []
             self._local.clear()
             self._queue, self._outbox, self._cached_pending = [], [], {}
+            self._queued_bytes = 0
             join, self._join_handle = self._join_handle, None
         for request in pending:
             request.handle._finish(error=error)
@@ -882,6 +906,8 @@ class _Action:
 
 #: distinct sets of ready cached slots whose plans are kept (a training loop needs one or two)
 _MAX_PLANS = 64
+#: a wake-up threshold no submission reaches
+_NEVER = sys.maxsize
 
 
 class _FusionBatch:

@@ -83,6 +83,47 @@ def test_a_step_that_finishes_before_anyone_waits_stays_one_round(engine):
     assert statistics.median(lags) < 0.05, lags
 
 
+def test_a_learned_step_wakes_the_engine_once_not_once_per_gradient(engine):
+    grads = _learn_a_step_of_six()
+    per_step = []
+    for _ in range(5):
+        time.sleep(0.02)  # the previous step's tick is over: the engine sleeps, waiting for this one
+        wakeups, calls = engine.stats.wakeups, engine.stats.allreduce_calls
+        handles = []
+        for i, g in enumerate(grads):  # a backward pass: gradients arrive over time
+            handles.append(hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum))
+            time.sleep(0.003)
+        for h in handles:
+            hvd.synchronize(h)
+        per_step.append((engine.stats.wakeups - wakeups, engine.stats.allreduce_calls - calls))
+    # woken by the step's last gradient (not by each of the six), and one fused reduction
+    assert sorted(per_step)[2] == (1, 1), per_step
+    assert all(calls == 1 and woke <= 2 for woke, calls in per_step), per_step
+
+
+def test_a_fusion_buffers_worth_goes_before_the_step_is_whole(engine):
+    settings = context.settings()
+    hvd.shutdown()
+    previous, settings.fusion_threshold_mb = settings.fusion_threshold_mb, 1000 / (1 << 20)  # 1000 bytes
+    try:
+        hvd.init()
+        grads = _learn_a_step_of_six()  # 400 bytes each: three fusion buffers a step
+        stats = context.engine().stats
+        for _ in range(3):
+            calls = stats.allreduce_calls
+            handles = []
+            for i, g in enumerate(grads[:-1]):
+                handles.append(hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum))
+                time.sleep(0.01)  # 50 ms in all: well inside the engine's 100 ms idle tick
+            # the first buffers went while the rest of the step was still being submitted
+            assert stats.allreduce_calls - calls >= 2
+            handles.append(hvd.allreduce_async_(grads[-1], name="g5", op=hvd.Sum))
+            for h in handles:
+                hvd.synchronize(h)
+    finally:
+        settings.fusion_threshold_mb = previous
+
+
 def test_an_op_outside_the_learned_step_is_not_held_back(engine):
     _learn_a_step_of_six()
     assert len(engine._expected) == 6  # the step was learned
