@@ -216,8 +216,31 @@ class Engine:
 
     # -- submission (any thread) ------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
-        self.submit_many((request,))
+        """Submit one request (:meth:`submit_many` of one, without its group bookkeeping: every gradient
+        of every step comes this way)."""
+        with self._lock:
+            if self._error is not None or self._shutdown_requested:
+                self._raise_if_stopped()
+            local, name = self._local, request.name
+            if name in local:
+                self._refuse_duplicate(local[name])
+            request.handle._on_wait = self._nudge
+            if self.timeline is not None:
+                request.submitted = time.perf_counter()
+            local[name] = request
+            if request.tensor is not None:
+                self._queued_bytes += request.tensor.nbytes
+            queue = self._queue
+            queue.append(request)
+            if self._sleeping and (len(queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes):
+                self._wake.notify()
         return request.handle
+
+    def _refuse_duplicate(self, request: Request) -> None:
+        raise ValueError(
+            f"an op named {request.name!r} ({request.meta['o']}) is still in flight on rank {self.rank}; names "
+            "of outstanding ops must be unique"
+        )
 
     def submit_many(self, requests: Sequence[Request]) -> None:
         """Submit several requests at once (a grouped op's tensors): one lock acquisition, all or none."""
@@ -229,10 +252,7 @@ class Engine:
             for request in requests:
                 name = request.name
                 if name in local or name in seen:
-                    raise ValueError(
-                        f"a {(local.get(name) or request).meta['o']} named {name!r} is still in flight on rank "
-                        f"{self.rank}; names of outstanding ops must be unique"
-                    )
+                    self._refuse_duplicate(local.get(name) or request)
                 seen.add(name)
             submitted = time.perf_counter() if self.timeline is not None else 0.0
             nudge = self._nudge

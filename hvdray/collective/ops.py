@@ -210,9 +210,9 @@ def allreduce_async(
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
     requests = _allreduce_requests(tensor, name, op, pre, post, output)
-    engine.submit_many(requests)
     if len(requests) == 1:
-        return OpHandle([requests[0].handle], _first)
+        return OpHandle([engine.submit(requests[0])], _first)
+    engine.submit_many(requests)
     return OpHandle([r.handle for r in requests], _propagate_nan)
 
 
@@ -223,12 +223,21 @@ def _allreduce_requests(
     NaN mask's beside it (Gloo's min/max keep or drop a NaN depending on the order of the operands;
     IEEE 754's minimum/maximum, and torch, propagate it)."""
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    requests = [Request(_meta("allreduce", name, tensor, r=op._value_, pre=pre, post=post), tensor, out, Handle(name))]
-    if op in (Min, Max) and tensor.is_floating_point():
+    requests = [Request(_allreduce_meta(name, tensor, op._value_, pre, post), tensor, out, Handle(name))]
+    if (op is Min or op is Max) and tensor.is_floating_point():
         nan, nan_name = tensor.isnan(), f"{name}.nan"
-        nan_meta = _meta("allreduce", nan_name, nan, r=Max.value, pre=1.0, post=1.0)
+        nan_meta = _allreduce_meta(nan_name, nan, Max.value, 1.0, 1.0)
         requests.append(Request(nan_meta, nan, torch.empty_like(nan), Handle(nan_name)))
     return requests
+
+
+def _allreduce_meta(name: str, tensor: torch.Tensor, reduction: str, pre: float, post: float) -> dict[str, Any]:
+    """:func:`_meta` of an allreduce, as one dict display (this runs for every gradient of every step)."""
+    meta = {"o": "allreduce", "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape), "r": reduction,
+            "pre": pre, "post": post}
+    if GENERATED_NAME_MARK in name:
+        meta["a"] = 1
+    return meta
 
 
 def _propagate_nan(results: list[torch.Tensor]) -> torch.Tensor:

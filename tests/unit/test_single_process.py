@@ -59,3 +59,22 @@ def test_reinit_after_shutdown_works():
     hvd.init()
     assert hvd.allreduce(torch.ones(1)).item() == 1.0
     hvd.shutdown()
+
+
+def test_a_name_still_in_flight_is_refused_and_the_first_op_survives(single):
+    from hvdray.collective import context
+
+    engine = context.engine()
+    x = torch.ones(3)
+    with engine._lock:  # the engine thread cannot take the first op to run it while the test holds this
+        first = hvd.allreduce_async(x, name="twice", op=hvd.Sum)
+        with pytest.raises(ValueError, match=r"op named 'twice' \(allreduce\) is still in flight on rank 0"):
+            hvd.allreduce_async(torch.zeros(3), name="twice", op=hvd.Sum)
+        with pytest.raises(ValueError, match=r"'twice' \(allreduce\) is still in flight"):
+            hvd.broadcast_async(torch.zeros(3), 0, name="twice")
+        group = hvd.grouped_allreduce_async([torch.ones(2), torch.ones(2)], name="pair")
+        with pytest.raises(ValueError, match=r"'pair.0' \(allreduce\) is still in flight"):
+            hvd.grouped_allreduce_async([torch.ones(2), torch.ones(2)], name="pair")
+    assert torch.equal(hvd.synchronize(first), x)
+    assert [t.tolist() for t in hvd.synchronize(group)] == [[1.0, 1.0], [1.0, 1.0]]
+    assert torch.equal(hvd.allreduce(torch.zeros(3), name="twice"), torch.zeros(3))  # finished: free again
