@@ -8,7 +8,9 @@ mapping even when every worker is killed; only a creator killed inside that shor
 file behind, which :func:`remove_dead_creators_segments` (run by the next segment creation on the node)
 and :func:`remove_job_segments` (for the executor, after the job's workers are gone) delete.
 
-Ranks synchronise through per-rank sequence counters in the segment: a short spin, then a Linux futex
+Ranks synchronise through per-rank sequence counters in the segment: a short spin, then a few hundred
+checks that each give the core away (``sched_yield``: a peer or another thread of this process that is
+ready to run gets the core at once, which matters when local ranks outnumber cores), then a Linux futex
 wait on the counter word (the kernel wakes the waiter the moment the counter moves). A rank about to
 sleep says so in its control block, and a rank that moves its counter makes the wake-up system call
 only when a peer sleeps on it (waking a sleeping thread costs tens of microseconds in a VM). A peer
@@ -257,13 +259,14 @@ class NodeBarrier:
     a waker stores its counter, fences, then reads who sleeps on it. One of the two always sees the
     other's store, so either the sleeper does not sleep or the waker wakes it."""
 
-    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, spin: int) -> None:
+    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, spin: int, yields: int = 0) -> None:
         self._seg = segment
         self._words = segment.words
         self._me = local_rank
         self._size = segment.local_size
         self._timeout_s = timeout_s
         self._spin = spin
+        self._yields = yields
         self._futex = _Futex()
         self._seq = 0
         self._pids: dict[int, int] = {}
@@ -309,6 +312,10 @@ class NodeBarrier:
         for _ in range(self._spin):
             if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
                 return
+        for _ in range(self._yields):
+            if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
+                return
+            os.sched_yield()
         deadline = time.monotonic() + self._timeout_s
         next_check = deadline - self._timeout_s + _LIVENESS_CHECK_S
         address = self._seg.address + 4 * index

@@ -42,6 +42,10 @@ _ALIGN_BYTES = 64
 _SPIN_WHEN_CORES_FREE = 100
 #: allreduces up to this size take the one-barrier path (each rank reduces the whole message)
 SMALL_ALLREDUCE_BYTES = 32 << 10
+#: then how many times it re-reads the counter and gives its core away (sched_yield) before it sleeps: a
+#: peer that is ready to run gets the core without a sleep and a wake-up (small-message latency, above all
+#: with more local ranks than cores: ``python -m hvdray.bench_shm --rows latency``)
+_YIELDS_BEFORE_SLEEP = 200
 #: flat messages go through the slots in pieces of at most this much per rank: on the 2-core development
 #: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
 #: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
@@ -79,7 +83,7 @@ class NodeCollectives:
         self.rounds = 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         spin = _SPIN_WHEN_CORES_FREE if self.local_size <= cores else 0
-        self._barrier = NodeBarrier(segment, local_rank, timeout_s, spin)
+        self._barrier = NodeBarrier(segment, local_rank, timeout_s, spin, _YIELDS_BEFORE_SLEEP)
         self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}

@@ -450,6 +450,52 @@ def test_a_rank_makes_the_wake_up_call_only_for_a_peer_asleep_on_it(tag, monkeyp
         seg.close()
 
 
+def test_yielding_waiters_keep_the_barrier_and_then_sleep(tag):
+    """Three local ranks as threads that yield their core before sleeping: no rank passes a barrier before
+    every rank reached it, and a rank whose peer is late yields only briefly, then sleeps (no busy wait)."""
+    import threading
+
+    seg = shm.Segment.create(tag, local_size=3, data_bytes=4096)
+    try:
+        barriers = [shm.NodeBarrier(seg, rank, timeout_s=10.0, spin=0, yields=200) for rank in range(3)]
+        arrived = [0, 0, 0]
+        early = []
+
+        def run(rank, rounds):
+            for k in range(1, rounds + 1):
+                arrived[rank] = k
+                barriers[rank].wait()
+                if min(arrived) < k:
+                    early.append((rank, k, list(arrived)))
+                barriers[rank].wait()  # nobody starts round k+1 before everyone has checked round k
+
+        threads = [threading.Thread(target=run, args=(r, 500)) for r in (1, 2)]
+        for t in threads:
+            t.start()
+        run(0, 500)
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads) and not early, early[:3]
+
+        used = []
+
+        def late_peer_waiter(rank):
+            before = time.thread_time()
+            barriers[rank].wait()
+            used.append(time.thread_time() - before)
+
+        waiters = [threading.Thread(target=late_peer_waiter, args=(r,)) for r in (1, 2)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.3)  # rank 0 is late
+        barriers[0].wait()
+        for t in waiters:
+            t.join(5)
+        assert len(used) == 2 and max(used) < 0.1, used  # CPU time while waiting 300 ms: they slept
+    finally:
+        seg.close()
+
+
 def test_part_bounds_cover_the_piece_on_cache_lines():
     for numel, parts, itemsize in [(1, 3, 4), (17, 2, 8), (1000, 5, 2), (64, 4, 1)]:
         bounds = _part_bounds(numel, parts, itemsize)
