@@ -230,11 +230,14 @@ class Engine:
             local[name] = request
             if request.tensor is not None:
                 self._queued_bytes += request.tensor.nbytes
-            queue = self._queue
-            queue.append(request)
-            if self._sleeping and (len(queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes):
-                self._wake.notify()
+            self._queue.append(request)
+            self._wake_if_due()
         return request.handle
+
+    def _wake_if_due(self) -> None:
+        """After queueing (under the lock): wake a sleeping engine once what is queued is worth a tick."""
+        if self._sleeping and (len(self._queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes):
+            self._wake.notify()
 
     def _refuse_duplicate(self, request: Request) -> None:
         raise ValueError(
@@ -264,11 +267,8 @@ class Engine:
                 if request.tensor is not None:
                     nbytes += request.tensor.nbytes
             self._queued_bytes = nbytes
-            queue = self._queue
-            queue.extend(requests)
-            # a busy engine looks at the queue before it sleeps again
-            if self._sleeping and (len(queue) >= self._wake_count or nbytes >= self._wake_bytes):
-                self._wake.notify()
+            self._queue.extend(requests)
+            self._wake_if_due()  # a busy engine looks at the queue before it sleeps again
 
     def _nudge(self, handle: Handle) -> None:
         """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
