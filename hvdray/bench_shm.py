@@ -22,6 +22,7 @@ from hvdray import bench
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
+SHARED_TENSOR = "hvdray shm, tensor in shared memory"
 
 
 def _use_transport(shm: bool) -> str:
@@ -36,7 +37,8 @@ def _use_transport(shm: bool) -> str:
 
 
 def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
-    """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport."""
+    """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport; over shared
+    memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place)."""
     import torch
     import torch.distributed as dist
 
@@ -47,6 +49,9 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     for impl, shm in TRANSPORTS.items():
         _use_transport(shm)
         times[impl] = bench._timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
+        if shm:
+            shared = tensor.clone().share_memory_()
+            times[SHARED_TENSOR] = bench._timed(lambda: hvd.allreduce_(shared, op=hvd.Sum, name="shm_bench"), iterations)
     return times
 
 

@@ -20,6 +20,7 @@ that died, left or failed turns into :class:`SharedMemoryError` within the timeo
 from __future__ import annotations
 
 import _thread
+import array
 import ctypes
 import glob
 import hashlib
@@ -31,7 +32,7 @@ import platform
 import secrets
 import sys
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class Segment:
         self._owner = owner
         self._linked = owner
         self.words = memoryview(mapping).cast("I")
+        self._qwords = memoryview(mapping).cast("Q")
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
     @staticmethod
@@ -191,6 +193,23 @@ class Segment:
             except FileNotFoundError:
                 pass
 
+    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"]) -> None:
+        """Say in ``local_rank``'s control block where its next op's tensor lives (None: private memory).
+        Peers read it after the op's first barrier (:meth:`published_tensor`)."""
+        at = _token_qword(local_rank)
+        if place is None:
+            self._qwords[at] = 0
+        else:
+            self._qwords[at + 1 : at + 6] = array.array("Q", place)
+            self._qwords[at] = 1
+
+    def published_tensor(self, local_rank: int) -> Optional["TensorPlace"]:
+        """What ``local_rank`` last published with :meth:`publish_tensor`."""
+        at = _token_qword(local_rank)
+        if not self._qwords[at]:
+            return None
+        return TensorPlace(*self._qwords[at + 1 : at + 6])
+
     def buffer(self) -> memoryview:
         """The data area (after the header), for tensors that view the shared memory."""
         return memoryview(self._map)[HEADER_BYTES:]
@@ -202,12 +221,52 @@ class Segment:
         if self._map is None:
             return
         self.words.release()
+        self._qwords.release()
         self.address = 0
         mapping, self._map = self._map, None
         try:
             mapping.close()
         except BufferError:  # a tensor still views the memory: the mapping goes with the last reference
             log.debug("shared-memory segment %s still viewed; unmapped when released", self.name)
+
+
+class TensorPlace(NamedTuple):
+    """Where a rank's tensor lives in a torch shared-memory storage: the owner's pid, the storage's
+    file descriptor in that process and the file's inode (so that a reused descriptor is never taken
+    for the storage), the tensor's byte offset in it and its size in bytes."""
+
+    pid: int
+    fd: int
+    inode: int
+    offset: int
+    nbytes: int
+
+
+def _token_qword(local_rank: int) -> int:
+    """Index (in 8-byte words) of the tensor token in ``local_rank``'s control block: bytes 16-63 (the
+    barrier's words take bytes 0-15)."""
+    return (CONTROL_STRIDE_BYTES * (1 + local_rank) + 16) // 8
+
+
+def map_peer_storage(place: TensorPlace) -> mmap.mmap:
+    """Map the shared-memory storage a local peer described with ``place`` (through its descriptor in
+    ``/proc/<pid>/fd``, which the kernel opens only for the same user). The mapping keeps the memory
+    alive after the peer frees it; the caller drops it when the peer moves to another storage."""
+    path = f"/proc/{place.pid}/fd/{place.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SharedMemoryError(
+            f"cannot open a local peer's shared tensor ({path}: {exc.strerror}); tensors in shared memory "
+            "need every local rank to run as the same user with /proc readable"
+        ) from exc
+    try:
+        info = os.fstat(fd)
+        if info.st_ino != place.inode or info.st_size < place.offset + place.nbytes:
+            raise SharedMemoryError(f"local peer pid {place.pid} replaced its shared tensor during the op")
+        return _map(fd, info.st_size)
+    finally:
+        os.close(fd)
 
 
 def _map(fd: int, length: int) -> mmap.mmap:

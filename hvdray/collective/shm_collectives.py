@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective.shm import NodeBarrier, Segment, SharedMemoryError
+from hvdray.collective.shm import NodeBarrier, Segment, SharedMemoryError, TensorPlace, map_peer_storage
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ _YIELDS_BEFORE_SLEEP = 200
 #: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
 #: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
 PIECE_BYTES = 4 << 20
+#: in-place allreduce: a rank's part is reduced in blocks of this size, which stay in the core's cache
+#: while the peers' blocks are added and the sum is written back to every peer
+_REDUCE_BLOCK_BYTES = 512 << 10
+#: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
+_PEER_STORAGES_PER_RANK = 4
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
@@ -88,6 +93,7 @@ class NodeCollectives:
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._layouts: OrderedDict[tuple, _TensorsLayout] = OrderedDict()
+        self._peer_tensors = _PeerTensors(_PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
 
@@ -104,6 +110,7 @@ class NodeCollectives:
         try:
             self._slots.clear()
             self._layouts.clear()
+            self._peer_tensors.clear()
             self._data = None
             self._base = 0
             self.segment.close()
@@ -174,34 +181,99 @@ class NodeCollectives:
             reducer(flat, slots[peer][:n], out=flat)
 
     def _allreduce(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce]) -> None:
-        views = self._views(flat.dtype)
-        me, size, isz = self.local_rank, self.local_size, flat.element_size()
-        base, data = flat.data_ptr(), self._base
-        for start, stop in self._pieces(flat.numel(), isz):
-            half = self._next_half()
-            slots = views[half]
-            bounds = _part_bounds(stop - start, size, isz)
-            lo, hi = bounds[me], bounds[me + 1]
-            piece_at, own_at = base + start * isz, data + self._slot_offset(half, me)
-            # 1. expose the parts the peers reduce
-            _memmove(own_at, piece_at, lo * isz)
-            _memmove(own_at + hi * isz, piece_at + hi * isz, (stop - start - hi) * isz)
+        place = _shared_place(flat)
+        self.segment.publish_tensor(self.local_rank, place)
+        pieces = self._pieces(flat.numel(), flat.element_size())
+        half = self._next_half()
+        if place is None:
+            self._expose(flat, pieces[0], half)
+        self._barrier.wait()
+        places = [self.segment.published_tensor(r) for r in range(self.local_size)]
+        if all(p is not None for p in places):
+            self._allreduce_in_place(flat, places, reducer, cross)
+            return
+        if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
+            if place is not None:
+                self._expose(flat, pieces[0], half)
             self._barrier.wait()
-            # 2. reduce my part (and across nodes), then publish it
-            if hi > lo:
-                acc = flat[start + lo : start + hi]
-                for peer in range(size):
-                    if peer != me:
-                        reducer(acc, slots[peer][lo:hi], out=acc)
-                if cross is not None:
-                    cross(acc)  # the same local rank on every node holds the same part: sizes agree
-                _memmove(own_at + lo * isz, piece_at + lo * isz, (hi - lo) * isz)
-            self._barrier.wait()
-            # 3. collect the peers' reduced parts
+        for i, piece in enumerate(pieces):
+            if i:
+                half = self._next_half()
+                self._expose(flat, piece, half)
+                self._barrier.wait()
+            self._reduce_piece(flat, piece, half, reducer, cross)
+
+    def _expose(self, flat: torch.Tensor, piece: tuple[int, int], half: int) -> None:
+        """Copy the parts of ``piece`` that the peers reduce into this rank's slot of ``half``."""
+        start, stop = piece
+        isz = flat.element_size()
+        bounds = _part_bounds(stop - start, self.local_size, isz)
+        lo, hi = bounds[self.local_rank], bounds[self.local_rank + 1]
+        piece_at, own_at = flat.data_ptr() + start * isz, self._base + self._slot_offset(half, self.local_rank)
+        _memmove(own_at, piece_at, lo * isz)
+        _memmove(own_at + hi * isz, piece_at + hi * isz, (stop - start - hi) * isz)
+
+    def _reduce_piece(
+        self, flat: torch.Tensor, piece: tuple[int, int], half: int, reducer: Callable[..., torch.Tensor],
+        cross: Optional[CrossReduce],
+    ) -> None:
+        """After the peers exposed ``piece``: reduce and publish this rank's part, collect the others'."""
+        start, stop = piece
+        me, size, isz, data = self.local_rank, self.local_size, flat.element_size(), self._base
+        slots = self._views(flat.dtype)[half]
+        bounds = _part_bounds(stop - start, size, isz)
+        lo, hi = bounds[me], bounds[me + 1]
+        piece_at, own_at = flat.data_ptr() + start * isz, data + self._slot_offset(half, me)
+        if hi > lo:
+            acc = flat[start + lo : start + hi]
             for peer in range(size):
                 if peer != me:
-                    at = bounds[peer] * isz
-                    _memmove(piece_at + at, data + self._slot_offset(half, peer) + at, bounds[peer + 1] * isz - at)
+                    reducer(acc, slots[peer][lo:hi], out=acc)
+            if cross is not None:
+                cross(acc)  # the same local rank on every node holds the same part: sizes agree
+            _memmove(own_at + lo * isz, piece_at + lo * isz, (hi - lo) * isz)
+        self._barrier.wait()
+        for peer in range(size):
+            if peer != me:
+                at = bounds[peer] * isz
+                _memmove(piece_at + at, data + self._slot_offset(half, peer) + at, bounds[peer + 1] * isz - at)
+
+    def _allreduce_in_place(
+        self, flat: torch.Tensor, places: list[TensorPlace], reducer: Callable[..., torch.Tensor],
+        cross: Optional[CrossReduce],
+    ) -> None:
+        """Every local rank's tensor lives in shared memory: no slots, no second barrier. Each rank
+        reduces its part block by block (its own block plus that block of every peer's tensor) and
+        writes the sum, still in the core's cache, into every peer's tensor; the ranks touch disjoint
+        parts, so the only wait is the last barrier, after which every tensor holds the whole result.
+        With ``cross`` the part is reduced whole, handed to it, then written to the peers."""
+        me, size, isz = self.local_rank, self.local_size, flat.element_size()
+        nbytes = flat.numel() * isz
+        peers = []
+        for rank, place in enumerate(places):
+            if place.nbytes != nbytes:
+                raise SharedMemoryError(
+                    f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
+                )
+            if rank != me:
+                peers.append(self._peer_tensors.view(place, flat.dtype))
+        bounds = _part_bounds(flat.numel(), size, isz)
+        lo, hi = bounds[me], bounds[me + 1]
+        acc = flat[lo:hi]
+        others = [peer[lo:hi] for peer in peers]
+        step = max(1, _REDUCE_BLOCK_BYTES // isz)
+        for a in range(0, hi - lo, step):
+            block = acc[a : a + step]
+            for other in others:
+                reducer(block, other[a : a + step], out=block)
+            if cross is None:
+                for other in others:
+                    _memmove(other.data_ptr() + a * isz, block.data_ptr(), block.numel() * isz)
+        if cross is not None and hi > lo:
+            cross(acc)
+            for other in others:
+                _memmove(other.data_ptr(), acc.data_ptr(), (hi - lo) * isz)
+        self._barrier.wait()
 
     def fits(self, nbytes: int) -> bool:
         """True when a message of ``nbytes`` goes through :meth:`allreduce_tensors` (one slot's worth)."""
@@ -413,6 +485,60 @@ class _TensorsLayout:
         torch._foreach_copy_(targets, self.out_src[half])
         for out, flat in staged:
             out.copy_(flat.view(out.shape))
+
+
+class _PeerTensors:
+    """The local peers' shared tensor storages this rank has mapped, by (pid, inode), least recently
+    used first. A mapping keeps its memory alive after the peer frees the tensor, so entries whose
+    peer no longer holds that storage are dropped whenever a new one is mapped, and at most
+    ``capacity`` stay."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._maps: OrderedDict[tuple[int, int], tuple[TensorPlace, torch.Tensor]] = OrderedDict()
+
+    def view(self, place: TensorPlace, dtype: torch.dtype) -> torch.Tensor:
+        """The peer's tensor described by ``place``, as a 1-D tensor of ``dtype`` on the mapped memory."""
+        key = (place.pid, place.inode)
+        entry = self._maps.get(key)
+        if entry is None:
+            self._drop_released()
+            storage = torch.frombuffer(map_peer_storage(place), dtype=torch.uint8)
+            entry = self._maps[key] = (place, storage)
+            while len(self._maps) > self.capacity:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(key)
+        return entry[1][place.offset : place.offset + place.nbytes].view(dtype)
+
+    def _drop_released(self) -> None:
+        for key, (place, _) in list(self._maps.items()):
+            try:
+                held = os.stat(f"/proc/{place.pid}/fd/{place.fd}").st_ino == place.inode
+            except OSError:
+                held = False
+            if not held:
+                del self._maps[key]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+def _shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
+    """Where ``flat`` lives when its storage is in torch's shared memory (``share_memory_()``), else
+    None. (A storage shared by file name is moved to a descriptor-backed one once, by torch.)"""
+    storage = flat.untyped_storage()
+    if not flat.numel() or not storage.is_shared():
+        return None
+    try:
+        fd, _ = storage._share_fd_cpu_()
+        inode = os.fstat(fd).st_ino
+    except (RuntimeError, OSError):
+        return None
+    return TensorPlace(os.getpid(), fd, inode, flat.data_ptr() - storage.data_ptr(), flat.numel() * flat.element_size())
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:

@@ -338,6 +338,54 @@ def test_allgather_and_broadcast_in_several_rounds():
     assert _run_node(3, _gather_and_broadcast, slot_bytes=4096) == [(True, [True] * 3)] * 3
 
 
+def _shared_tensors_in_place(node, rank, size):
+    """Tensors in torch shared memory (views at an offset too) on every rank, then on rank 0 only."""
+    data = node._data
+    for half in range(2):  # this rank's slots: the in-place path must not write them
+        at = node._slot_offset(half, rank)
+        data[at : at + node.slot_bytes] = 0xAB
+    failures, mapped = [], []
+    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                      (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.uint8, ReduceOp.BAND)]:
+        for n in (9001, 40_000):  # above the one-barrier size (8 KiB slots): the two-barrier path
+            t = torch.zeros(n + 7, dtype=dtype).share_memory_()[7:]
+            t.copy_(_inputs(rank, dtype, n))
+            node.allreduce(t, op)
+            stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+            if op == ReduceOp.BAND:
+                want = np.bitwise_and.reduce(stack.astype(np.int64), axis=0)
+            else:
+                want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+            if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+                failures.append((str(dtype), str(op), n))
+            mapped.append(len(node._peer_tensors))
+    slots_untouched = all(
+        bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB).all())
+        for h in range(2)
+    )
+    # floats summed in place are bit-identical on every rank
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(30_001)).float().share_memory_()
+    node.allreduce(x, ReduceOp.SUM)
+    # only rank 0's tensor is shared: every rank falls back to the copies through the slots
+    mixed = _inputs(rank, torch.int32, 20_000)
+    if rank == 0:
+        mixed.share_memory_()
+    node.allreduce(mixed, ReduceOp.SUM)
+    mixed_ok = torch.equal(mixed, sum(_inputs(r, torch.int32, 20_000) for r in range(size)))
+    return failures, slots_untouched, max(mapped), x.numpy().tobytes(), mixed_ok
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_size):
+    results = _run_node(local_size, _shared_tensors_in_place)
+    for failures, slots_untouched, most_mapped, _, mixed_ok in results:
+        assert failures == []
+        assert slots_untouched  # the peers read the tensors themselves, not copies in the segment
+        assert most_mapped == local_size - 1  # each op shared a fresh tensor: the freed ones were unmapped
+        assert mixed_ok
+    assert len({r[3] for r in results}) == 1
+
+
 def _allreduce_forever(node, rank, size):
     t = torch.ones(100_000)
     started = time.monotonic()
