@@ -51,7 +51,9 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
         times[impl] = bench._timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
         if shm:
             shared = tensor.clone().share_memory_()
-            times[SHARED_TENSOR] = bench._timed(lambda: hvd.allreduce_(shared, op=hvd.Sum, name="shm_bench"), iterations)
+            times[SHARED_TENSOR] = bench._timed(
+                lambda: hvd.allreduce_(shared, op=hvd.Sum, name="shm_bench"), iterations
+            )
     return times
 
 

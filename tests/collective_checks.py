@@ -88,6 +88,16 @@ def every_dtype_op_and_size():
         close = np.array_equal(got, want) if rtol is None else np.allclose(got, want, rtol=rtol, atol=0)
         if not close:
             failures.append(name)
+    # tensors in torch shared memory, at an offset in their storage, reduced in place one at a time
+    # (alone, so that they are not fused): over shared memory the local ranks read each other's tensors
+    for dtype, op in [("float32", "average"), ("int64", "sum"), ("int32", "max"), ("float64", "min")]:
+        n = 100_003
+        storage = data(hvd.rank(), dtype, n + 5, op).share_memory_()
+        tensor = storage[5:]
+        tensor.copy_(data(hvd.rank(), dtype, n, op))
+        hvd.allreduce_(tensor, name=f"shared.{dtype}.{op}", op=ops[op])
+        if not np.allclose(tensor.double().numpy(), expected(hvd.size(), dtype, n, op), rtol=1e-6, atol=0):
+            failures.append(f"shared.{dtype}.{op}.{n}")
     return transport(), failures
 
 

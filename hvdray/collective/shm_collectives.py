@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.multiprocessing
 from torch.distributed import ReduceOp
 
 from hvdray.collective.shm import NodeBarrier, Segment, SharedMemoryError, TensorPlace, map_peer_storage
@@ -528,10 +529,13 @@ class _PeerTensors:
 
 
 def _shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
-    """Where ``flat`` lives when its storage is in torch's shared memory (``share_memory_()``), else
-    None. (A storage shared by file name is moved to a descriptor-backed one once, by torch.)"""
+    """Where ``flat`` lives when its storage is in torch's shared memory (``share_memory_()``, torch's
+    default ``file_descriptor`` sharing strategy), else None. Under the ``file_system`` strategy asking
+    for a descriptor would make torch move the storage, so those tensors take the copies."""
     storage = flat.untyped_storage()
     if not flat.numel() or not storage.is_shared():
+        return None
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return None
     try:
         fd, _ = storage._share_fd_cpu_()
