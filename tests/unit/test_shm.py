@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective import shm
+from hvdray.collective import shm, shm_collectives
 from hvdray.collective.shm_collectives import NodeCollectives, _part_bounds, slot_bytes_for
 from hvdray.collective.transport import NodeLayout, TransportOptions, plan_transport
 from hvdray.settings import make_settings
@@ -384,6 +384,29 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
         assert most_mapped == local_size - 1  # each op shared a fresh tensor: the freed ones were unmapped
         assert mixed_ok
     assert len({r[3] for r in results}) == 1
+
+
+def _peer_tensor_unreadable_on_rank_1(node, rank, size):
+    if rank == 1:  # as when /proc/<pid>/fd cannot be opened (another user, a restricted /proc)
+        def refuse(place):
+            raise shm.SharedMemoryError(f"cannot open a local peer's shared tensor (/proc/{place.pid}/fd/{place.fd})")
+
+        shm_collectives.map_peer_storage = refuse
+    t = torch.ones(50_000).share_memory_()
+    started = time.monotonic()
+    try:
+        node.allreduce(t, ReduceOp.SUM)
+        return "no error", time.monotonic() - started
+    except shm.SharedMemoryError as exc:
+        return str(exc), time.monotonic() - started
+
+
+def test_a_peer_tensor_that_cannot_be_mapped_fails_every_rank_fast():
+    results = _run_node(3, _peer_tensor_unreadable_on_rank_1)
+    assert "cannot open a local peer's shared tensor" in results[1][0]
+    for message, elapsed in (results[0], results[2]):
+        assert "local rank 1 left" in message, message
+        assert elapsed < 5  # told by the failing rank, not by the 20 s timeout
 
 
 def _allreduce_forever(node, rank, size):
