@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo, ReduceOp
 
 from hvdray.collective import shm
-from hvdray.collective.shm_collectives import REDUCERS, NodeCollectives, slot_bytes_for
+from hvdray.collective.shm_collectives import REDUCERS, Finish, NodeCollectives, slot_bytes_for
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import NodeLayout, TransportOptions, TransportPlan, plan_transport
 
@@ -209,11 +209,12 @@ class Communicator:
 
     def allreduce_tensors(
         self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType,
-        finish: Optional[Callable[[torch.Tensor], None]] = None, shapes: Optional[tuple[torch.Size, ...]] = None,
+        finish: Optional[Finish] = None, shapes: Optional[tuple[torch.Size, ...]] = None,
     ) -> None:
         """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
         between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`.
-        ``finish`` (elementwise, in place) runs on the reduced data before it reaches the outputs;
+        ``finish`` (elementwise, in place, on a list of tensors) runs on the reduced data before it
+        reaches the outputs;
         ``shapes``: see :meth:`NodeCollectives.allreduce_tensors`."""
         cross = self._cross_allreduce(op) if self._cross is not None else None
         self._node.allreduce_tensors(inputs, outputs, op, cross, finish, shapes)

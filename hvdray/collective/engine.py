@@ -809,7 +809,7 @@ class Engine:
             buf.copy_(adasum_tree(self.comm.allgather(buf)))
         else:
             self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
-        _postscale(buf, meta, self.size)
+        _postscale([buf], meta, self.size)
 
     def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
         request = self._take_local(name)
@@ -889,7 +889,7 @@ class Engine:
         out = tensor.new_empty((most, *tensor.shape[1:]))
         self.comm.reduce_scatter(out, padded, GLOO_OPS[meta["r"]])
         out = out[: rows[self.rank]].clone()
-        _postscale(out, meta, self.size)
+        _postscale([out], meta, self.size)
         return out
 
     def _fail_all(self, error: BaseException) -> None:
@@ -955,14 +955,20 @@ class _FusionBatch:
         return items
 
 
-def _postscale(buf: torch.Tensor, meta: dict[str, Any], size: int) -> None:
+def _postscale(bufs: list[torch.Tensor], meta: dict[str, Any], size: int) -> None:
+    """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype)."""
     if meta["r"] == "average":
-        if buf.is_floating_point():
-            buf.mul_(meta["post"] / size)
+        if bufs[0].is_floating_point():
+            torch._foreach_mul_(bufs, meta["post"] / size)
         else:
-            buf.floor_divide_(size)
+            for buf in bufs:
+                buf.floor_divide_(size)
     elif meta["post"] != 1.0:
-        buf.mul_(meta["post"])
+        if bufs[0].is_floating_point():
+            torch._foreach_mul_(bufs, meta["post"])
+        else:
+            for buf in bufs:
+                buf.mul_(meta["post"])
 
 
 def _even_splits(rows: int, size: int) -> list[int]:

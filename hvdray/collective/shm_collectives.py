@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import os
 import threading
 from collections import OrderedDict
@@ -70,7 +71,17 @@ REDUCERS: dict[ReduceOp.RedOpType, Callable[..., torch.Tensor]] = {
     ReduceOp.BAND: torch.bitwise_and,
 }
 
+#: the in-place list form of each reduction, for fused tensors reduced straight in the caller's tensors
+FOREACH_REDUCERS: dict[ReduceOp.RedOpType, Callable[..., None]] = {
+    ReduceOp.SUM: torch._foreach_add_,
+    ReduceOp.PRODUCT: torch._foreach_mul_,
+    ReduceOp.MIN: torch._foreach_minimum_,
+    ReduceOp.MAX: torch._foreach_maximum_,
+}
+
 CrossReduce = Callable[[torch.Tensor], None]
+#: an elementwise in-place op on reduced data (averaging's scale), given a list of tensors
+Finish = Callable[[list[torch.Tensor]], None]
 
 
 def slot_bytes_for(buffer_bytes: int, local_size: int) -> int:
@@ -282,15 +293,19 @@ class NodeCollectives:
 
     def allreduce_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: ReduceOp.RedOpType,
-        cross: Optional[CrossReduce] = None, finish: Optional[Callable[[torch.Tensor], None]] = None,
+        cross: Optional[CrossReduce] = None, finish: Optional[Finish] = None,
         shapes: Optional[tuple[torch.Size, ...]] = None,
     ) -> None:
         """Reduce ``inputs`` (one dtype, any shapes and strides) across the local ranks as one message
         and write the results to ``outputs`` (same shapes; may be the inputs), without a staging buffer:
         the inputs are copied straight into this rank's slot and the reduced parts straight out of the
         slots. Every local rank must pass the same shapes and dtype; the total must :meth:`fits`.
-        ``finish`` (an elementwise in-place op, e.g. averaging's scale) runs on the reduced data before it
-        is copied out, after ``cross``: one flat call instead of one per output tensor. A caller that knows
+        When the outputs are the inputs (floating point, no ``cross``), a rank copies only the parts the
+        peers reduce into its slot, reduces its own part straight in its tensors and publishes that:
+        (2n-1)/n of the message copied instead of twice (:meth:`_allreduce_tensors_in_place`; ranks may
+        take either way in the same op).
+        ``finish`` (an elementwise in-place op on a list of tensors, e.g. averaging's scale) runs on the
+        reduced data before it is copied out, after ``cross``. A caller that knows
         the inputs' ``shapes`` and that the outputs match them in shape and dtype (the engine's cached
         plans, every step with hundreds of tensors) passes them, and the per-tensor checks are skipped."""
         reducer = REDUCERS.get(op)
@@ -314,6 +329,12 @@ class NodeCollectives:
             return
         if cross is None and nbytes <= SMALL_ALLREDUCE_BYTES:
             self._run(lambda: self._allreduce_tensors_small(self._layout(dtype, shapes), inputs, outputs, reducer, finish))
+        elif (
+            cross is None and dtype.is_floating_point and op in FOREACH_REDUCERS
+            and (outputs is inputs or all(map(operator.is_, outputs, inputs)))
+        ):
+            self._run(lambda: self._allreduce_tensors_in_place(
+                self._layout(dtype, shapes), inputs, reducer, FOREACH_REDUCERS[op], finish))
         else:
             self._run(
                 lambda: self._allreduce_tensors(self._layout(dtype, shapes), inputs, outputs, reducer, cross, finish)
@@ -352,7 +373,7 @@ class NodeCollectives:
 
     def _allreduce_tensors(
         self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce], finish: Optional[Callable[[torch.Tensor], None]],
+        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce], finish: Optional[Finish],
     ) -> None:
         half = self._next_half()
         torch._foreach_copy_(layout.inputs[half], list(inputs))
@@ -364,13 +385,13 @@ class NodeCollectives:
         if cross is not None and acc.numel():
             cross(acc)
         if finish is not None and acc.numel():
-            finish(acc)
+            finish([acc])
         self._barrier.wait()
         layout.copy_out(half, outputs)
 
     def _allreduce_tensors_small(
         self, layout: "_TensorsLayout", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-        reducer: Callable[..., torch.Tensor], finish: Optional[Callable[[torch.Tensor], None]],
+        reducer: Callable[..., torch.Tensor], finish: Optional[Finish],
     ) -> None:
         """One barrier: every rank reduces every slot in rank order into its scratch, then scatters it."""
         half = self._next_half()
@@ -381,8 +402,37 @@ class NodeCollectives:
         for slot in slots[1:]:
             reducer(acc, slot, out=acc)
         if finish is not None:
-            finish(acc)
+            finish([acc])
         torch._foreach_copy_(list(outputs), layout.scratch_views)
+
+    def _allreduce_tensors_in_place(
+        self, layout: "_TensorsLayout", tensors: Sequence[torch.Tensor], reducer: Callable[..., torch.Tensor],
+        foreach_reducer: Callable[..., None], finish: Optional[Finish],
+    ) -> None:
+        """Reduce ``tensors`` in place: expose only the parts the peers reduce, reduce this rank's part
+        straight in its tensors (one list op per peer), publish it, then collect the peers' parts."""
+        plan = layout.in_place(self)
+        flats = {}
+        for i in plan.straddlers:
+            if not tensors[i].is_contiguous():  # no flat view of it: the copying way
+                self._allreduce_tensors(layout, tensors, tensors, reducer, None, finish)
+                return
+            flats[i] = tensors[i].view(-1)
+        others = [tensors[i] for i in plan.other_whole] + [flats[i][a:b] for i, a, b in plan.other_pieces]
+        mine = [tensors[i] for i in plan.own_whole] + [flats[i][a:b] for i, a, b in plan.own_pieces]
+        half = self._next_half()
+        if others:
+            torch._foreach_copy_(plan.expose[half], others)
+        self._barrier.wait()
+        if mine:
+            for peer_views in plan.peers_own[half]:
+                foreach_reducer(mine, peer_views)
+            if finish is not None:
+                finish(mine)
+            torch._foreach_copy_(plan.publish[half], mine)
+        self._barrier.wait()
+        if others:
+            torch._foreach_copy_(others, plan.collect[half])
 
     def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""
@@ -432,6 +482,15 @@ class _TensorsLayout:
     all_whole: bool  # no tensor straddles parts (out_whole is every index in order)
     scratch: torch.Tensor  # small path: the reduced message
     scratch_views: list[torch.Tensor]  # small path: one view of the scratch per tensor, shaped like it
+    dtype: torch.dtype
+    shapes: tuple[torch.Size, ...]
+    _in_place: Optional["_InPlacePlan"] = None
+
+    def in_place(self, node: "NodeCollectives") -> "_InPlacePlan":
+        """The views :meth:`NodeCollectives._allreduce_tensors_in_place` uses (built on first use)."""
+        if self._in_place is None:
+            self._in_place = _InPlacePlan.build(node, self.dtype, self.shapes)
+        return self._in_place
 
     @classmethod
     def build(cls, node: NodeCollectives, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_TensorsLayout":
@@ -469,6 +528,7 @@ class _TensorsLayout:
             out_whole=out_whole, out_pieces=out_pieces, all_whole=not out_pieces, scratch=scratch,
             scratch_views=[scratch[a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
             if scratch.numel() else [],
+            dtype=dtype, shapes=shapes,
         )
 
     def copy_out(self, half: int, outputs: Sequence[torch.Tensor]) -> None:
@@ -543,6 +603,61 @@ def _shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
     except (RuntimeError, OSError):
         return None
     return TensorPlace(os.getpid(), fd, inode, flat.data_ptr() - storage.data_ptr(), flat.numel() * flat.element_size())
+
+
+@dataclass
+class _InPlacePlan:
+    """Which tensors (or pieces of the few that straddle two parts) are this rank's to reduce and which
+    are the peers', with the slot views each step of the in-place fused allreduce copies to or from."""
+
+    straddlers: list[int]  # tensors split between parts (need a flat view)
+    own_whole: list[int]  # tensors inside this rank's part
+    own_pieces: list[tuple[int, int, int]]  # (tensor, start, stop) of straddlers inside this rank's part
+    other_whole: list[int]
+    other_pieces: list[tuple[int, int, int]]
+    expose: list[list[torch.Tensor]]  # [half]: this rank's slot where the others' tensors go
+    peers_own: list[list[list[torch.Tensor]]]  # [half][peer]: that peer's slot at this rank's tensors
+    publish: list[list[torch.Tensor]]  # [half]: this rank's slot at its own tensors
+    collect: list[list[torch.Tensor]]  # [half]: the owner's slot at each of the others' tensors
+
+    @classmethod
+    def build(cls, node: NodeCollectives, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_InPlacePlan":
+        sizes = [shape.numel() for shape in shapes]
+        me, size = node.local_rank, node.local_size
+        slots = node._views(dtype)
+        bounds = _part_bounds(sum(sizes), size, torch.empty((), dtype=dtype).element_size())
+        own_whole, own_pieces, other_whole, other_pieces, straddlers = [], [], [], [], []
+        own_src, other_src = [], []  # (offset, stop, shape or None) in the message, and the owner for others
+        start = 0
+        for i, n in enumerate(sizes):
+            stop = start + n
+            owners = [p for p in range(size) if bounds[p] < stop and start < bounds[p + 1]] or [0]
+            if len(owners) == 1:
+                (own_whole if owners[0] == me else other_whole).append(i)
+                (own_src if owners[0] == me else other_src).append((owners[0], start, stop, shapes[i]))
+            else:
+                straddlers.append(i)
+                for p in owners:
+                    a, b = max(start, bounds[p]), min(stop, bounds[p + 1])
+                    (own_pieces if p == me else other_pieces).append((i, a - start, b - start))
+                    (own_src if p == me else other_src).append((p, a, b, None))
+            start = stop
+        # whole tensors first, then pieces, as the per-step lists are built
+        own_src = [s for s in own_src if s[3] is not None] + [s for s in own_src if s[3] is None]
+        other_src = [s for s in other_src if s[3] is not None] + [s for s in other_src if s[3] is None]
+
+        def view(half: int, rank: int, a: int, b: int, shape: Optional[torch.Size]) -> torch.Tensor:
+            flat = slots[half][rank][a:b]
+            return flat if shape is None else flat.view(shape)
+
+        return cls(
+            straddlers, own_whole, own_pieces, other_whole, other_pieces,
+            expose=[[view(h, me, a, b, shape) for _, a, b, shape in other_src] for h in range(2)],
+            peers_own=[[[view(h, p, a, b, shape) for _, a, b, shape in own_src] for p in range(size) if p != me]
+                       for h in range(2)],
+            publish=[[view(h, me, a, b, shape) for _, a, b, shape in own_src] for h in range(2)],
+            collect=[[view(h, owner, a, b, shape) for owner, a, b, shape in other_src] for h in range(2)],
+        )
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:

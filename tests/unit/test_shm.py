@@ -249,6 +249,37 @@ def test_allreduce_tensors_matches_numpy_and_is_bit_identical(local_size):
         assert all(straddling > 0 for _, _, _, straddling in results)
 
 
+def _fused_in_place_beside_copying_ranks(node, rank, size):
+    """Even ranks reduce in place (their outputs are their inputs), odd ranks into other tensors: both
+    ways meet in the same op, and every rank gets the same bytes."""
+    shapes = [(12000,), (7, 13), (5000,), (), (2, 2048), (100,), (0,)]  # > 32 KiB in 2-byte floats, contiguous
+    failures, digests = [], []
+    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                      (torch.bfloat16, ReduceOp.PRODUCT)]:
+        for step in range(2):
+            inputs = [_inputs(rank * 100 + step * 10 + i, dtype, int(np.prod(s))).view(s) for i, s in enumerate(shapes)]
+            outputs = inputs if rank % 2 == 0 else [torch.empty_like(t) for t in inputs]
+            node.allreduce_tensors(inputs, outputs, op)
+            for i, shape in enumerate(shapes):
+                n = int(np.prod(shape))
+                stack = np.stack([_inputs(r * 100 + step * 10 + i, dtype, n).double().numpy() for r in range(size)])
+                want = torch.from_numpy(np.asarray(OPS[op](stack, axis=0))).to(dtype).view(shape)
+                if not torch.equal(outputs[i], want):
+                    failures.append((str(dtype), str(op), shape, step))
+            digests.append(b"".join(t.double().numpy().tobytes() for t in outputs))  # exact for these dtypes
+    planned = sum(layout._in_place is not None for layout in node._layouts.values())
+    return failures, hash(tuple(digests)), planned
+
+
+@pytest.mark.parametrize("local_size", [2, 3, 5])
+def test_fused_tensors_reduced_in_place_meet_copying_ranks(local_size):
+    results = _run_node(local_size, _fused_in_place_beside_copying_ranks, slot_bytes=256 << 10)
+    assert [failures for failures, _, _ in results] == [[]] * local_size
+    assert len({digest for _, digest, _ in results}) == 1
+    for rank, (_, _, planned) in enumerate(results):
+        assert planned == (4 if rank % 2 == 0 else 0)  # the in-place way ran on even ranks only
+
+
 def _tensors_with_a_cross_step(node, rank, size):
     """``cross`` stands in for the cross-node allreduce of the hierarchical path (a node twice the same)."""
     seen = []
@@ -299,18 +330,21 @@ def _tensors_averaged_by_finish(node, rank, size):
         for dtype in (torch.float64, torch.int64):
             inputs = _tensor_inputs(rank, dtype, shapes, 0)
             outputs = [torch.empty_like(t) for t in inputs]
-            finish = (lambda x: x.mul_(1.0 / size)) if dtype.is_floating_point else (lambda x: x.floor_divide_(size))
-            node.allreduce_tensors(inputs, outputs, ReduceOp.SUM, None, finish)
+            finish = (lambda xs: torch._foreach_mul_(xs, 1.0 / size)) if dtype.is_floating_point else (
+                lambda xs: [x.floor_divide_(size) for x in xs])
             total = [sum(_tensor_inputs(r, dtype, shapes, 0)[i] for r in range(size)) for i in range(len(shapes))]
             want = [t * (1.0 / size) if dtype.is_floating_point else t.floor_divide(size) for t in total]
+            node.allreduce_tensors(inputs, outputs, ReduceOp.SUM, None, finish)
             results.append(all(torch.equal(got, w) for got, w in zip(outputs, want)))
+            node.allreduce_tensors(inputs, inputs, ReduceOp.SUM, None, finish)  # in place: its own way
+            results.append(all(torch.equal(got, w) for got, w in zip(inputs, want)))
     return results
 
 
 @pytest.mark.parametrize("local_size", [2, 3])
 def test_allreduce_tensors_finish_scales_the_reduced_data_once(local_size):
     results = _run_node(local_size, _tensors_averaged_by_finish, slot_bytes=256 << 10)
-    assert results == [[True] * 4] * local_size
+    assert results == [[True] * 8] * local_size
 
 
 def test_allreduce_tensors_refuses_what_does_not_fit_and_a_closed_group():
