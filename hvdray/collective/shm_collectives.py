@@ -15,7 +15,12 @@ ends with bit-identical results.
 ``allreduce_tensors`` does the same for a list of tensors that fits one slot (the engine's fused
 gradients), without a staging buffer: the tensors are copied straight into views of the rank's slot,
 each rank reduces its part in place in its own slot, and the results are copied straight from the
-slots into the outputs. The views are built once per list of shapes and reused every step.
+slots into the outputs. The views are built once per list of shapes and reused every step. When the
+outputs are the inputs, a rank copies in only what its peers reduce and reduces its own part in place.
+
+When every local rank's tensor of a flat allreduce lives in torch shared memory (``share_memory_()``),
+the ranks say where in their control blocks, map each other's tensors (through ``/proc/<pid>/fd``) and
+skip the slots: each rank sums its part from every rank's tensor and writes the sum into all of them.
 """
 
 from __future__ import annotations
