@@ -957,18 +957,17 @@ class _FusionBatch:
 
 def _postscale(bufs: list[torch.Tensor], meta: dict[str, Any], size: int) -> None:
     """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype)."""
-    if meta["r"] == "average":
+    average = meta["r"] == "average"
+    if average and not bufs[0].is_floating_point():
+        for buf in bufs:
+            buf.floor_divide_(size)
+    elif average or meta["post"] != 1.0:
+        factor = meta["post"] / size if average else meta["post"]
         if bufs[0].is_floating_point():
-            torch._foreach_mul_(bufs, meta["post"] / size)
+            torch._foreach_mul_(bufs, factor)
         else:
             for buf in bufs:
-                buf.floor_divide_(size)
-    elif meta["post"] != 1.0:
-        if bufs[0].is_floating_point():
-            torch._foreach_mul_(bufs, meta["post"])
-        else:
-            for buf in bufs:
-                buf.mul_(meta["post"])
+                buf.mul_(factor)
 
 
 def _even_splits(rows: int, size: int) -> list[int]:

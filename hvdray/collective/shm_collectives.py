@@ -32,7 +32,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.multiprocessing
@@ -507,18 +507,7 @@ class _TensorsLayout:
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
-        # sources of the copy-out: (rank, start, stop, shape), whole tensors first, then straddling pieces
-        out_whole, out_pieces, whole_sources, piece_sources = [], [], [], []
-        for i, (lo, hi) in enumerate(zip(starts, starts[1:])):
-            owners = [p for p in range(size) if bounds[p] < hi and lo < bounds[p + 1]] or [0]
-            if len(owners) == 1:
-                out_whole.append(i)
-                whole_sources.append((owners[0], lo, hi, shapes[i]))
-            for p in owners if len(owners) > 1 else []:
-                a, b = max(lo, bounds[p]), min(hi, bounds[p + 1])
-                out_pieces.append((i, a - lo, b - lo))
-                piece_sources.append((p, a, b, None))
-        sources = whole_sources + piece_sources
+        whole, pieces = _spans(shapes, bounds)  # the copy-out's sources: whole tensors, then straddling pieces
         lo, hi = bounds[me], bounds[me + 1]
         scratch = torch.empty(numel if nbytes <= SMALL_ALLREDUCE_BYTES else 0, dtype=dtype)
         return cls(
@@ -528,9 +517,9 @@ class _TensorsLayout:
             own_part=[slots[h][me][lo:hi] for h in range(2)],
             peer_parts=[[slots[h][p][lo:hi] for p in range(size) if p != me] for h in range(2)],
             whole=[[slots[h][r][:numel] for r in range(size)] for h in range(2)],
-            out_src=[[slots[h][r][a:b] if shape is None else slots[h][r][a:b].view(shape)
-                      for r, a, b, shape in sources] for h in range(2)],
-            out_whole=out_whole, out_pieces=out_pieces, all_whole=not out_pieces, scratch=scratch,
+            out_src=[[_span_view(slots, h, span.owner, span) for span in whole + pieces] for h in range(2)],
+            out_whole=[span.tensor for span in whole], out_pieces=[span.piece for span in pieces],
+            all_whole=not pieces, scratch=scratch,
             scratch_views=[scratch[a:b].view(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
             if scratch.numel() else [],
             dtype=dtype, shapes=shapes,
@@ -627,42 +616,66 @@ class _InPlacePlan:
 
     @classmethod
     def build(cls, node: NodeCollectives, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> "_InPlacePlan":
-        sizes = [shape.numel() for shape in shapes]
-        me, size = node.local_rank, node.local_size
-        slots = node._views(dtype)
-        bounds = _part_bounds(sum(sizes), size, torch.empty((), dtype=dtype).element_size())
-        own_whole, own_pieces, other_whole, other_pieces, straddlers = [], [], [], [], []
-        own_src, other_src = [], []  # (offset, stop, shape or None) in the message, and the owner for others
-        start = 0
-        for i, n in enumerate(sizes):
-            stop = start + n
-            owners = [p for p in range(size) if bounds[p] < stop and start < bounds[p + 1]] or [0]
-            if len(owners) == 1:
-                (own_whole if owners[0] == me else other_whole).append(i)
-                (own_src if owners[0] == me else other_src).append((owners[0], start, stop, shapes[i]))
-            else:
-                straddlers.append(i)
-                for p in owners:
-                    a, b = max(start, bounds[p]), min(stop, bounds[p + 1])
-                    (own_pieces if p == me else other_pieces).append((i, a - start, b - start))
-                    (own_src if p == me else other_src).append((p, a, b, None))
-            start = stop
+        me, size, slots = node.local_rank, node.local_size, node._views(dtype)
+        isz = torch.empty((), dtype=dtype).element_size()
+        whole, pieces = _spans(shapes, _part_bounds(sum(shape.numel() for shape in shapes), size, isz))
         # whole tensors first, then pieces, as the per-step lists are built
-        own_src = [s for s in own_src if s[3] is not None] + [s for s in own_src if s[3] is None]
-        other_src = [s for s in other_src if s[3] is not None] + [s for s in other_src if s[3] is None]
-
-        def view(half: int, rank: int, a: int, b: int, shape: Optional[torch.Size]) -> torch.Tensor:
-            flat = slots[half][rank][a:b]
-            return flat if shape is None else flat.view(shape)
-
+        own = [span for span in whole + pieces if span.owner == me]
+        other = [span for span in whole + pieces if span.owner != me]
         return cls(
-            straddlers, own_whole, own_pieces, other_whole, other_pieces,
-            expose=[[view(h, me, a, b, shape) for _, a, b, shape in other_src] for h in range(2)],
-            peers_own=[[[view(h, p, a, b, shape) for _, a, b, shape in own_src] for p in range(size) if p != me]
+            straddlers=list(dict.fromkeys(span.tensor for span in pieces)),
+            own_whole=[span.tensor for span in whole if span.owner == me],
+            own_pieces=[span.piece for span in pieces if span.owner == me],
+            other_whole=[span.tensor for span in whole if span.owner != me],
+            other_pieces=[span.piece for span in pieces if span.owner != me],
+            expose=[[_span_view(slots, h, me, span) for span in other] for h in range(2)],
+            peers_own=[[[_span_view(slots, h, p, span) for span in own] for p in range(size) if p != me]
                        for h in range(2)],
-            publish=[[view(h, me, a, b, shape) for _, a, b, shape in own_src] for h in range(2)],
-            collect=[[view(h, owner, a, b, shape) for owner, a, b, shape in other_src] for h in range(2)],
+            publish=[[_span_view(slots, h, me, span) for span in own] for h in range(2)],
+            collect=[[_span_view(slots, h, span.owner, span) for span in other] for h in range(2)],
         )
+
+
+class _Span(NamedTuple):
+    """A tensor of a fused message, or the piece of one that straddles two ranks' parts, and the local
+    rank whose part holds it."""
+
+    tensor: int  # its index in the list
+    owner: int
+    start: int  # its place in the message, in elements
+    stop: int
+    shape: Optional[torch.Size]  # the tensor's shape when whole; None for a piece
+    tensor_start: int = 0  # where the whole tensor starts in the message (pieces)
+
+    @property
+    def piece(self) -> tuple[int, int, int]:
+        """(tensor, start, stop) of a piece, in elements of the flattened tensor."""
+        offset = self.start - self.tensor_start
+        return self.tensor, offset, offset + self.stop - self.start
+
+
+def _spans(shapes: Sequence[torch.Size], bounds: list[int]) -> tuple[list[_Span], list[_Span]]:
+    """The message's tensors that lie in one rank's part (in order), then the pieces of those that
+    straddle parts; ``bounds`` are the parts' offsets (:func:`_part_bounds`). A zero-size tensor is
+    rank 0's."""
+    whole: list[_Span] = []
+    pieces: list[_Span] = []
+    start = 0
+    for i, shape in enumerate(shapes):
+        stop = start + shape.numel()
+        owners = [p for p in range(len(bounds) - 1) if bounds[p] < stop and start < bounds[p + 1]] or [0]
+        if len(owners) == 1:
+            whole.append(_Span(i, owners[0], start, stop, shape))
+        else:
+            pieces.extend(_Span(i, p, max(start, bounds[p]), min(stop, bounds[p + 1]), None, start) for p in owners)
+        start = stop
+    return whole, pieces
+
+
+def _span_view(slots: list[list[torch.Tensor]], half: int, rank: int, span: _Span) -> torch.Tensor:
+    """Where ``span`` lies in ``rank``'s slot of ``half``: shaped like the tensor when whole, flat for a piece."""
+    flat = slots[half][rank][span.start : span.stop]
+    return flat if span.shape is None else flat.view(span.shape)
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:
