@@ -305,7 +305,7 @@ class _Timespec(ctypes.Structure):
 #: word offsets inside a rank's control block; _SLEEPS_ON holds 1 + the local rank whose counter this
 #: rank sleeps on (0: not sleeping)
 _COUNTER, _PID, _STATE, _SLEEPS_ON = 0, 1, 2, 3
-_STATE_LEFT = 1  # 2 + k: left because local rank k died
+_STATE_LEFT = 1  # failed or shut down itself; 2 + k: left because local rank k died or left
 _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
@@ -329,7 +329,7 @@ class NodeBarrier:
         self._futex = _Futex()
         self._seq = 0
         self._pids: dict[int, int] = {}
-        self._dead_peer: Optional[int] = None
+        self._cause: Optional[int] = None  # the local rank whose death or leaving made this one fail
         self._closed = False
         # for _full_fence: one lock per barrier, whose ops run one at a time, so taking it never fails
         self._fence_lock = _thread.allocate_lock()
@@ -397,16 +397,21 @@ class NodeBarrier:
             words[sleeps_on] = 0  # the segment stays mapped while an op runs (NodeCollectives.close)
 
     def _check_peer(self, peer: int, now: float, deadline: float) -> None:
-        for rank in range(self._size):
-            state = self._words[self._word(rank, _STATE)]
-            if state and rank != self._me:
-                why = "it failed or shut down" if state == _STATE_LEFT else f"local rank {state - 2} died"
-                raise SharedMemoryError(f"local rank {rank} left the shared-memory group ({why})")
+        states = {rank: self._words[self._word(rank, _STATE)] for rank in range(self._size) if rank != self._me}
+        # name a rank that failed by itself first: the others that left did so because of it
+        for rank in [r for r, state in states.items() if state == _STATE_LEFT] + list(states):
+            state = states[rank]
+            if state == _STATE_LEFT:
+                self._cause = rank
+                raise SharedMemoryError(f"local rank {rank} left the shared-memory group (it failed or shut down)")
+            if state:
+                self._cause = state - 2
+                raise SharedMemoryError(f"local rank {rank} left the shared-memory group (local rank {state - 2} died)")
         pid = self._pids.get(peer) or self._words[self._word(peer, _PID)]
         if pid:
             self._pids[peer] = pid
             if not process_alive(pid):
-                self._dead_peer = peer
+                self._cause = peer
                 raise SharedMemoryError(f"local rank {peer} (pid {pid}) died")
         if now >= deadline:
             raise SharedMemoryError(
@@ -418,6 +423,6 @@ class NodeBarrier:
         if self._closed or self._seg.address == 0:
             return
         self._closed = True
-        self._words[self._word(self._me, _STATE)] = _STATE_LEFT if self._dead_peer is None else 2 + self._dead_peer
+        self._words[self._word(self._me, _STATE)] = _STATE_LEFT if self._cause is None else 2 + self._cause
         for rank in range(self._size):
             self._futex.wake(self._seg.address + 4 * self._word(rank, _COUNTER))
