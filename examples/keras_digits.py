@@ -15,8 +15,7 @@ import argparse
 import sys
 import time
 
-from hvdray import RayExecutor, ray_logger
-from hvdray.cluster import init_ray
+from hvdray import RayExecutor, init_ray, ray_logger
 
 
 def train(epochs: int, lr: float, batch_size: int, seed: int) -> dict:

@@ -16,10 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from hvdray import RayExecutor, ray_logger
-from hvdray.cluster import init_ray
-from hvdray.metrics import MetricsHistory
-from hvdray.progress import ProgressBar
+from hvdray import MetricsHistory, ProgressBar, RayExecutor, init_ray, ray_logger
 
 
 class DigitsTrainer:

@@ -20,7 +20,7 @@ from ray import tune
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.bayesopt import BayesOptSearch
 
-from hvdray.cluster import init_ray
+from hvdray import init_ray
 from hvdray.tune import DistributedTrainableCreator, distributed_checkpoint_dir, report
 
 

@@ -13,11 +13,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "ElasticJobError": "hvdray.elastic.driver",
-    "ElasticRayExecutor": "hvdray.executor",
-    "RayExecutor": "hvdray.executor",
-    "WorkerLostError": "hvdray.executor",
+    "ElasticJobError": "hvdray.driver.controller",
+    "ElasticRayExecutor": "hvdray.driver.executor",
+    "MetricsHistory": "hvdray.driver.callbacks",
+    "ProgressBar": "hvdray.driver.callbacks",
+    "RayExecutor": "hvdray.driver.executor",
     "Settings": "hvdray.settings",
+    "WorkerLostError": "hvdray.driver.executor",
+    "init_ray": "hvdray.driver.cluster",
 }
 
 __all__ = [*sorted(_PUBLIC), "ray_logger", "__version__"]

@@ -214,9 +214,9 @@ def _alternate(executor: Any, fn: Callable[..., dict[str, float]], args: list[An
 
 def _idle_round(seconds: float) -> dict[str, float]:
     """Percent of one core the engine thread (and the whole worker process) uses while no op is submitted."""
-    from hvdray.collective import context
+    from hvdray.collective import session
 
-    engine = context.engine()
+    engine = session.engine()
     engine_clock = time.pthread_getcpuclockid(engine._thread.ident)
     time.sleep(1.0)  # let the engine back off to its idle tick
     thread_before, process_before = time.clock_gettime(engine_clock), time.process_time()

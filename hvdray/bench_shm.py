@@ -28,12 +28,12 @@ SHARED_TENSOR = "hvdray shm, tensor in shared memory"
 def _use_transport(shm: bool) -> str:
     """Restart this worker's hvdray with ``shm_transport`` on or off (every rank does it in one call)."""
     import hvdray.torch as hvd
-    from hvdray.collective import context
+    from hvdray.collective import session
 
-    context.settings().shm_transport = shm
+    session.settings().shm_transport = shm
     hvd.shutdown()
     hvd.init()
-    return context.engine().comm.transport
+    return session.engine().comm.transport
 
 
 def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:

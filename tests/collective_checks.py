@@ -23,15 +23,15 @@ def init():
 
 
 def transport():
-    from hvdray.collective import context
+    from hvdray.collective import session
 
-    return context.engine().comm.transport
+    return session.engine().comm.transport
 
 
 def job_files():
-    from hvdray.collective import context, shm
+    from hvdray.collective import session, shm
 
-    tag = shm.job_tag(context.job_secret())
+    tag = shm.job_tag(session.job_secret())
     return tag, [f for f in os.listdir(shm.SHM_DIR) if tag in f]
 
 

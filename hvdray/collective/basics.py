@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective import process_sets as process_sets_module
 from hvdray.collective.process_sets import (  # noqa: F401 - re-exported by every frontend
     ProcessSet,
@@ -22,43 +22,43 @@ def init(comm: Any = None, process_sets: Optional[Sequence[Any]] = None) -> None
     """
     if comm is not None:
         raise ValueError("comm: hvdray does not use MPI communicators; leave comm out")
-    context.init()
+    session.init()
     process_sets_module.add_initial_sets(process_sets)
 
 
-shutdown = context.shutdown
-is_initialized = context.is_initialized
-start_timeline = context.start_timeline
-stop_timeline = context.stop_timeline
+shutdown = session.shutdown
+is_initialized = session.is_initialized
+start_timeline = session.start_timeline
+stop_timeline = session.stop_timeline
 
 
 def rank() -> int:
-    return context.rank_info("hvd.rank()").rank
+    return session.rank_info("hvd.rank()").rank
 
 
 def size() -> int:
-    return context.rank_info("hvd.size()").size
+    return session.rank_info("hvd.size()").size
 
 
 def local_rank() -> int:
-    return context.rank_info("hvd.local_rank()").local_rank
+    return session.rank_info("hvd.local_rank()").local_rank
 
 
 def local_size() -> int:
-    return context.rank_info("hvd.local_size()").local_size
+    return session.rank_info("hvd.local_size()").local_size
 
 
 def cross_rank() -> int:
-    return context.rank_info("hvd.cross_rank()").cross_rank
+    return session.rank_info("hvd.cross_rank()").cross_rank
 
 
 def cross_size() -> int:
-    return context.rank_info("hvd.cross_size()").cross_size
+    return session.rank_info("hvd.cross_size()").cross_size
 
 
 def is_homogeneous() -> bool:
     """True when every node runs the same number of workers."""
-    info = context.rank_info("hvd.is_homogeneous()")
+    info = session.rank_info("hvd.is_homogeneous()")
     return info.local_size * info.cross_size == info.size
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import cloudpickle
 import torch
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective.communicator import GLOO_DTYPES
 from hvdray.collective.engine import GENERATED_NAME_MARK, Engine, Handle, Request
 from hvdray.collective.process_sets import ProcessSet, resolve
@@ -116,7 +116,7 @@ def check_name(name: Optional[str], op: str, engine: Optional[Engine] = None) ->
     every other argument check, so that a call that fails its checks on one rank does not use up a
     generated name there (the ranks' generated names would no longer match)."""
     if name is None:
-        return (engine or context.engine(op)).auto_name(op)
+        return (engine or session.engine(op)).auto_name(op)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     return name
@@ -160,7 +160,7 @@ def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
 
 def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
     """``root_rank`` (a global rank) checked against the job or the process set; returns its rank in the set."""
-    size = context.rank_info("broadcast").size
+    size = session.rank_info("broadcast").size
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
     if not 0 <= root_rank < size:
@@ -379,7 +379,7 @@ def barrier(process_set: Optional[ProcessSet] = None) -> None:
 
 def join() -> int:
     """Mark this rank done; joined ranks contribute zeros to allreduces. Returns the last rank to join."""
-    return context.engine("join").join().wait()
+    return session.engine("join").join().wait()
 
 
 # -- Python objects (pickled, authenticated with the job secret) --------------------------------
@@ -388,14 +388,14 @@ _MAC_BYTES = 32
 
 def _seal(obj: Any) -> torch.Tensor:
     body = cloudpickle.dumps(obj)
-    mac = hmac.new(context.job_secret(), body, hashlib.sha256).digest()
+    mac = hmac.new(session.job_secret(), body, hashlib.sha256).digest()
     return torch.frombuffer(bytearray(mac + body), dtype=torch.uint8)
 
 
 def _open(buf: torch.Tensor, what: str) -> Any:
     raw = buf.numpy().tobytes()
     mac, body = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
-    expected = hmac.new(context.job_secret(), body, hashlib.sha256).digest()
+    expected = hmac.new(session.job_secret(), body, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
         raise ValueError(f"{what}: payload failed authentication with the job secret; refusing to unpickle it")
     return cloudpickle.load(io.BytesIO(body))
@@ -418,7 +418,7 @@ def broadcast_object(
     """Root's picklable ``obj`` on every rank. If root cannot pickle it, every rank raises."""
     engine, ps = resolve(process_set, "broadcast_object")
     check_root(root_rank, ps)
-    is_root = context.rank_info().rank == root_rank
+    is_root = session.rank_info().rank == root_rank
     payload, error = _try_seal(obj) if is_root else (torch.empty(0, dtype=torch.uint8), None)
     name = check_name(name, "broadcast_object", engine)
     length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)

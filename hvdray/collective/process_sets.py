@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective.engine import Engine, Handle, Request
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,11 @@ class ProcessSet:
 
     def included(self) -> bool:
         """True if this process's rank is a member."""
-        return context.rank_info("ProcessSet.included()").rank in self.ranks
+        return session.rank_info("ProcessSet.included()").rank in self.ranks
 
     def rank(self) -> int:
         """This process's rank within the set (its position in ``ranks``)."""
-        me = context.rank_info("ProcessSet.rank()").rank
+        me = session.rank_info("ProcessSet.rank()").rank
         if me not in self.ranks:
             raise ValueError(f"process_set {self!r}: rank {me} is not a member")
         return self.ranks.index(me)
@@ -74,7 +74,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> list[int]:
-        return list(range(context.rank_info("global_process_set").size))
+        return list(range(session.rank_info("global_process_set").size))
 
     def __repr__(self) -> str:
         return "global_process_set"
@@ -96,7 +96,7 @@ def _forget_all() -> None:
         _next_id = GLOBAL_ID + 1
 
 
-context.on_shutdown(_forget_all)
+session.on_shutdown(_forget_all)
 
 
 def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
@@ -105,7 +105,7 @@ def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
     Raises a ValueError naming ``process_set`` when it is not registered or this rank is not a member.
     """
     if process_set is None or process_set is global_process_set:
-        return context.engine(what), global_process_set
+        return session.engine(what), global_process_set
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     set_id = process_set.process_set_id
@@ -114,10 +114,10 @@ def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
             f"process_set {process_set!r} is not registered; pass it to hvd.init(process_sets=[...]) or "
             "hvd.add_process_set() on every rank first"
         )
-    me = context.rank_info(what).rank
+    me = session.rank_info(what).rank
     if me not in process_set.ranks:
         raise ValueError(f"{what}: rank {me} is not a member of process_set {process_set!r}")
-    return context.engine(what, set_id), process_set
+    return session.engine(what, set_id), process_set
 
 
 def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
@@ -132,8 +132,8 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
             ps, problem = None, exc
     if ps is not None and (ps is global_process_set or ps.process_set_id is not None):
         raise ValueError(f"process_set {ps!r} is already registered")
-    info = context.rank_info("add_process_set")
-    engine = context.engine("add_process_set")
+    info = session.rank_info("add_process_set")
+    engine = session.engine("add_process_set")
     # every rank sends the ranks it passed (-1: invalid), so that a disagreement or a bad list fails on
     # every rank instead of leaving the others waiting
     mine = torch.tensor([-1] if ps is None else [len(ps.ranks), *ps.ranks], dtype=torch.int64)
@@ -167,7 +167,7 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
             raise ValueError(f"a process_set with ranks {ps.ranks} is already registered: {duplicate!r}")
         set_id, _next_id = _next_id, _next_id + 1
     if info.rank in ps.ranks:
-        context.start_set_engine(set_id, ps.ranks.index(info.rank), len(ps.ranks))
+        session.start_set_engine(set_id, ps.ranks.index(info.rank), len(ps.ranks))
     with _lock:
         ps.process_set_id = set_id
         _registered[set_id] = ps
@@ -184,12 +184,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set_id = process_set.process_set_id
     if set_id is None or _registered.get(set_id) is not process_set:
         return False
-    engine = context.engine("remove_process_set")
+    engine = session.engine("remove_process_set")
     # every member is here before any member's engine stops
     name = engine.auto_name("remove_process_set")
     barrier = {"o": "barrier", "n": name, "d": "", "s": [], "a": 1}
     engine.submit(Request(barrier, None, None, Handle(name))).wait()
-    context.stop_set_engine(set_id)
+    session.stop_set_engine(set_id)
     with _lock:
         _registered.pop(set_id, None)
         process_set.process_set_id = None

@@ -1,9 +1,8 @@
 """Elastic training, worker side: ``hvd.elastic.run``, states, and the errors that drive resets.
 
-The driver side (discovery, the state machine) lives in :mod:`hvdray.elastic.driver` and
-:mod:`hvdray.elastic.discovery` and is used through ``RayExecutor(min_workers=..., max_workers=...)``.
-The worker-side names are imported on first use, so that the driver (which imports this package for
-its state machine) does not import torch and the collective engine.
+The driver side (discovery, the state machine) lives in :mod:`hvdray.driver` and is used through
+``RayExecutor(min_workers=..., max_workers=...)``. The names are imported on first use, so that a
+process that only needs ``HorovodInternalError`` does not import torch and the collective engine.
 """
 
 from __future__ import annotations

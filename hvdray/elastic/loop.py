@@ -6,7 +6,7 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective.errors import HorovodInternalError
 from hvdray.elastic.state import HostsUpdatedInterrupt, State
 
@@ -47,7 +47,7 @@ def _reset() -> None:
     """Join the next membership epoch; a peer lost while connecting means waiting for the one after."""
     while True:
         try:
-            context.reset()
+            session.reset()
             return
         except HorovodInternalError as exc:
             log.warning("hvdray elastic: re-forming the ring failed (%s); waiting for the next membership", exc)

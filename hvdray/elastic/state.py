@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective import ops as _c
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class State(abc.ABC):
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if the driver announced new hosts."""
-        if not context.is_initialized():
+        if not session.is_initialized():
             return
-        pending = torch.tensor([context.host_updates()], dtype=torch.int64)
+        pending = torch.tensor([session.host_updates()], dtype=torch.int64)
         pending = _c.synchronize(_c.allreduce_async(pending, op=_c.Max, name="hvdray.elastic.host_updates"))
         if int(pending.item()) > 0:  # every rank sees the same maximum, so every rank raises here
             raise HostsUpdatedInterrupt(skip_sync=False)

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from hvdray.cluster import init_ray
-from hvdray.executor import RayExecutor
+from hvdray.driver.cluster import init_ray
+from hvdray.driver.executor import RayExecutor
 from hvdray.runner.script import ScriptFailed, ScriptSpec, format_record, run_script
 
 USAGE = "hvdrayrun -np N [options] python SCRIPT.py [ARGS ...]   (or: python -m MODULE [ARGS ...])"

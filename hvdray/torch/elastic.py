@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective import ops as _c
 from hvdray.elastic import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, run
 from hvdray.torch.functions import broadcast_optimizer_state, broadcast_parameters
@@ -81,11 +81,11 @@ class ElasticSampler(torch.utils.data.Sampler):
 
 
 def _current_rank() -> int:
-    return context.rank_info("ElasticSampler").rank if context.is_initialized() else 0
+    return session.rank_info("ElasticSampler").rank if session.is_initialized() else 0
 
 
 def _current_size() -> int:
-    return context.rank_info("ElasticSampler").size if context.is_initialized() else 1
+    return session.rank_info("ElasticSampler").size if session.is_initialized() else 1
 
 
 class TorchState(ObjectState):

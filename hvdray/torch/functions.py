@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective import ops as _c
 
 Params = Union[dict[str, Any], Iterable[Any]]
@@ -44,7 +44,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    is_root = context.rank_info("broadcast_optimizer_state").rank == root_rank
+    is_root = session.rank_info("broadcast_optimizer_state").rank == root_rank
     tensors: list[torch.Tensor] = []
     layout = _replace_tensors(optimizer.state_dict(), tensors) if is_root else None
     layout = _c.broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout")

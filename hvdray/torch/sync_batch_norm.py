@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdray.collective import context
+from hvdray.collective import session
 from hvdray.collective import ops as _c
 from hvdray.torch.ops import allreduce
 
@@ -23,7 +23,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training or not context.is_initialized() or context.rank_info().size == 1:
+        if not self.training or not session.is_initialized() or session.rank_info().size == 1:
             return super().forward(input)
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))

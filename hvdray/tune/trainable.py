@@ -21,8 +21,8 @@ try:  # what Trainable.save returns; Tune records no checkpoint for one whose ch
 except ImportError:  # Ray < 2.10
     from ray.train._internal.session import _TrainingResult
 
-from hvdray.actors.placement import PlacementPlan, plan_placement
-from hvdray.executor import RayExecutor, WorkerLostError
+from hvdray.driver.placement import PlacementPlan, plan_placement
+from hvdray.driver.executor import RayExecutor, WorkerLostError
 from hvdray.settings import Settings
 from hvdray.tune.channel import report_channel_class
 from hvdray.tune.packing import pack_directory, unpack_directory

@@ -17,10 +17,10 @@ def _synthetic_training(max_steps: int):
     import torch
 
     import hvdray.torch as hvd
-    from hvdray.collective import context
+    from hvdray.collective import session
 
     hvd.init()
-    engine = context.engine()
+    engine = session.engine()
     grads = [torch.ones(4096) for _ in range(48)]  # 48 x 16 KB per step
     step = 0
     while step < max_steps:

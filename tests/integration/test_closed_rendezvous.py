@@ -51,8 +51,8 @@ OUTSIDER = textwrap.dedent(
             outcome[label] = type(exc.cause if hasattr(exc, "cause") and exc.cause else exc).__name__ + ": " + str(exc)[-200:]
 
     # building a Gloo group on the job's store: the store's first call is refused
-    from hvdray.actors.coordinator import CoordinatorClient
-    from hvdray.actors.rendezvous import CoordinatorStore
+    from hvdray.driver.coordinator import CoordinatorClient
+    from hvdray.worker.rendezvous import CoordinatorStore
     from hvdray.collective.communicator import Communicator
     try:
         store = CoordinatorStore(CoordinatorClient(coordinator, b"y" * 32), "e1/gen1/", 5.0)

@@ -12,10 +12,10 @@ def _steady_state(steps: int):
     import torch
 
     import hvdray.torch as hvd
-    from hvdray.collective import context
+    from hvdray.collective import session
 
     hvd.init()
-    stats = context.engine().stats
+    stats = session.engine().stats
     grads = [torch.full((256,), float(hvd.rank() + i)) for i in range(12)]
     before = (stats.rounds, stats.full_rounds, stats.allreduce_calls, stats.fused_tensors)
     for _ in range(steps):

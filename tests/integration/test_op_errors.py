@@ -311,7 +311,7 @@ def _failing_execution():
     import torch
 
     import hvdray.torch as hvd
-    from hvdray.collective import context
+    from hvdray.collective import session
 
     hvd.init()
     torch.set_num_threads(1)
@@ -326,7 +326,7 @@ def _failing_execution():
             raise RuntimeError(f"injected {primitive} failure")
 
         # every rank's Gloo call fails once the op has been negotiated (no rank waits on a peer)
-        setattr(context.engine().comm, primitive, boom)
+        setattr(session.engine().comm, primitive, boom)
         handle = call()
         deadline = time.monotonic() + BOUND_S
         while not hvd.poll(handle) and time.monotonic() < deadline:

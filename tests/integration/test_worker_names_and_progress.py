@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from hvdray import RayExecutor, ray_logger
-from hvdray.metrics import MetricsHistory
-from hvdray.progress import ProgressBar
+from hvdray.driver.callbacks import MetricsHistory
+from hvdray.driver.callbacks import ProgressBar
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from hvdray.metrics import MetricsHistory
-from hvdray.progress import ProgressBar
+from hvdray.driver.callbacks import MetricsHistory
+from hvdray.driver.callbacks import ProgressBar
 
 RECORDS = [
     {"rank": 0, "epoch": 1, "loss": 2.0, "accuracy": 0.5, "phase": "warm-up"},

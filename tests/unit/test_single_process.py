@@ -62,9 +62,9 @@ def test_reinit_after_shutdown_works():
 
 
 def test_a_name_still_in_flight_is_refused_and_the_first_op_survives(single):
-    from hvdray.collective import context
+    from hvdray.collective import session
 
-    engine = context.engine()
+    engine = session.engine()
     x = torch.ones(3)
     with engine._lock:  # the engine thread cannot take the first op to run it while the test holds this
         first = hvd.allreduce_async(x, name="twice", op=hvd.Sum)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import hvdray.torch as hvd
-from hvdray.collective import context
+from hvdray.collective import session
 
 
 @pytest.fixture
 def engine():
     hvd.init()
     torch.set_num_threads(1)
-    yield context.engine()
+    yield session.engine()
     hvd.shutdown()
 
 
@@ -102,13 +102,13 @@ def test_a_learned_step_wakes_the_engine_once_not_once_per_gradient(engine):
 
 
 def test_a_fusion_buffers_worth_goes_before_the_step_is_whole(engine):
-    settings = context.settings()
+    settings = session.settings()
     hvd.shutdown()
     previous, settings.fusion_threshold_mb = settings.fusion_threshold_mb, 1000 / (1 << 20)  # 1000 bytes
     try:
         hvd.init()
         grads = _learn_a_step_of_six()  # 400 bytes each: three fusion buffers a step
-        stats = context.engine().stats
+        stats = session.engine().stats
         for _ in range(3):
             calls = stats.allreduce_calls
             handles = []
@@ -156,13 +156,13 @@ def test_a_partial_step_still_finishes_without_any_caller(engine):
 
 
 def test_an_idle_engine_with_fusion_off_does_not_spin(engine):
-    settings = context.settings()
+    settings = session.settings()
     hvd.shutdown()
     previous, settings.fusion_threshold_mb = settings.fusion_threshold_mb, 0.0
     try:
         hvd.init()
         _learn_a_step_of_six()
-        clock = time.pthread_getcpuclockid(context.engine()._thread.ident)
+        clock = time.pthread_getcpuclockid(session.engine()._thread.ident)
         before = time.clock_gettime(clock)
         time.sleep(0.5)  # nothing submitted: the engine must sleep, not tick back to back
         assert time.clock_gettime(clock) - before < 0.05

@@ -15,7 +15,7 @@ _ASK_EVERY_S = 5.0  # one coordinator call waits at most this long, so a vanishe
 
 
 class CoordinatorMembership:
-    """Implements :class:`hvdray.collective.context.Membership` over the coordinator actor."""
+    """Implements :class:`hvdray.collective.session.Membership` over the coordinator actor."""
 
     def __init__(self, coordinator: Any, worker_id: str, wait_limit_s: float) -> None:
         self._coordinator = coordinator

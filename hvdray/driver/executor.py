@@ -5,7 +5,7 @@ function to every worker and returns the results in rank order; a failing rank m
 that rank's exception at once, and the worker group is stopped and rebuilt before the next call.
 
 With ``min_workers``/``max_workers`` the job is elastic: no placement group, workers follow the
-cluster's free slots, and each ``run`` is driven by :class:`hvdray.elastic.driver.ElasticDriver`.
+cluster's free slots, and each ``run`` is driven by :class:`hvdray.driver.controller.ElasticDriver`.
 ``ElasticRayExecutor`` is the same thing under horovod.ray's elastic names.
 """
 
@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hvdray.actors.coordinator import start_coordinator
-from hvdray.actors.placement import Placement, plan_placement
-from hvdray.actors.worker import Worker, worker_actor_name
-from hvdray.elastic.discovery import HostDiscovery, RayNodeDiscovery
-from hvdray.elastic.driver import Blacklist, ElasticDriver, ElasticLimits
+from hvdray.driver.coordinator import start_coordinator
+from hvdray.driver.placement import Placement, plan_placement
+from hvdray.worker.actor import Worker, worker_actor_name
+from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
+from hvdray.driver.controller import Blacklist, ElasticDriver, ElasticLimits
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from hvdray import ray_logger
-from hvdray.actors.membership import CoordinatorMembership, export_rank_env
+from hvdray.worker.membership import CoordinatorMembership, export_rank_env
 from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
 
@@ -52,8 +52,8 @@ class Worker:
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
         the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
-        from hvdray.actors.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
-        from hvdray.collective import context
+        from hvdray.worker.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
+        from hvdray.collective import session
 
         self._coordinator = coordinator
         if settings.verbose >= 2:
@@ -63,8 +63,8 @@ class Worker:
         membership = None
         if worker_id is not None:
             membership = CoordinatorMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s)
-        context.configure(
-            context.JobConfig(
+        session.configure(
+            session.JobConfig(
                 rank_info=rank_info,
                 settings=settings,
                 secret=secret,
@@ -110,6 +110,6 @@ class Worker:
             self._flush_logs()
 
     def stop_collective(self) -> None:
-        from hvdray.collective import context
+        from hvdray.collective import session
 
-        context.shutdown()
+        session.shutdown()

@@ -7,7 +7,7 @@ from typing import Any, Callable, Protocol
 
 import ray
 
-from hvdray.actors.placement import worker_slots
+from hvdray.driver.placement import worker_slots
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from hvdray.actors.placement import node_worker_options
-from hvdray.actors.worker import Worker
+from hvdray.driver.placement import node_worker_options
+from hvdray.worker.actor import Worker
 from hvdray.collective.topology import WorkerSlot
-from hvdray.elastic.discovery import HostDiscovery, slots_per_node
+from hvdray.driver.discovery import HostDiscovery, slots_per_node
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)

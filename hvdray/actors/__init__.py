@@ -1,1 +1,0 @@
-"""Ray actors and placement: the coordinator, the workers, and the placement group they live in."""
