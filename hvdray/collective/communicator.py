@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo, ReduceOp
 
 from hvdray.collective import shm
+from hvdray.collective.adasum import adasum_tree
+from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.shm_collectives import REDUCERS, Finish, NodeCollectives, slot_bytes_for
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import NodeLayout, TransportOptions, TransportPlan, plan_transport
@@ -35,6 +37,16 @@ log = logging.getLogger(__name__)
 #: 1.3-1.6x for 256 B to 256 KB between 4, while from 1 MB Gloo's allreduce is as fast or faster
 #: (``python benchmarks/gloo_small.py``)
 GATHER_REDUCE_BYTES = 512 << 10
+
+#: the Gloo reduction of each of hvdray's (averaging is a sum here: the engine divides afterwards);
+#: Adasum is not a Gloo op (see :meth:`Communicator.allreduce`). Plain strings look up as well.
+GLOO_OPS = {
+    Reduction.SUM: ReduceOp.SUM,
+    Reduction.AVERAGE: ReduceOp.SUM,
+    Reduction.MIN: ReduceOp.MIN,
+    Reduction.MAX: ReduceOp.MAX,
+    Reduction.PRODUCT: ReduceOp.PRODUCT,
+}
 
 #: dtypes torch's Gloo backend can move and reduce.
 GLOO_DTYPES = (
@@ -190,9 +202,13 @@ class Communicator:
 
     # The engine's control traffic (and_flags, allgather_bytes) and its data ops share the private
     # _allreduce/_allgather below, so that the public data primitives stay separate methods.
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
-        """Reduce ``tensor`` in place across all ranks with ``op``."""
-        self._allreduce(tensor, op)
+    def allreduce(self, tensor: torch.Tensor, op: Reduction) -> None:
+        """Reduce ``tensor`` in place across all ranks with ``op`` (Adasum: gathered, then combined
+        pairwise in the same tree on every rank)."""
+        if op == Reduction.ADASUM:
+            tensor.copy_(adasum_tree(self._allgather(tensor)))
+            return
+        self._allreduce(tensor, GLOO_OPS[op])
 
     def _allreduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         if self._node is not None and tensor.numel():
@@ -208,7 +224,7 @@ class Communicator:
         return self._node.slot_bytes if self._node is not None else 0
 
     def allreduce_tensors(
-        self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: ReduceOp.RedOpType,
+        self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: Reduction,
         finish: Optional[Finish] = None, shapes: Optional[tuple[torch.Size, ...]] = None,
     ) -> None:
         """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
@@ -216,8 +232,9 @@ class Communicator:
         ``finish`` (elementwise, in place, on a list of tensors) runs on the reduced data before it
         reaches the outputs;
         ``shapes``: see :meth:`NodeCollectives.allreduce_tensors`."""
-        cross = self._cross_allreduce(op) if self._cross is not None else None
-        self._node.allreduce_tensors(inputs, outputs, op, cross, finish, shapes)
+        gloo_op = GLOO_OPS[op]
+        cross = self._cross_allreduce(gloo_op) if self._cross is not None else None
+        self._node.allreduce_tensors(inputs, outputs, gloo_op, cross, finish, shapes)
 
     def _cross_allreduce(self, op: ReduceOp.RedOpType) -> Callable[[torch.Tensor], None]:
         cross = self._cross
@@ -253,10 +270,10 @@ class Communicator:
     ) -> None:
         self._pg.alltoall_base(output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()).wait()
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> None:
         """``tensor`` holds ``size`` equal chunks along dim 0; rank r receives the reduced chunk r."""
         opts = dist.ReduceScatterOptions()
-        opts.reduceOp = op
+        opts.reduceOp = GLOO_OPS[op]
         self._pg._reduce_scatter_base(output, tensor, opts).wait()
 
 

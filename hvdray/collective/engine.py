@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.distributed import ReduceOp
 
-from hvdray.collective.adasum import adasum_tree
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
+from hvdray.collective.protocol import ReduceOp
 from hvdray.collective.response_cache import FlagVector, ResponseCache
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import reducescatter_rows
@@ -42,16 +41,6 @@ GENERATED_NAME_MARK = ".noname."
 #: one slot of the segment fuses, and batches end at that size (see Communicator.fused_message_bytes)
 DIRECT_BYTES = 1 << 20
 
-#: the reduction that is not a Gloo op: gathered, then combined pairwise (see collective/adasum.py)
-ADASUM = "adasum"
-
-GLOO_OPS = {
-    "sum": ReduceOp.SUM,
-    "average": ReduceOp.SUM,
-    "min": ReduceOp.MIN,
-    "max": ReduceOp.MAX,
-    "product": ReduceOp.PRODUCT,
-}
 
 
 class Handle:
@@ -658,7 +647,7 @@ class Engine:
             if meta["o"] != "allreduce":
                 close_batch()
                 plan.append(_Action(names=[name], metas=[meta], rank_metas=metas))
-            elif meta["r"] == ADASUM or _nbytes(meta) >= alone_from:
+            elif meta["r"] == ReduceOp.ADASUM or _nbytes(meta) >= alone_from:
                 # alone (Adasum's coefficients are per tensor); the small ones around it keep filling the batch
                 plan.append(_Action(names=[name], metas=[meta], fused=True, nbytes=_nbytes(meta)))
             else:
@@ -746,7 +735,7 @@ class Engine:
             if action.shapes is None:  # the same every time a cached plan runs: its metadata fixed them
                 action.shapes = tuple(t.shape for t in inputs)
             self.comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
-                inputs, outputs, GLOO_OPS[meta["r"]],
+                inputs, outputs, meta["r"],
                 (lambda reduced: _postscale(reduced, meta, self.size)) if scaled else None, shapes=action.shapes,
             )
             t_reduced = time.perf_counter() if timeline is not None else 0.0
@@ -805,10 +794,7 @@ class Engine:
     def _reduce(self, buf: torch.Tensor, meta: dict[str, Any]) -> None:
         if meta["pre"] != 1.0:
             buf.mul_(meta["pre"])
-        if meta["r"] == ADASUM:
-            buf.copy_(adasum_tree(self.comm.allgather(buf)))
-        else:
-            self.comm.allreduce(buf, GLOO_OPS[meta["r"]])
+        self.comm.allreduce(buf, meta["r"])
         _postscale([buf], meta, self.size)
 
     def _run_one(self, name: str, metas: dict[int, dict[str, Any]]) -> None:
@@ -887,7 +873,7 @@ class Engine:
         if meta["pre"] != 1.0:
             padded.mul_(meta["pre"])
         out = tensor.new_empty((most, *tensor.shape[1:]))
-        self.comm.reduce_scatter(out, padded, GLOO_OPS[meta["r"]])
+        self.comm.reduce_scatter(out, padded, meta["r"])
         out = out[: rows[self.rank]].clone()
         _postscale([out], meta, self.size)
         return out

@@ -7,7 +7,6 @@ blocking form is the async form plus ``synchronize``.
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import hmac
@@ -21,17 +20,7 @@ from hvdray.collective import session
 from hvdray.collective.communicator import GLOO_DTYPES
 from hvdray.collective.engine import GENERATED_NAME_MARK, Engine, Handle, Request
 from hvdray.collective.process_sets import ProcessSet, resolve
-
-
-class ReduceOp(str, enum.Enum):
-    """How allreduce and reducescatter combine tensors (Horovod's ``hvd.Average`` and friends)."""
-
-    AVERAGE = "average"
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    ADASUM = "adasum"  # see hvdray/collective/adasum.py
+from hvdray.collective.protocol import ReduceOp
 
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
