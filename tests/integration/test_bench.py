@@ -1,4 +1,4 @@
-"""``hvdray-bench --quick`` end to end: it runs every section in real Ray workers and writes sane
+"""``python benchmarks/bench.py --quick`` end to end: it runs every section in real Ray workers and writes sane
 JSON, markdown and PNG results."""
 
 from __future__ import annotations
@@ -8,15 +8,18 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_sane_results(tmp_path):
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "hvdray.bench", "--quick", "--no-shm-rows", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--no-shm-rows", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -44,12 +47,13 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     assert set(idle) == {"hvdray engine thread", "whole worker process"}
     assert report["meta"]["workers"] == 2 and report["meta"]["horovod"]
     table = (tmp_path / "bench.md").read_text()
-    assert table.count("\n| ") == len(rows) + 2 and "hvdray-bench --quick" in table  # header, rule, rows
+    assert table.count("\n| ") == len(rows) + 2 and "benchmarks/bench.py --quick" in table  # header, rule, rows
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters():
-    from hvdray.bench import resnet50_gradient_shapes
+def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench import resnet50_gradient_shapes
 
     shapes = resnet50_gradient_shapes()
     assert len(shapes) == 161

@@ -2,11 +2,11 @@
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
 For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
-throughput of ``hvdray.bench``'s model with ``DistributedOptimizer`` (vs DDP). ``hvdray-bench`` adds
+throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). ``benchmarks/bench.py`` adds
 these rows to its report; run alone it prints them:
 
-    python -m hvdray.bench_shm --local-ranks 2 4 --repeats 5      # --quick for a smoke run
-    python -m hvdray.bench_shm --rows bandwidth latency           # only some rows
+    python benchmarks/bench_shm.py --local-ranks 2 4 --repeats 5      # --quick for a smoke run
+    python benchmarks/bench_shm.py --rows bandwidth latency           # only some rows
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import sys
 from typing import Callable
 
 import ray
+import ray.cloudpickle
 
-from hvdray import bench
+from harness import alternate, setup_raw_gloo, timed, training_round
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
@@ -45,13 +48,13 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     import hvdray.torch as hvd
 
     tensor = torch.ones(max(1, int(size_mb * 1024 * 1024 // 4)))
-    times = {"raw gloo": bench._timed(lambda: dist.all_reduce(tensor), iterations)}
+    times = {"raw gloo": timed(lambda: dist.all_reduce(tensor), iterations)}
     for impl, shm in TRANSPORTS.items():
         _use_transport(shm)
-        times[impl] = bench._timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
+        times[impl] = timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
         if shm:
             shared = tensor.clone().share_memory_()
-            times[SHARED_TENSOR] = bench._timed(
+            times[SHARED_TENSOR] = timed(
                 lambda: hvd.allreduce_(shared, op=hvd.Sum, name="shm_bench"), iterations
             )
     return times
@@ -62,7 +65,7 @@ def _training_round(steps: int, batch: int) -> dict[str, float]:
     rates: dict[str, float] = {}
     for impl, shm in TRANSPORTS.items():
         _use_transport(shm)
-        measured = bench._training_round(steps, batch)
+        measured = training_round(steps, batch)
         rates.setdefault("DDP (gloo)", measured["DDP (gloo)"])
         rates[f"{impl} DistributedOptimizer"] = measured["hvdray DistributedOptimizer"]
     return rates
@@ -80,20 +83,20 @@ def shared_memory_rows(
     for n in local_ranks:
         settings = RayExecutor.create_settings(timeout_s=120)
         with RayExecutor(settings, num_workers=n, cpus_per_worker=min(1.0, 4 / n)) as ex:
-            ex.run(bench._setup_raw_gloo)
+            ex.run(setup_raw_gloo)
             assert ex.run(_use_transport, args=[True]) == ["shm"] * n, "the shared-memory transport is not in use"
             if "bandwidth" in rows:
                 size = 64
-                samples = bench._alternate(ex, _allreduce_round, [size, 2 if quick else 5], repeats)
+                samples = alternate(ex, _allreduce_round, [size, 2 if quick else 5], repeats)
                 busbw = {k: [2 * (n - 1) / n * size * 1024 * 1024 / t / 1e9 for t in v] for k, v in samples.items()}
                 record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
             if "latency" in rows:
                 for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
-                    samples = bench._alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
+                    samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
                     micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:
-                record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", bench._alternate(
+                record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", alternate(
                     ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
 
 
