@@ -157,16 +157,15 @@ def test_cached_plans_and_staging_views_are_kept_until_the_buffer_grows():
 # -- the learned step ---------------------------------------------------------------------------
 def test_a_closed_step_is_learned_and_forgotten():
     step = LearnedStep()
-    step.add(1, 100)
-    step.add(2, 100)
+    step.add([1, 2], 200)
     step.learn_if_over()
     assert step.expected == frozenset()  # not closed yet
     step.closing = True
     step.learn_if_over()
     assert step.expected == {1, 2} and not step.current and not step.closing
-    step.add(1, 50)
+    step.add([1], 50)
     assert not step.submitted_whole() and step.missing() == 1
-    step.add(2, 50)
+    step.add([2], 50)
     assert step.submitted_whole()
     step.forget()
     assert step.expected == frozenset() and step.missing() == 1

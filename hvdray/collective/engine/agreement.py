@@ -50,16 +50,21 @@ class Agreement:
 
     def sort(self, queue: list[Request]) -> None:
         """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name)."""
-        cache, step = self.cache, self.step
+        lookup = self.cache.lookup if self.cache.enabled else None
+        outbox, slot_requests = self.outbox, self.slot_requests
+        slots, nbytes = [], 0
         for request in queue:
             desc = request.desc
-            slot = None if desc.generated or not cache.enabled else cache.lookup(desc)
+            slot = None if lookup is None or desc.generated else lookup(desc)
             if slot is None:
-                self.outbox.append(request)
+                outbox.append(request)
             else:
-                self.slot_requests[slot] = request
-                # its description's shape and dtype: the cache matched them
-                step.add(slot, 0 if request.tensor is None else request.tensor.nbytes)
+                slot_requests[slot] = request
+                slots.append(slot)
+                if request.tensor is not None:  # its description's shape and dtype: the cache matched them
+                    nbytes += request.tensor.nbytes
+        if slots:
+            self.step.add(slots, nbytes)
 
     def rank0_wants_full(self) -> bool:
         """Rank 0 asks for a full round to drop stalled ops, take a census of a stalled cached op, or send

@@ -24,9 +24,9 @@ class LearnedStep:
         self.closing = False
         self.unsent_bytes = 0  # of cached requests sorted since the last tick
 
-    def add(self, slot: int, nbytes: int) -> None:
-        """A request went to cached ``slot``."""
-        self.current.add(slot)
+    def add(self, slots: list[int], nbytes: int) -> None:
+        """Requests of ``nbytes`` in all went to these cached slots."""
+        self.current.update(slots)
         self.unsent_bytes += nbytes
 
     def learn_if_over(self) -> None:
