@@ -200,16 +200,6 @@ class Engine:
             agreement.planner.fusion_bytes / (1024 * 1024), self._cycle_s * 1000.0, agreement.cache.enabled
         )
 
-    @property
-    def _expected(self) -> frozenset[int]:
-        """The cached slots of this rank's learned step (tests read it)."""
-        return self._step.expected
-
-    @property
-    def _tuner(self) -> Optional[Autotuner]:
-        """Rank 0's autotuner (tests read it)."""
-        return self._agreement.tuner
-
     def _raise_if_stopped(self) -> None:
         if self._error is not None:
             raise self._error
