@@ -18,9 +18,9 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective.communicator import GLOO_DTYPES
-from hvdray.collective.engine import GENERATED_NAME_MARK, Engine, Handle, Request
+from hvdray.collective.engine import Engine, Handle, Request
 from hvdray.collective.process_sets import ProcessSet, resolve
-from hvdray.collective.protocol import ReduceOp
+from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc
 
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
@@ -162,21 +162,13 @@ def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
     return ranks.index(root_rank)
 
 
-def _meta(op: str, name: str, tensor: torch.Tensor, **extra: Any) -> dict[str, Any]:
-    # filled into the keyword dict itself, not copied into a new one: this runs for every gradient of every step
-    extra["o"], extra["n"], extra["d"], extra["s"] = op, name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape)
-    if GENERATED_NAME_MARK in name:
-        extra["a"] = 1  # generated names never repeat: the engine does not cache them
-    return extra
+def _desc(kind: OpKind, name: str, tensor: torch.Tensor, **fields: Any) -> OpDesc:
+    """The description of an op on ``tensor`` (not an allreduce's: see :func:`_allreduce_desc`)."""
+    return OpDesc(name, kind, tensor.dtype, tensor.shape, generated=GENERATED_NAME_MARK in name, **fields)
 
 
-_DTYPE_NAMES = {d: str(d) for d in GLOO_DTYPES}
-
-
-def _submit(
-    engine: Engine, meta: dict[str, Any], tensor: Optional[torch.Tensor], output: Optional[torch.Tensor]
-) -> Handle:
-    return engine.submit(Request(meta, tensor, output, Handle(meta["n"])))
+def _submit(engine: Engine, desc: OpDesc, tensor: Optional[torch.Tensor], output: Optional[torch.Tensor]) -> Handle:
+    return engine.submit(Request(desc, tensor, output, Handle(desc.name)))
 
 
 def _first(results: list[Any]) -> Any:
@@ -212,21 +204,20 @@ def _allreduce_requests(
     NaN mask's beside it (Gloo's min/max keep or drop a NaN depending on the order of the operands;
     IEEE 754's minimum/maximum, and torch, propagate it)."""
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
-    requests = [Request(_allreduce_meta(name, tensor, op._value_, pre, post), tensor, out, Handle(name))]
+    requests = [Request(_allreduce_desc(name, tensor, op, pre, post), tensor, out, Handle(name))]
     if (op is Min or op is Max) and tensor.is_floating_point():
         nan, nan_name = tensor.isnan(), f"{name}.nan"
-        nan_meta = _allreduce_meta(nan_name, nan, Max.value, 1.0, 1.0)
-        requests.append(Request(nan_meta, nan, torch.empty_like(nan), Handle(nan_name)))
+        nan_desc = _allreduce_desc(nan_name, nan, Max, 1.0, 1.0)
+        requests.append(Request(nan_desc, nan, torch.empty_like(nan), Handle(nan_name)))
     return requests
 
 
-def _allreduce_meta(name: str, tensor: torch.Tensor, reduction: str, pre: float, post: float) -> dict[str, Any]:
-    """:func:`_meta` of an allreduce, as one dict display (this runs for every gradient of every step)."""
-    meta = {"o": "allreduce", "n": name, "d": _DTYPE_NAMES[tensor.dtype], "s": list(tensor.shape), "r": reduction,
-            "pre": pre, "post": post}
-    if GENERATED_NAME_MARK in name:
-        meta["a"] = 1
-    return meta
+def _allreduce_desc(name: str, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> OpDesc:
+    """An allreduce's description, built positionally (this runs for every gradient of every step)."""
+    return OpDesc(name, _ALLREDUCE, tensor.dtype, tensor.shape, op, pre, post, None, None, GENERATED_NAME_MARK in name)
+
+
+_ALLREDUCE = OpKind.ALLREDUCE
 
 
 def _propagate_nan(results: list[torch.Tensor]) -> torch.Tensor:
@@ -284,7 +275,7 @@ def allgather_async(
         raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
     engine, _ = resolve(process_set, "allgather")
     name = check_name(name, "allgather", engine)
-    return OpHandle([_submit(engine, _meta("allgather", name, tensor), tensor, None)], _first)
+    return OpHandle([_submit(engine, _desc(OpKind.ALLGATHER, name, tensor), tensor, None)], _first)
 
 
 def broadcast_async(
@@ -300,7 +291,7 @@ def broadcast_async(
     root = check_root(root_rank, ps)
     name = check_name(name, "broadcast", engine)
     out = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return OpHandle([_submit(engine, _meta("broadcast", name, tensor, root=root), tensor, out)], _first)
+    return OpHandle([_submit(engine, _desc(OpKind.BROADCAST, name, tensor, root=root), tensor, out)], _first)
 
 
 def alltoall_async(
@@ -331,8 +322,8 @@ def alltoall_async(
             f"{label} without splits needs dim 0 ({tensor.shape[0]}) divisible by the number of ranks ({size})"
         )
     name = check_name(name, "alltoall", engine)
-    meta = _meta("alltoall", name, tensor, sp=split_list)
-    return OpHandle([_submit(engine, meta, tensor, None)], _first)
+    desc = _desc(OpKind.ALLTOALL, name, tensor, splits=split_list)
+    return OpHandle([_submit(engine, desc, tensor, None)], _first)
 
 
 def reducescatter_async(
@@ -355,15 +346,15 @@ def reducescatter_async(
     post = check_scale(postscale_factor, "postscale_factor", tensor)
     engine, _ = resolve(process_set, "reducescatter")
     name = check_name(name, "reducescatter", engine)
-    meta = _meta("reducescatter", name, tensor, r=op.value, pre=pre, post=post)
-    return OpHandle([_submit(engine, meta, tensor, None)], _first)
+    desc = _desc(OpKind.REDUCESCATTER, name, tensor, reduce_op=op, prescale=pre, postscale=post)
+    return OpHandle([_submit(engine, desc, tensor, None)], _first)
 
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Return once every rank (of ``process_set``) has reached this barrier."""
     engine, _ = resolve(process_set, "barrier")
     name = engine.auto_name("barrier")
-    _submit(engine, {"o": "barrier", "n": name, "d": "", "s": [], "a": 1}, None, None).wait()
+    _submit(engine, barrier_desc(name), None, None).wait()
 
 
 def join() -> int:

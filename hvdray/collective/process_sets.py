@@ -19,6 +19,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective.engine import Engine, Handle, Request
+from hvdray.collective.protocol import OpDesc, OpKind, barrier_desc
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,8 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
     # every rank instead of leaving the others waiting
     mine = torch.tensor([-1] if ps is None else [len(ps.ranks), *ps.ranks], dtype=torch.int64)
     name = engine.auto_name("add_process_set")
-    meta = {"o": "allgather", "n": name, "d": str(mine.dtype), "s": list(mine.shape), "a": 1}
-    gathered = engine.submit(Request(meta, mine, None, Handle(name))).wait().tolist()
+    desc = OpDesc(name, OpKind.ALLGATHER, mine.dtype, mine.shape, generated=True)
+    gathered = engine.submit(Request(desc, mine, None, Handle(name))).wait().tolist()
     passed: list[Optional[list[int]]] = []
     offset = 0
     for _ in range(info.size):
@@ -187,8 +188,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     engine = session.engine("remove_process_set")
     # every member is here before any member's engine stops
     name = engine.auto_name("remove_process_set")
-    barrier = {"o": "barrier", "n": name, "d": "", "s": [], "a": 1}
-    engine.submit(Request(barrier, None, None, Handle(name))).wait()
+    engine.submit(Request(barrier_desc(name), None, None, Handle(name))).wait()
     session.stop_set_engine(set_id)
     with _lock:
         _registered.pop(set_id, None)

@@ -1,18 +1,28 @@
 """What every layer of the collective stack agrees on about an op: one definition, read everywhere.
 
-The frontends build op descriptions, the engine negotiates and fuses them, the transports run them.
+The frontends build op descriptions (:class:`OpDesc`), the engine negotiates and fuses them, the
+transports run them. A description crosses the wire only while its name is negotiated, as the compact
+JSON list :meth:`OpDesc.to_wire` gives; nothing read from a socket is ever unpickled.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+#: part of every generated op name (``allreduce.noname.3``); such names are never cached
+GENERATED_NAME_MARK = ".noname."
 
 
 class ReduceOp(str, enum.Enum):
     """How allreduce and reducescatter combine tensors (Horovod's ``hvd.Average`` and friends).
 
-    A ``str`` enum: a member equals (and hashes as) its value, so the engine's wire format carries the
-    plain string and tables keyed by members answer to it."""
+    A ``str`` enum: a member equals (and hashes as) its value, so tables keyed by members answer to
+    the plain string too."""
 
     AVERAGE = "average"  # a sum on the wire; the engine divides by the number of ranks afterwards
     SUM = "sum"
@@ -20,3 +30,90 @@ class ReduceOp(str, enum.Enum):
     MAX = "max"
     PRODUCT = "product"
     ADASUM = "adasum"  # see hvdray/collective/adasum.py
+
+
+class OpKind(enum.Enum):
+    """Which collective an op is; its value is the op's name in messages and on the wire."""
+
+    ALLREDUCE = "allreduce"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    ALLTOALL = "alltoall"
+    REDUCESCATTER = "reducescatter"
+    BARRIER = "barrier"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: ops whose every dimension must agree across ranks (the others may differ in dim 0)
+SAME_SHAPE_KINDS = frozenset((OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER))
+
+_DTYPE_OF_NAME: dict[str, torch.dtype] = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@dataclass(slots=True)
+class OpDesc:
+    """One op as one rank submitted it: what every rank must agree on before it runs.
+
+    Built for every gradient of every step, so the constructor validates nothing (the frontends'
+    argument checks did). ``shape`` may be the tensor's own ``torch.Size`` (a tuple)."""
+
+    name: str
+    kind: OpKind
+    dtype: Optional[torch.dtype]  # None for a barrier
+    shape: Sequence[int]
+    reduce_op: Optional[ReduceOp] = None  # allreduce and reducescatter
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: Optional[int] = None  # broadcast: the root's rank in the process set
+    splits: Optional[list[int]] = None  # alltoall: rows sent to each rank (None: even)
+    generated: bool = False  # an engine-generated name, which never repeats: never cached
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the op's tensor on this rank."""
+        return math.prod(self.shape) * self.dtype.itemsize if self.dtype is not None else 0
+
+    def matches(self, other: "OpDesc") -> bool:
+        """The same op apart from its name: the response cache's test that a request fits its slot
+        (run for every cached op of every step, so the cheap and telling fields come first)."""
+        return (
+            self.shape == other.shape and self.kind is other.kind and self.dtype is other.dtype
+            and self.reduce_op is other.reduce_op and self.prescale == other.prescale
+            and self.postscale == other.postscale and self.root == other.root and self.splits == other.splits
+        )
+
+    def to_wire(self) -> list[Any]:
+        """The JSON-ready form sent while the name is negotiated."""
+        return [
+            self.kind.value, self.name, "" if self.dtype is None else str(self.dtype), list(self.shape),
+            None if self.reduce_op is None else self.reduce_op.value, self.prescale, self.postscale, self.root,
+            self.splits, 1 if self.generated else 0,
+        ]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[Any]) -> "OpDesc":
+        """A peer's :meth:`to_wire` back; a ValueError if it is not one."""
+        try:
+            kind, name, dtype, shape, reduce_op, pre, post, root, splits, generated = wire
+            return cls(
+                str(name), OpKind(kind), _DTYPE_OF_NAME[dtype] if dtype else None, tuple(int(n) for n in shape),
+                None if reduce_op is None else ReduceOp(reduce_op), float(pre), float(post),
+                None if root is None else int(root), None if splits is None else [int(n) for n in splits],
+                bool(generated),
+            )
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"not an op description: {wire!r}") from exc
+
+    def describe(self, field_name: str) -> Any:
+        """A field's value as messages print it (a shape as a list, an enum as its value)."""
+        value = getattr(self, field_name)
+        if field_name == "shape":
+            return list(value)
+        return value.value if isinstance(value, enum.Enum) else value
+
+
+def barrier_desc(name: str) -> OpDesc:
+    """A barrier's description: no tensor, and a generated name (barriers are never cached)."""
+    return OpDesc(name, OpKind.BARRIER, None, (), generated=True)

@@ -29,7 +29,7 @@ def _synthetic_training(max_steps: int):
             hvd.synchronize(h)
         step += 1
         if step % 10 == 0:  # rank 0 knows when its tuner is done; tell everybody
-            done = float(engine._tuner.done if engine._tuner is not None else 0.0)
+            done = float(engine._agreement.tuner.done if engine._agreement.tuner is not None else 0.0)
             if hvd.allreduce(torch.tensor([done]), op=hvd.Max, name="tuner.done").item() == 1.0:
                 break
     tuned = engine.tuned

@@ -3,11 +3,12 @@
 import numpy as np
 import torch
 
-from hvdray.collective.response_cache import FlagVector, ResponseCache
+from hvdray.collective.engine.cache import FlagVector, ResponseCache
+from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 
 
-def meta(name, shape=(4,), dtype="torch.float32"):
-    return {"o": "allreduce", "n": name, "d": dtype, "s": list(shape), "r": "sum", "pre": 1.0, "post": 1.0}
+def meta(name, shape=(4,), dtype=torch.float32):
+    return OpDesc(name, OpKind.ALLREDUCE, dtype, tuple(shape), ReduceOp.SUM)
 
 
 def test_lookup_needs_the_same_metadata_as_this_rank_negotiated():
@@ -15,7 +16,8 @@ def test_lookup_needs_the_same_metadata_as_this_rank_negotiated():
     cache.put("w", {0: meta("w"), 1: meta("w")}, round_no=1)
     assert cache.lookup(meta("w")) == cache.slot_of("w")
     assert cache.lookup(meta("w", shape=(5,))) is None
-    assert cache.lookup(meta("w", dtype="torch.float64")) is None
+    assert cache.lookup(meta("w", dtype=torch.float64)) is None
+    assert cache.lookup(meta("w", shape=torch.Size([4]))) == cache.slot_of("w")  # a tensor's own shape matches
     assert cache.lookup(meta("other")) is None
 
 

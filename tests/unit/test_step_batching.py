@@ -126,7 +126,7 @@ def test_a_fusion_buffers_worth_goes_before_the_step_is_whole(engine):
 
 def test_an_op_outside_the_learned_step_is_not_held_back(engine):
     _learn_a_step_of_six()
-    assert len(engine._expected) == 6  # the step was learned
+    assert len(engine._step.expected) == 6  # the step was learned
     hvd.allreduce(torch.ones(3), name="metric")  # negotiated once, cached from now on
     took = []
     for _ in range(5):

@@ -2,39 +2,47 @@
 
 Every rank holds an identical cache, because every change to it is derived from data all ranks share
 (completed negotiations, announcements, the round number). A rank whose new request matches its own
-cached metadata only raises the slot's flag; one bitwise-AND allreduce of the flags per tick tells every rank
+cached description only raises the slot's flag; one bitwise-AND allreduce of the flags per tick tells every rank
 which cached tensors are ready everywhere, which are pending somewhere, and whether anybody needs a
 full (named, JSON) negotiation round this tick.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from hvdray.collective.protocol import OpDesc
+
+#: every rank's description of one op, by rank
+RankDescs = dict[int, OpDesc]
+
+
 class ResponseCache:
-    """Slots ``0..capacity-1`` holding every rank's metadata for one negotiated tensor name."""
+    """Slots ``0..capacity-1`` holding every rank's description of one negotiated op name."""
 
     def __init__(self, capacity: int, rank: int) -> None:
         self.capacity = capacity
+        #: replicated: autotune switches caching on or off on every rank in the same round
+        self.enabled = capacity > 0
         self._rank = rank
         self._slot_of: dict[str, int] = {}
-        self._metas: dict[int, dict[int, dict[str, Any]]] = {}
+        self._descs: dict[int, RankDescs] = {}
         self._name_of: dict[int, str] = {}
         self._last_used: dict[int, int] = {}
-        self._mine: dict[int, dict[str, Any]] = {}  # this rank's metadata per slot
+        self._mine: dict[int, OpDesc] = {}  # this rank's description per slot
         self._free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def lookup(self, meta: dict[str, Any]) -> Optional[int]:
-        """The slot for this rank's request, if its name is cached with this rank's identical metadata
-        (op, dtype, shape, reduction, root, scale factors, splits: the whole metadata dict, compared in C)."""
-        slot = self._slot_of.get(meta["n"])
-        if slot is None or self._mine[slot] != meta:
+    def lookup(self, desc: OpDesc) -> Optional[int]:
+        """The slot for this rank's request, if its name is cached with this rank's identical description
+        (op, dtype, shape, reduction, root, scale factors, splits)."""
+        slot = self._slot_of.get(desc.name)
+        if slot is None or not self._mine[slot].matches(desc):
             return None
         return slot
 
@@ -44,13 +52,13 @@ class ResponseCache:
     def name_of(self, slot: int) -> str:
         return self._name_of[slot]
 
-    def metas(self, slot: int) -> dict[int, dict[str, Any]]:
-        return self._metas[slot]
+    def descs(self, slot: int) -> RankDescs:
+        return self._descs[slot]
 
     def touch(self, slot: int, round_no: int) -> None:
         self._last_used[slot] = round_no
 
-    def put(self, name: str, metas: dict[int, dict[str, Any]], round_no: int) -> Optional[int]:
+    def put(self, name: str, descs: RankDescs, round_no: int) -> Optional[int]:
         """Cache a completed negotiation; returns the slot evicted to make room, if any."""
         if self.capacity == 0 or name in self._slot_of:
             return None
@@ -61,15 +69,15 @@ class ResponseCache:
         slot = self._free.pop()
         self._slot_of[name] = slot
         self._name_of[slot] = name
-        self._metas[slot] = metas
-        self._mine[slot] = metas[self._rank]
+        self._descs[slot] = descs
+        self._mine[slot] = descs[self._rank]
         self._last_used[slot] = round_no
         return evicted
 
     def evict(self, name: str) -> Optional[int]:
         slot = self._slot_of.pop(name, None)
         if slot is not None:
-            del self._name_of[slot], self._metas[slot], self._last_used[slot], self._mine[slot]
+            del self._name_of[slot], self._descs[slot], self._last_used[slot], self._mine[slot]
             self._free.append(slot)
         return slot
 

@@ -1,0 +1,173 @@
+"""What every rank agrees to run each tick, and the state that keeps the ranks' decisions identical.
+
+The :class:`Agreement` composes the replicated parts (the negotiation table, the response cache,
+the fusion planner, the round number) with this rank's requests waiting on them (on a cached slot,
+or to be announced by name), the learned step and rank 0's stall inspector and autotuner. The engine
+thread drives it: sort new requests, fill the flags, say and absorb a full round's messages, plan
+what is ready. It never runs an op and never takes the engine's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from hvdray.collective.autotune import Autotuner, TunedParams
+from hvdray.collective.engine.cache import FlagVector, ResponseCache
+from hvdray.collective.engine.fusion import Action, FusionPlanner, ReadyOp
+from hvdray.collective.engine.handle import Request
+from hvdray.collective.engine.negotiation import NegotiationTable, RoundMessage
+from hvdray.collective.engine.stall import StallInspector
+from hvdray.collective.engine.steps import LearnedStep
+
+log = logging.getLogger(__name__)
+
+
+class Agreement:
+    """One rank's side of the ranks' agreement on what runs when. Engine thread only; ``step`` is shared
+    with the engine's submission side, which touches it under the engine's lock."""
+
+    def __init__(
+        self, rank: int, size: int, fusion_threshold_bytes: int, stall_warning_s: float, stall_shutdown_s: float,
+        cache_capacity: int, tuner: Optional[Autotuner],
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.round = 0
+        self.table = NegotiationTable(size)
+        self.cache = ResponseCache(cache_capacity, rank)
+        self.flags = FlagVector(cache_capacity)
+        self.planner = FusionPlanner(fusion_threshold_bytes)
+        self.stall = StallInspector(size, stall_warning_s, stall_shutdown_s)
+        self.tuner = tuner if rank == 0 else None
+        self.step = LearnedStep()
+        # this rank's requests not running yet: waiting on a cached slot, or to be announced by name
+        self.slot_requests: dict[int, Request] = {}
+        self.outbox: list[Request] = []
+
+    def sort(self, queue: list[Request]) -> None:
+        """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name)."""
+        lookup = self.cache.lookup if self.cache.enabled else None
+        outbox, slot_requests = self.outbox, self.slot_requests
+        slots, nbytes = [], 0
+        for request in queue:
+            desc = request.desc
+            slot = None if lookup is None or desc.generated else lookup(desc)
+            if slot is None:
+                outbox.append(request)
+            else:
+                slot_requests[slot] = request
+                slots.append(slot)
+                if request.tensor is not None:  # its description's shape and dtype: the cache matched them
+                    nbytes += request.tensor.nbytes
+        if slots:
+            self.step.add(slots, nbytes)
+
+    def rank0_wants_full(self) -> bool:
+        """Rank 0 asks for a full round to drop stalled ops, take a census of a stalled cached op, or send
+        autotune's next parameters."""
+        stalls = self.stall.wants_full_round(self.table.announced, self.table.joined)
+        return stalls or (self.tuner is not None and self.tuner.pending is not None)
+
+    def fill_flags(self, wants_full: bool) -> torch.Tensor:
+        """This tick's flag vector, to be AND-combined across ranks."""
+        return self.flags.fill(list(self.slot_requests), self.rank in self.table.joined, wants_full)
+
+    def read_flags(self) -> tuple[list[int], list[int], bool]:
+        """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round."""
+        self.round += 1
+        return self.flags.read()
+
+    # -- a full round ------------------------------------------------------------------------
+    def message(self, join: bool, stop: bool) -> RoundMessage:
+        """What this rank says in this full round."""
+        message = RoundMessage(
+            announce=[r.desc for r in self.outbox], census=sorted(self.slot_requests), join=join, stop=stop
+        )
+        self.outbox = []
+        if self.rank == 0:
+            message.drops = self.stall.take_drops()
+        if self.tuner is not None:
+            message.tune = self.tuner.take_pending(time.perf_counter())
+        return message
+
+    def absorb(self, messages: list[RoundMessage]) -> tuple[bool, list[tuple[str, list[int]]]]:
+        """Every rank's message of this round, in rank order. Returns whether it brought new work, and
+        the stalled names that rank 0 dropped (forgotten here), each with the ranks that never submitted it."""
+        busy, announced = self.table.absorb(messages, time.monotonic())
+        for name in announced:
+            if self.cache.slot_of(name) is not None:
+                self._uncache(name)  # announced by name again: renegotiate it everywhere
+        if self.rank == 0:
+            self.stall.take_census(messages)
+        if messages[0].tune is not None:
+            self._apply(messages[0].tune)
+        for name, _ in messages[0].drops:
+            self.table.drop(name)
+            slot = self.cache.slot_of(name)
+            if slot is not None:
+                self.slot_requests.pop(slot, None)
+                self.stall.forget_slot(slot)
+        return busy, messages[0].drops
+
+    def _apply(self, params: TunedParams) -> None:
+        """Autotune's fusion and cache parameters, applied by every rank in the same round (rank 0 sent them;
+        the engine applies the cycle time)."""
+        self.planner.fusion_bytes = int(params.fusion_threshold_mb * 1024 * 1024)
+        self.cache.enabled = params.cache_enabled and self.cache.capacity > 0
+        self._forget_plans()
+        log.debug("rank %d applies autotuned %s", self.rank, params)
+
+    def _uncache(self, name: str) -> None:
+        """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
+        slot = self.cache.evict(name)
+        self._forget_plans()
+        request = self.slot_requests.pop(slot, None) if slot is not None else None
+        if request is not None:
+            self.outbox.append(request)
+        self.stall.forget_slot(slot)
+
+    def _forget_plans(self) -> None:
+        """Slots changed meaning or fusion changed: plan ready slots again, and learn the step again."""
+        self.planner.forget()
+        self.step.forget()
+
+    # -- what is ready -------------------------------------------------------------------------
+    def ready_plan(self, ready_slots: list[int], fused_message_bytes: int) -> list[Action]:
+        """What runs now: cached slots in slot order, then newly negotiated names in announcement order
+        (the same on every rank), consecutive compatible allreduces fused."""
+        cache = self.cache
+        for slot in ready_slots:
+            self.slot_requests.pop(slot, None)  # a joined rank has none pending
+            cache.touch(slot, self.round)
+        newly = self.table.take_ready()
+        if ready_slots and not newly and not self.table.joined:
+            # the steady state: the same cached tensors every step, planned once
+            return self.planner.cached_plan(
+                tuple(ready_slots),
+                lambda: [ReadyOp(cache.name_of(slot), cache.descs(slot), True) for slot in ready_slots],
+                fused_message_bytes,
+            )
+        ready = [ReadyOp(cache.name_of(slot), cache.descs(slot), True) for slot in ready_slots]
+        ready += [ReadyOp(name, descs, False) for name, descs in newly]
+        return self.planner.plan(self._agree(ready), fused_message_bytes)
+
+    def _agree(self, ready: list[ReadyOp]) -> list[ReadyOp]:
+        """Find each ready op's problem (a mismatch, or not runnable with joined ranks) and cache the newly
+        agreed names, in order (the same on every rank, so every rank gives them the same slots)."""
+        cache, table = self.cache, self.table
+        for op in ready:
+            op.problem = table.problem(op.name, op.descs, op.cached)
+            if (
+                op.problem is None and cache.enabled and not op.cached and not op.desc.generated
+                and len(op.descs) == self.size
+            ):
+                evicted = cache.put(op.name, op.descs, self.round)
+                if evicted is not None:
+                    self._forget_plans()
+                    if evicted in self.slot_requests:
+                        self.outbox.append(self.slot_requests.pop(evicted))
+        return ready

@@ -1,0 +1,231 @@
+"""Running planned actions on the communicator: fused and lone allreduces and every other op.
+
+The executor finishes each request's handle and, while a timeline records, writes each op's phases.
+It calls the communicator through ``comm`` at every op (a test may replace one of its primitives).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hvdray.collective.communicator import Communicator
+from hvdray.collective.engine.cache import RankDescs
+from hvdray.collective.engine.fusion import Action, FusionPlanner
+from hvdray.collective.engine.handle import Request
+from hvdray.collective.errors import HvdrayError
+from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
+from hvdray.collective.timeline import Timeline
+from hvdray.collective.topology import reducescatter_rows
+
+
+@dataclass
+class EngineStats:
+    """Counters a test or a benchmark can read: rounds, ops, and fused Gloo calls."""
+
+    rounds: int = 0
+    full_rounds: int = 0
+    ops: int = 0
+    allreduce_calls: int = 0
+    fused_tensors: int = 0
+    wakeups: int = 0  # times the engine thread woke up (notified or timed out) while waiting for work
+
+
+class Executor:
+    """Runs one rank's actions (engine thread only)."""
+
+    def __init__(self, comm: Communicator, planner: FusionPlanner, stats: EngineStats) -> None:
+        self.comm = comm
+        self._size = comm.size
+        self._rank = comm.rank
+        self._planner = planner
+        self._stats = stats
+        self.tick_bytes = 0  # bytes reduced in this tick (autotune's score)
+        self._timeline: Optional[Timeline] = None
+        self._pid = 0
+        self._ready_at = 0.0
+
+    def start_tick(self, timeline: Optional[Timeline], pid: int) -> Optional[float]:
+        """The timeline this tick's ops are traced in (if any) under trace process ``pid``; returns the
+        time the tick's ops became ready, when tracing."""
+        self._timeline, self._pid = timeline, pid
+        if timeline is not None:
+            self._ready_at = time.perf_counter()
+            return self._ready_at
+        return None
+
+    # -- allreduce -----------------------------------------------------------------------------
+    def allreduce(self, action: Action, requests: list[Optional[Request]]) -> None:
+        """One allreduce for the action's tensors: alone in its output, or fused (a joined rank, which has
+        no request, contributes zeros)."""
+        desc = action.descs[0]
+        comm = self.comm
+        timeline = self._timeline
+        t_start = time.perf_counter() if timeline is not None else 0.0
+        if len(requests) == 1:
+            req = requests[0]
+            src = req.tensor if req is not None else torch.zeros(desc.shape, dtype=desc.dtype)
+            buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
+            if buf is not src:
+                buf.copy_(src)
+            t_copied = time.perf_counter() if timeline is not None else 0.0
+            self._reduce(buf, desc)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self.tick_bytes += buf.numel() * buf.element_size()
+            if req is not None and buf is not req.output:
+                req.output.copy_(buf)
+        elif (
+            action.nbytes <= comm.fused_message_bytes and desc.prescale == 1.0
+            and all(req is not None for req in requests)
+        ):
+            # the transport copies the tensors straight in and the results straight out: no staging
+            outputs = [req.output for req in requests]
+            t_copied = t_start
+            scaled = desc.reduce_op is ReduceOp.AVERAGE or desc.postscale != 1.0
+            inputs = [req.tensor for req in requests]
+            if action.shapes is None:  # the same every time a cached plan runs: its descriptions fixed them
+                action.shapes = tuple(t.shape for t in inputs)
+            comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
+                inputs, outputs, desc.reduce_op,
+                (lambda reduced: postscale(reduced, desc, self._size)) if scaled else None, shapes=action.shapes,
+            )
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self.tick_bytes += action.nbytes
+            self._stats.fused_tensors += len(requests)
+        else:
+            views = self._planner.staging_views(action)
+            # one C++ call copies every tensor in and one copies every result out (a Python loop of
+            # copies costs ~10 us a tensor); a joined rank contributes zeros
+            if all(req is not None for req in requests):
+                torch._foreach_copy_(views, [req.tensor for req in requests])
+            else:
+                for view, req in zip(views, requests):
+                    if req is None:
+                        view.zero_()
+                    else:
+                        view.copy_(req.tensor)
+            t_copied = time.perf_counter() if timeline is not None else 0.0
+            self._reduce(action.flat, desc)
+            t_reduced = time.perf_counter() if timeline is not None else 0.0
+            self.tick_bytes += action.flat.numel() * action.flat.element_size()
+            self._stats.fused_tensors += len(requests)
+            done = [(req.output, view) for req, view in zip(requests, views) if req is not None]
+            torch._foreach_copy_([out for out, _ in done], [view for _, view in done])
+        present = [req for req in requests if req is not None]
+        if timeline is not None:
+            t_done = time.perf_counter()
+            fused = {"tensors": len(requests), "bytes": action.nbytes}
+            for req in present:
+                self._trace_start(timeline, req, t_start)
+                timeline.phase(self._pid, req.name, "FUSION-COPY", t_start, t_copied)
+                timeline.phase(self._pid, req.name, "REDUCE", t_copied, t_reduced, fused)
+                timeline.phase(self._pid, req.name, "COPY-OUT", t_reduced, t_done)
+        self._stats.allreduce_calls += 1
+        self._stats.ops += len(requests)
+        for req in present:
+            req.handle._finish(result=req.output)
+
+    def _reduce(self, buf: torch.Tensor, desc: OpDesc) -> None:
+        if desc.prescale != 1.0:
+            buf.mul_(desc.prescale)
+        self.comm.allreduce(buf, desc.reduce_op)
+        postscale([buf], desc, self._size)
+
+    # -- every other op ------------------------------------------------------------------------
+    def run_one(self, action: Action, request: Request) -> None:
+        """A broadcast, allgather, alltoall, reducescatter or barrier, whose request every rank has."""
+        desc = action.descs[0]
+        kind = desc.kind
+        t_start = time.perf_counter() if self._timeline is not None else 0.0
+        if kind is OpKind.BARRIER:
+            result = None
+        elif kind is OpKind.BROADCAST:
+            result = self._broadcast(request, desc)
+        elif kind is OpKind.ALLGATHER:
+            result = self._allgather(request, action.rank_descs)
+        elif kind is OpKind.ALLTOALL:
+            result = self._alltoall(request, action.rank_descs)
+        elif kind is OpKind.REDUCESCATTER:
+            result = self._reducescatter(request, desc)
+        else:
+            raise HvdrayError(f"unknown op {kind!r} for {desc.name!r}")
+        self._stats.ops += 1
+        timeline = self._timeline
+        if timeline is not None:
+            self._trace_start(timeline, request, t_start)
+            timeline.phase(self._pid, request.name, kind.value.upper(), t_start, time.perf_counter())
+        request.handle._finish(result=result)
+
+    def _broadcast(self, request: Request, desc: OpDesc) -> torch.Tensor:
+        out = request.output
+        buf = out if out.is_contiguous() else torch.empty_like(out)
+        if buf is not request.tensor:
+            buf.copy_(request.tensor)
+        self.comm.broadcast(buf, desc.root)
+        if buf is not out:
+            out.copy_(buf)
+        return out
+
+    def _allgather(self, request: Request, descs: RankDescs) -> torch.Tensor:
+        tensor = request.tensor.contiguous()
+        rows = [descs[r].shape[0] for r in range(self._size)]
+        longest = max(rows)
+        if all(n == longest for n in rows):
+            parts = self.comm.allgather(tensor)
+        else:
+            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+            padded[: tensor.shape[0]] = tensor
+            parts = [p[:n] for p, n in zip(self.comm.allgather(padded), rows)]
+        return torch.cat(parts)
+
+    def _alltoall(self, request: Request, descs: RankDescs) -> tuple[torch.Tensor, torch.Tensor]:
+        tensor = request.tensor.contiguous()
+        size = self._size
+        splits_of = [descs[r].splits or [descs[r].shape[0] // size] * size for r in range(size)]
+        send = splits_of[self._rank]
+        recv = [splits_of[r][self._rank] for r in range(size)]
+        output = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+        self.comm.alltoall(output, tensor, recv, send)
+        return output, torch.tensor(recv, dtype=torch.int32)
+
+    def _reducescatter(self, request: Request, desc: OpDesc) -> torch.Tensor:
+        tensor = request.tensor
+        rows = reducescatter_rows(tensor.shape[0], self._size)
+        most = rows[0]
+        padded = tensor.new_zeros((most * self._size, *tensor.shape[1:]))
+        offset = 0
+        for r, n in enumerate(rows):
+            padded[r * most : r * most + n] = tensor[offset : offset + n]
+            offset += n
+        if desc.prescale != 1.0:
+            padded.mul_(desc.prescale)
+        out = tensor.new_empty((most, *tensor.shape[1:]))
+        self.comm.reduce_scatter(out, padded, desc.reduce_op)
+        out = out[: rows[self._rank]].clone()
+        postscale([out], desc, self._size)
+        return out
+
+    def _trace_start(self, timeline: Timeline, request: Request, started: float) -> None:
+        """NEGOTIATE (submitted until ready everywhere) and QUEUE (ready until its work began)."""
+        ready = min(max(self._ready_at, request.submitted) or started, started)
+        if request.submitted:
+            timeline.phase(self._pid, request.name, "NEGOTIATE", min(request.submitted, ready), ready)
+        timeline.phase(self._pid, request.name, "QUEUE", ready, started)
+
+
+def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
+    """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype)."""
+    average = desc.reduce_op is ReduceOp.AVERAGE
+    if average and not bufs[0].is_floating_point():
+        for buf in bufs:
+            buf.floor_divide_(size)
+    elif average or desc.postscale != 1.0:
+        factor = desc.postscale / size if average else desc.postscale
+        if bufs[0].is_floating_point():
+            torch._foreach_mul_(bufs, factor)
+        else:
+            for buf in bufs:
+                buf.mul_(factor)

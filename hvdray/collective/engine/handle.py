@@ -1,0 +1,68 @@
+"""What one submitted op is to its caller (:class:`Handle`) and to the engine (:class:`Request`)."""
+
+from __future__ import annotations
+
+import _thread
+from typing import Any, Callable, Optional
+
+import torch
+
+from hvdray.collective.protocol import OpDesc
+
+
+class Handle:
+    """The future of one submitted op: ``done()`` polls, ``wait()`` blocks and returns or raises.
+
+    A bare lock serves as the one-shot latch (held until the op finishes): far cheaper to create than
+    a ``threading.Event``, which matters with hundreds of gradients per step.
+    """
+
+    __slots__ = ("_latch", "_done", "_result", "_error", "name", "_on_wait")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._on_wait: Optional[Callable[["Handle"], None]] = None  # the engine's nudge: someone now waits on this op
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()
+        self._done = False
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        """True once the op finished; a poll also tells the engine that someone wants it now."""
+        if not self._done and self._on_wait is not None:
+            self._on_wait(self)  # someone polls: they want this op now, not at the end of a batching window
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """The op's result (or its error raised), once it has finished."""
+        if not self._done:
+            if self._on_wait is not None:
+                self._on_wait(self)
+            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
+            self._latch.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self._result, self._error = result, error
+        self._done = True
+        self._latch.release()
+
+
+class Request:
+    """One op submitted on this rank: its description, which every rank sees, plus the local tensors."""
+
+    __slots__ = ("desc", "name", "tensor", "output", "handle", "submitted")
+
+    def __init__(
+        self, desc: OpDesc, tensor: Optional[torch.Tensor], output: Optional[torch.Tensor], handle: Handle
+    ) -> None:
+        self.desc = desc
+        self.name = desc.name
+        self.tensor = tensor
+        self.output = output
+        self.handle = handle
+        self.submitted = 0.0  # time.perf_counter() at submission, taken only while a timeline records

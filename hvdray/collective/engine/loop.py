@@ -1,0 +1,381 @@
+"""The engine: one background thread per worker (per process set) that ticks, negotiates and runs ops.
+
+Every op is asynchronous: ``submit`` returns a :class:`Handle` at once. Each tick every rank raises
+one flag bit per cached op it has pending and the ranks AND the flags together (one tiny collective);
+when a rank has something new to say (a new name, a join, a shutdown) the tick also has a full round,
+in which every rank sends a JSON message and receives everyone's, so that every rank holds the same
+table of announced ops and derives the same decisions from it. Then every rank runs what is ready
+everywhere, in the same order, fused where it can be.
+
+The Engine composes the parts: the negotiation table (negotiation.py), the response cache
+(cache.py), the learned step (steps.py), the stall inspector (stall.py), the fusion planner
+(fusion.py) and the executor (execute.py). It alone holds the lock shared with submitting threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from hvdray.collective.autotune import Autotuner, TunedParams
+from hvdray.collective.communicator import Communicator
+from hvdray.collective.engine.agreement import Agreement
+from hvdray.collective.engine.execute import EngineStats, Executor
+from hvdray.collective.engine.fusion import Action
+from hvdray.collective.engine.handle import Handle, Request
+from hvdray.collective.engine.negotiation import RoundMessage
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
+from hvdray.collective.protocol import GENERATED_NAME_MARK
+from hvdray.collective.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+#: a wake-up threshold no submission reaches
+_NEVER = sys.maxsize
+
+
+class Engine:
+    """Runs one rank's collectives on a background thread. Create after the Communicator exists."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        cycle_time_s: float,
+        idle_cycle_time_s: float,
+        fusion_threshold_bytes: int,
+        stall_warning_s: float,
+        stall_shutdown_s: float,
+        cache_capacity: int = 1024,
+        tuner: Optional[Autotuner] = None,
+    ) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.stats = EngineStats()
+        self._cycle_s = cycle_time_s
+        self._idle_s = idle_cycle_time_s
+
+        # the fields below are shared with submitting threads; ``with self._lock`` takes the lock itself,
+        # since a Condition's with-statement costs two Python calls on every op's submission
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # the engine thread sleeps on it between ticks
+        self._queue: list[Request] = []
+        self._local: dict[str, Request] = {}  # submitted here, not finished yet
+        self._running: list[Request] = []  # taken out of _local, executing now (engine thread only)
+        self._join_handle: Optional[Handle] = None
+        self._join_announce = False
+        self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
+        self._shutdown_requested = False
+        self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
+        # while it sleeps: how many queued requests, or queued bytes, make it worth waking the engine (a
+        # step's remaining tensors, the rest of a fusion buffer), so that a backward pass submitting
+        # hundreds of gradients does not wake the engine thread once per gradient
+        self._wake_count = 1
+        self._wake_bytes = 0
+        self._queued_bytes = 0
+        self._error: Optional[BaseException] = None
+        self._name_counters: dict[str, int] = {}
+
+        # engine thread only (its learned step is shared with _nudge, under the lock)
+        self._agreement = Agreement(
+            self.rank, self.size, fusion_threshold_bytes, stall_warning_s, stall_shutdown_s, cache_capacity, tuner
+        )
+        self._step = self._agreement.step
+        self._executor = Executor(comm, self._agreement.planner, self.stats)
+
+        # set from other threads (start/stop_timeline); the engine thread reads it once per tick
+        self.timeline: Optional[Timeline] = None
+        self.timeline_pid = 0  # the trace "process" this engine's rows go to (its process set id)
+
+        self._thread = threading.Thread(target=self._loop, name=f"hvdray-engine-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- submission (any thread) ------------------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        """Submit one request (:meth:`submit_many` of one, without its group bookkeeping: every gradient
+        of every step comes this way)."""
+        with self._lock:
+            if self._error is not None or self._shutdown_requested:
+                self._raise_if_stopped()
+            local, name = self._local, request.name
+            if name in local:
+                self._refuse_duplicate(local[name])
+            request.handle._on_wait = self._nudge
+            if self.timeline is not None:
+                request.submitted = time.perf_counter()
+            local[name] = request
+            if request.tensor is not None:
+                self._queued_bytes += request.tensor.nbytes
+            self._queue.append(request)
+            self._wake_if_due()
+        return request.handle
+
+    def _wake_if_due(self) -> None:
+        """After queueing (under the lock): wake a sleeping engine once what is queued is worth a tick."""
+        if self._sleeping and (len(self._queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes):
+            self._wake.notify()
+
+    def _refuse_duplicate(self, request: Request) -> None:
+        raise ValueError(
+            f"an op named {request.name!r} ({request.desc.kind}) is still in flight on rank {self.rank}; names "
+            "of outstanding ops must be unique"
+        )
+
+    def submit_many(self, requests: Sequence[Request]) -> None:
+        """Submit several requests at once (a grouped op's tensors): one lock acquisition, all or none."""
+        with self._lock:
+            if self._error is not None or self._shutdown_requested:
+                self._raise_if_stopped()
+            local = self._local
+            seen: set[str] = set()
+            for request in requests:
+                name = request.name
+                if name in local or name in seen:
+                    self._refuse_duplicate(local.get(name) or request)
+                seen.add(name)
+            submitted = time.perf_counter() if self.timeline is not None else 0.0
+            nudge = self._nudge
+            nbytes = self._queued_bytes
+            for request in requests:
+                request.submitted = submitted
+                request.handle._on_wait = nudge
+                local[request.name] = request
+                if request.tensor is not None:
+                    nbytes += request.tensor.nbytes
+            self._queued_bytes = nbytes
+            self._queue.extend(requests)
+            self._wake_if_due()  # a busy engine looks at the queue before it sleeps again
+
+    def _nudge(self, handle: Handle) -> None:
+        """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
+        with self._lock:
+            request = self._local.get(handle.name)
+            if request is None or request.handle is not handle:
+                return  # already taken to run (or finished): nothing to hurry, and no step to end
+            self._step.closing = True
+            if self._waited is not request:
+                self._waited = request
+                self._wake.notify()
+
+    def auto_name(self, op: str) -> str:
+        """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
+        with self._lock:
+            n = self._name_counters.get(op, 0)
+            self._name_counters[op] = n + 1
+        return f"{op}{GENERATED_NAME_MARK}{n}"
+
+    def join(self) -> Handle:
+        """This rank is done: it contributes zeros to allreduces until every rank has joined."""
+        with self._lock:
+            self._raise_if_stopped()
+            if self._join_handle is not None:
+                raise ValueError(f"rank {self.rank} has already joined")
+            self._join_handle = Handle("join")
+            self._join_announce = True
+            self._wake.notify()
+            return self._join_handle
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell every rank to stop after this round; wait for the thread, then drop the group."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+        self.comm.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def tuned(self) -> TunedParams:
+        """The fusion threshold, cycle time and cache switch in force now."""
+        agreement = self._agreement
+        return TunedParams(
+            agreement.planner.fusion_bytes / (1024 * 1024), self._cycle_s * 1000.0, agreement.cache.enabled
+        )
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._shutdown_requested:
+            raise HorovodInternalError("hvdray is shutting down; no new ops are accepted")
+
+    # -- the loop (engine thread) -----------------------------------------------------------
+    def _loop(self) -> None:
+        # Ops write into the user's tensors in place (allreduce_, broadcast_ on parameters): never
+        # record autograd history for them. Grad mode is per thread, so this affects this thread only.
+        torch.set_grad_enabled(False)
+        wait_s = self._cycle_s
+        agreement, executor = self._agreement, self._executor
+        table = agreement.table
+        try:
+            while True:
+                wants_full = self._collect(wait_s)
+                self.comm.and_flags(agreement.fill_flags(wants_full))
+                ready_slots, pending_somewhere, full = agreement.read_flags()
+                self.stats.rounds += 1
+                busy = bool(ready_slots or pending_somewhere)
+                if full:
+                    self.stats.full_rounds += 1
+                    new_work = self._full_round()
+                    if new_work is None:
+                        return
+                    busy = new_work or busy
+                if self.rank == 0:
+                    agreement.stall.watch_cached(pending_somewhere, ready_slots, agreement.cache, table.joined)
+                timeline = self.timeline
+                ready_at = executor.start_tick(timeline, self.timeline_pid)
+                if busy and timeline is not None:
+                    timeline.cycle(self.timeline_pid, ready_at)
+                for action in agreement.ready_plan(ready_slots, self.comm.fused_message_bytes):
+                    self._run(action)
+                if table.everyone_joined:
+                    self._finish_join(table.finish_join())
+                if agreement.tuner is not None and executor.tick_bytes:
+                    agreement.tuner.record(executor.tick_bytes, time.perf_counter())
+                executor.tick_bytes = 0
+                wait_s = self._cycle_s if (busy or table.announced or table.joined) else min(wait_s * 2, self._idle_s)
+        except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
+            error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
+                f"collective communication failed on rank {self.rank}: {exc}"
+            )
+            if not isinstance(exc, HvdrayError):
+                error.__cause__ = exc
+            log.debug("engine stopped: %s", error)
+            self._fail_all(error)
+            # Close at once: peers blocked on this rank then fail now instead of at their timeout.
+            self.comm.close()
+
+    def _collect(self, wait_s: float) -> bool:
+        """Wait for this tick, sorting new requests into cached slots and the outbox as they come; True if
+        this rank needs a full (named) negotiation round.
+
+        When to tick: at once on shutdown, join, or when a caller blocks on (or polls) an op; otherwise new
+        work with nothing older in flight goes at once, except that once this rank's steps repeat, a step
+        goes when all of it has been submitted, or a fusion buffer's worth of it: one negotiation and one
+        fused reduction per step instead of one per early tensor (see steps.py). With older work in
+        flight the tick paces by the cycle time, so that tensors arriving together are negotiated and
+        fused together.
+        """
+        started = time.monotonic()
+        deadline = started + wait_s
+        step, agreement = self._step, self._agreement
+        fusion_bytes = agreement.planner.fusion_bytes
+        with self._lock:
+            older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
+            if not older:
+                step.learn_if_over()
+            while True:
+                if self._queue:
+                    agreement.sort(self._queue)
+                    self._queue = []
+                    self._queued_bytes = 0
+                waited = self._waited  # still in flight: a nudge from before its op finished does not count
+                if self._shutdown_requested or self._join_announce or (
+                    waited is not None and self._local.get(waited.name) is waited
+                ):
+                    break
+                now = time.monotonic()
+                if step.expected and not older:
+                    if step.submitted_whole():
+                        step.closing = True
+                        break
+                    if agreement.outbox or step.unsent_bytes and step.unsent_bytes >= fusion_bytes:
+                        break
+                    limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
+                    # wake for the step's missing tensors or a fusion buffer's worth (a caller that
+                    # blocks on an op ticks at once through the nudge, whatever it submitted)
+                    wake_count = step.missing()
+                    wake_bytes = max(1, fusion_bytes - step.unsent_bytes)
+                else:
+                    if self._local and not older:
+                        break
+                    limit = deadline
+                    # with older work in flight the tick waits for the cycle's end whatever arrives
+                    wake_count, wake_bytes = (1, 0) if not older else (_NEVER, _NEVER)
+                if now >= limit:
+                    break
+                self._wake_count, self._wake_bytes = wake_count, wake_bytes
+                self._sleeping = True
+                self._wake.wait(limit - now)
+                self._sleeping = False
+                self.stats.wakeups += 1
+            self._waited = None
+            step.unsent_bytes = 0
+            wants_full = bool(self._join_announce or self._shutdown_requested)
+        if self.rank == 0:
+            wants_full = agreement.rank0_wants_full() or wants_full
+        return wants_full or bool(agreement.outbox)
+
+    # -- a full round ------------------------------------------------------------------------
+    def _full_round(self) -> Optional[bool]:
+        """Say this rank's message and absorb everyone's: whether they brought new work, or None when a
+        rank shuts down (every op here has failed then)."""
+        with self._lock:
+            join, self._join_announce = self._join_announce, False
+            stop = self._shutdown_requested
+        payload = self._agreement.message(join, stop).encode()
+        messages = [RoundMessage.decode(p) for p in self.comm.allgather_bytes(payload)]
+        stop_ranks = [r for r, m in enumerate(messages) if m.stop]
+        if stop_ranks:
+            self._fail_all(HorovodInternalError(
+                f"hvdray was shut down by rank(s) {stop_ranks} while this op was pending"
+            ))
+            return None
+        new_work, drops = self._agreement.absorb(messages)
+        if messages[0].tune is not None:
+            self._cycle_s = messages[0].tune.cycle_time_ms / 1000.0
+        for name, missing in drops:  # stalled past stall_shutdown_s: fail it where it was submitted
+            request = self._take_local(name)
+            if request is not None:
+                request.handle._finish(error=self._agreement.stall.dropped_error(request.desc.kind, name, missing))
+        return new_work
+
+    # -- running ready ops ------------------------------------------------------------------
+    def _run(self, action: Action) -> None:
+        """Run one planned action; its requests leave ``_local`` as it starts."""
+        with self._lock:
+            local = self._local
+            requests = [local.pop(name, None) for name in action.names]
+        if action.problem:
+            if requests[0] is not None:
+                requests[0].handle._finish(error=TensorMismatchError(action.problem))
+            return
+        self._running = [req for req in requests if req is not None]
+        if action.fused:
+            self._executor.allreduce(action, requests)
+        else:
+            self._executor.run_one(action, requests[0])
+        self._running = []
+
+    def _finish_join(self, last: int) -> None:
+        """Every rank has joined: join() returns the last rank to join."""
+        with self._lock:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle._finish(result=last)
+
+    def _take_local(self, name: str) -> Optional[Request]:
+        with self._lock:
+            return self._local.pop(name, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+            # what was executing when the error came is no longer in _local: fail it too
+            pending = list(self._local.values()) + [r for r in self._running if not r.handle.done()]
+            self._running = []
+            self._local.clear()
+            self._queue, self._agreement.outbox, self._agreement.slot_requests = [], [], {}
+            self._queued_bytes = 0
+            join, self._join_handle = self._join_handle, None
+        for request in pending:
+            request.handle._finish(error=error)
+        if join is not None:
+            join._finish(error=error)

@@ -1,0 +1,171 @@
+"""The engine's parts without an engine: op descriptions on the wire, the negotiation table and its
+mismatch errors, round messages, fusion planning and the learned step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvdray.collective.autotune import TunedParams
+from hvdray.collective.engine.fusion import DIRECT_BYTES, FusionPlanner, ReadyOp
+from hvdray.collective.engine.negotiation import NegotiationTable, RoundMessage, mismatch
+from hvdray.collective.engine.steps import LearnedStep
+from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc
+
+
+def allreduce(name, shape=(4,), dtype=torch.float32, op=ReduceOp.SUM, pre=1.0, post=1.0):
+    return OpDesc(name, OpKind.ALLREDUCE, dtype, torch.Size(shape), op, pre, post)
+
+
+# -- protocol ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("desc", [
+    allreduce("g", (3, 2), torch.float64, ReduceOp.AVERAGE, 0.5, 2.0),
+    OpDesc("b", OpKind.BROADCAST, torch.int32, (5,), root=1),
+    OpDesc("a.noname.0", OpKind.ALLTOALL, torch.uint8, (4, 2), splits=[1, 3], generated=True),
+    barrier_desc("barrier.noname.0"),
+])
+def test_descriptions_survive_the_wire(desc):
+    import json
+
+    back = OpDesc.from_wire(json.loads(json.dumps(desc.to_wire())))
+    assert back == OpDesc(desc.name, desc.kind, desc.dtype, tuple(desc.shape), desc.reduce_op, desc.prescale,
+                          desc.postscale, desc.root, desc.splits, desc.generated)
+    assert back.matches(desc)
+
+
+@pytest.mark.parametrize("wire", [
+    ["allreduce", "g"], ["frobnicate", "g", "torch.float32", [4], None, 1.0, 1.0, None, None, 0],
+    ["allreduce", "g", "torch.nn", [4], "sum", 1.0, 1.0, None, None, 0],
+    ["allreduce", "g", "torch.float32", [4], "median", 1.0, 1.0, None, None, 0], "not a list",
+])
+def test_from_wire_refuses_what_is_not_a_description(wire):
+    with pytest.raises(ValueError, match="not an op description"):
+        OpDesc.from_wire(wire)
+
+
+def test_matches_ignores_the_name_only():
+    ref = allreduce("g")
+    assert ref.matches(allreduce("other"))
+    for other in (allreduce("g", (5,)), allreduce("g", dtype=torch.float64), allreduce("g", op=ReduceOp.MAX),
+                  allreduce("g", pre=2.0), allreduce("g", post=2.0)):
+        assert not ref.matches(other)
+    assert ref.nbytes == 16 and barrier_desc("x").nbytes == 0
+
+
+def test_round_messages_survive_the_wire_and_an_empty_one_is_empty():
+    assert RoundMessage().encode() == b"" and RoundMessage.decode(b"") == RoundMessage()
+    message = RoundMessage(announce=[allreduce("g")], census=[3, 7], join=True, stop=True,
+                           drops=[("lonely", [1])], tune=TunedParams(4.0, 1.5, False))
+    back = RoundMessage.decode(message.encode())
+    assert back.census == [3, 7] and back.join and back.stop and back.drops == [("lonely", [1])]
+    assert back.tune == TunedParams(4.0, 1.5, False) and back.announce[0].matches(allreduce("g"))
+
+
+# -- negotiation --------------------------------------------------------------------------------
+def test_names_become_ready_in_announcement_order_once_every_rank_has_them():
+    table = NegotiationTable(size=2)
+    busy, names = table.absorb([RoundMessage(announce=[allreduce("b"), allreduce("a")]),
+                                RoundMessage(announce=[allreduce("a")])], now=0.0)
+    assert busy and names == ["b", "a", "a"]
+    assert [name for name, _ in table.take_ready()] == ["a"]
+    table.absorb([RoundMessage(), RoundMessage(join=True)], now=1.0)  # rank 1 joined: "b" is ready
+    assert [name for name, _ in table.take_ready()] == ["b"] and not table.announced
+    assert table.joined == {1} and not table.everyone_joined
+
+
+@pytest.mark.parametrize("other,words", [
+    (OpDesc("w", OpKind.BROADCAST, torch.float32, (4,), root=0), "mismatched operations for 'w': rank 0 called "
+     "allreduce, rank 1 called broadcast"),
+    (allreduce("w", dtype=torch.float64), "mismatched dtypes for allreduce 'w': rank 0 has torch.float32, "
+     "rank 1 has torch.float64"),
+    (allreduce("w", (7,)), "mismatched shapes for allreduce 'w': rank 0 has [4], rank 1 has [7]"),
+    (allreduce("w", op=ReduceOp.MIN), "mismatched reduction op for allreduce 'w': rank 0 has sum, rank 1 has min"),
+    (allreduce("w", post=3.0), "mismatched postscale_factor for allreduce 'w': rank 0 has 1.0, rank 1 has 3.0"),
+])
+def test_mismatches_are_named_field_by_field(other, words):
+    assert mismatch("w", {0: allreduce("w"), 1: other}) == words
+    assert mismatch("w", {0: allreduce("w"), 1: allreduce("w")}) is None
+
+
+def test_allgather_may_differ_in_dim_0_only():
+    gather = lambda shape: OpDesc("g", OpKind.ALLGATHER, torch.float32, shape)  # noqa: E731
+    assert mismatch("g", {0: gather((2, 3)), 1: gather((5, 3))}) is None
+    assert "shapes beyond dim 0" in mismatch("g", {0: gather((2, 3)), 1: gather((2, 4))})
+
+
+def test_only_allreduce_runs_with_joined_ranks():
+    table = NegotiationTable(size=2)
+    table.absorb([RoundMessage(), RoundMessage(join=True)], now=0.0)
+    broadcast = OpDesc("b", OpKind.BROADCAST, torch.float32, (4,), root=0)
+    assert "cannot run after rank(s) [1] called join()" in table.problem("b", {0: broadcast}, cached=False)
+    assert table.problem("g", {0: allreduce("g")}, cached=False) is None
+
+
+# -- fusion -------------------------------------------------------------------------------------
+def ready(*descs, problem=None):
+    return [ReadyOp(d.name, {0: d, 1: d}, cached=False, problem=problem) for d in descs]
+
+
+def test_compatible_allreduces_fuse_up_to_the_threshold_and_others_split_batches():
+    planner = FusionPlanner(fusion_threshold_bytes=40)
+    plan = planner.plan(
+        ready(allreduce("a"), allreduce("b"), allreduce("c", (8,)), allreduce("d", op=ReduceOp.MAX),
+              OpDesc("e", OpKind.BROADCAST, torch.float32, (4,), root=0), allreduce("f")),
+        fused_message_bytes=0,
+    )
+    assert [(a.names, a.fused) for a in plan] == [
+        (["a", "b"], True), (["c"], True), (["d"], True), (["e"], False), (["f"], True)
+    ]
+    assert plan[0].nbytes == 32 and plan[3].rank_descs[1].root == 0
+
+
+def test_adasum_and_large_tensors_run_alone_without_closing_the_batch():
+    planner = FusionPlanner(fusion_threshold_bytes=1 << 30)
+    big = allreduce("big", (DIRECT_BYTES // 4,))
+    plan = planner.plan(ready(allreduce("a"), big, allreduce("ada", op=ReduceOp.ADASUM), allreduce("b")), 0)
+    assert [a.names for a in plan] == [["big"], ["ada"], ["a", "b"]]
+    # with a transport limit, batches end at it and only larger tensors run alone
+    plan = planner.plan(ready(allreduce("a"), allreduce("b"), allreduce("c")), fused_message_bytes=32)
+    assert [a.names for a in plan] == [["a", "b"], ["c"]]
+
+
+def test_a_problem_becomes_its_own_action_between_batches():
+    planner = FusionPlanner(fusion_threshold_bytes=1 << 20)
+    ops = ready(allreduce("a")) + ready(allreduce("bad"), problem="mismatch") + ready(allreduce("b"))
+    assert [(a.names, a.problem) for a in planner.plan(ops, 0)] == [(["a"], ""), (["bad"], "mismatch"), (["b"], "")]
+
+
+def test_cached_plans_and_staging_views_are_kept_until_the_buffer_grows():
+    planner = FusionPlanner(fusion_threshold_bytes=1 << 20)
+    built = []
+
+    def make():
+        built.append(1)
+        return ready(allreduce("a", (2, 2)), allreduce("b"))
+
+    plan = planner.cached_plan((0, 1), make, 0)
+    assert planner.cached_plan((0, 1), make, 0) is plan and len(built) == 1
+    views = planner.staging_views(plan[0])
+    assert [tuple(v.shape) for v in views] == [(2, 2), (4,)] and planner.staging_views(plan[0]) is views
+    bigger = planner.plan(ready(allreduce("c", (100,))), 0)[0]
+    bigger.fused = True
+    planner.staging_views(bigger)  # a larger buffer replaces the old one: plans are made again
+    planner.cached_plan((0, 1), make, 0)
+    assert len(built) == 2
+
+
+# -- the learned step ---------------------------------------------------------------------------
+def test_a_closed_step_is_learned_and_forgotten():
+    step = LearnedStep()
+    step.add([1, 2], 200)
+    step.learn_if_over()
+    assert step.expected == frozenset()  # not closed yet
+    step.closing = True
+    step.learn_if_over()
+    assert step.expected == {1, 2} and not step.current and not step.closing
+    step.add([1], 50)
+    assert not step.submitted_whole() and step.missing() == 1
+    step.add([2], 50)
+    assert step.submitted_whole()
+    step.forget()
+    assert step.expected == frozenset() and step.missing() == 1
