@@ -22,12 +22,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hvdray.collective.autotune import Autotuner, TunedParams
-from hvdray.collective.communicator import GLOO_DTYPES, Communicator
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
 from hvdray.collective.protocol import ReduceOp
 from hvdray.collective.response_cache import FlagVector, ResponseCache
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import reducescatter_rows
+from hvdray.collective.transport import GLOO_DTYPES, Communicator
 
 log = logging.getLogger(__name__)
 

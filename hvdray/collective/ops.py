@@ -17,10 +17,10 @@ import cloudpickle
 import torch
 
 from hvdray.collective import session
-from hvdray.collective.communicator import GLOO_DTYPES
 from hvdray.collective.engine import GENERATED_NAME_MARK, Engine, Handle, Request
 from hvdray.collective.process_sets import ProcessSet, resolve
 from hvdray.collective.protocol import ReduceOp
+from hvdray.collective.transport import GLOO_DTYPES
 
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
