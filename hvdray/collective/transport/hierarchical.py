@@ -9,7 +9,7 @@ Needs the same number of ranks on every node (``plan.plan_transport`` decides).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroupGloo
 from hvdray.collective.transport.reductions import TransportOp
 from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
-from hvdray.collective.transport.strategy import AllreduceStrategy, run_allreduce
+from hvdray.collective.transport.strategy import AllreduceStrategy, Finish, on_contiguous, run_allreduce
 
 
 def cross_node_group(
@@ -38,6 +38,17 @@ class HierarchicalAllreduce(SharedMemoryAllreduce):
         super().__init__(node)
         self._cross = tuple(cross)
 
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        node, cross = self._node, self._cross_step(op)
+        on_contiguous(tensor, lambda flat: node.allreduce(flat, op, cross))
+
+    def run_tensors(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
+        finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
+    ) -> None:
+        self._node.allreduce_tensors(inputs, outputs, op, self._cross_step(op), finish, shapes)
+
     def _cross_step(self, op: TransportOp) -> CrossReduce:
+        """Allreduce a part this node reduced across the nodes, with the first cross strategy that serves it."""
         cross = self._cross
         return lambda part: run_allreduce(cross, part, op)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from hvdray.collective.transport.reductions import TransportOp
-from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
+from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
     AllreduceStrategy,
@@ -35,18 +35,14 @@ class SharedMemoryAllreduce(AllreduceStrategy):
         return tensor.numel() > 0
 
     def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
-        node, cross = self._node, self._cross_step(op)
-        on_contiguous(tensor, lambda flat: node.allreduce(flat, op, cross))
+        node = self._node
+        on_contiguous(tensor, lambda flat: node.allreduce(flat, op))
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
         finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
     ) -> None:
-        self._node.allreduce_tensors(inputs, outputs, op, self._cross_step(op), finish, shapes)
-
-    def _cross_step(self, op: TransportOp) -> Optional[CrossReduce]:
-        """What reduces this rank's part across nodes once the node has reduced it: nothing on one node."""
-        return None
+        self._node.allreduce_tensors(inputs, outputs, op, None, finish, shapes)
 
 
 class SharedMemoryAllgather(AllgatherStrategy):
