@@ -30,8 +30,8 @@ def _worker(rank: int, n: int, segment: str, data_bytes: int, slot_bytes: int, s
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
-    from hvdray.collective import shm
-    from hvdray.collective.shm_collectives import NodeCollectives
+    from hvdray.collective.transport import shm
+    from hvdray.collective.transport.shm import NodeCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=rank, world_size=n)
@@ -75,8 +75,8 @@ def _worker(rank: int, n: int, segment: str, data_bytes: int, slot_bytes: int, s
 
 def measure(n: int, rounds: int, buffer_mb: float = 32) -> dict[str, float]:
     """Median seconds per 64 MB allreduce for each implementation, with ``n`` local ranks."""
-    from hvdray.collective import shm
-    from hvdray.collective.shm_collectives import slot_bytes_for
+    from hvdray.collective.transport import shm
+    from hvdray.collective.transport.shm import slot_bytes_for
 
     slot_bytes = slot_bytes_for(int(buffer_mb * (1 << 20)), n)
     data_bytes = 2 * n * slot_bytes

@@ -29,7 +29,8 @@ def transport():
 
 
 def job_files():
-    from hvdray.collective import session, shm
+    from hvdray.collective import session
+    from hvdray.collective.transport import shm
 
     tag = shm.job_tag(session.job_secret())
     return tag, [f for f in os.listdir(shm.SHM_DIR) if tag in f]

@@ -17,7 +17,7 @@ import cloudpickle
 import torch
 
 from hvdray.collective import session
-from hvdray.collective.communicator import GLOO_DTYPES
+from hvdray.collective.transport import GLOO_DTYPES
 from hvdray.collective.engine import Engine, Handle, Request
 from hvdray.collective.process_sets import ProcessSet, resolve
 from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc

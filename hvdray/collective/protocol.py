@@ -29,7 +29,7 @@ class ReduceOp(str, enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
-    ADASUM = "adasum"  # see hvdray/collective/adasum.py
+    ADASUM = "adasum"  # see hvdray/collective/transport/adasum.py
 
 
 class OpKind(enum.Enum):

@@ -20,14 +20,12 @@ from typing import Callable, Optional, Protocol
 
 import torch.distributed as dist
 
-from hvdray.collective import shm
 from hvdray.collective.autotune import Autotuner, TunedParams
-from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
-from hvdray.collective.transport import TransportOptions
+from hvdray.collective.transport import Communicator, TransportOptions, shm
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdray.collective.adasum import adasum_pair, adasum_tree
+from hvdray.collective.transport.adasum import adasum_pair, adasum_tree
 
 
 def _np_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:

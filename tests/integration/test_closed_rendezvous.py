@@ -53,7 +53,7 @@ OUTSIDER = textwrap.dedent(
     # building a Gloo group on the job's store: the store's first call is refused
     from hvdray.driver.coordinator import CoordinatorClient
     from hvdray.worker.rendezvous import CoordinatorStore
-    from hvdray.collective.communicator import Communicator
+    from hvdray.collective.transport import Communicator
     try:
         store = CoordinatorStore(CoordinatorClient(coordinator, b"y" * 32), "e1/gen1/", 5.0)
         Communicator(store, 1, 2, timeout_s=5.0)

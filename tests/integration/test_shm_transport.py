@@ -15,7 +15,7 @@ import ray
 import ray.cloudpickle
 
 from hvdray import RayExecutor
-from hvdray.collective import shm
+from hvdray.collective.transport import shm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import collective_checks as checks  # noqa: E402 - shared with the multi-node test
@@ -110,7 +110,7 @@ def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor
     both sides of the threshold, every dtype and op, against torch on the driver."""
     import torch
 
-    from hvdray.collective.communicator import GATHER_REDUCE_BYTES
+    from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES
 
     n = 3
     ex = make_executor(settings=_settings(shm_transport=False), num_workers=n, cpus_per_worker=0.5)

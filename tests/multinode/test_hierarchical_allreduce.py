@@ -16,7 +16,7 @@ import ray
 import ray.cloudpickle
 
 from hvdray import RayExecutor
-from hvdray.collective import shm
+from hvdray.collective.transport import shm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import collective_checks as checks  # noqa: E402 - shared with the single-node test

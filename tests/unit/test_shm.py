@@ -18,9 +18,11 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective import shm, shm_collectives
-from hvdray.collective.shm_collectives import NodeCollectives, _part_bounds, slot_bytes_for
-from hvdray.collective.transport import NodeLayout, TransportOptions, plan_transport
+from hvdray.collective.transport import shm
+from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_transport
+from hvdray.collective.transport.shm import barrier, shared_tensors
+from hvdray.collective.transport.shm.node import NodeCollectives
+from hvdray.collective.transport.shm.parts import part_bounds, slot_bytes_for
 from hvdray.settings import make_settings
 
 pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
@@ -84,17 +86,7 @@ def test_segments_of_dead_creators_are_swept(tag):
     seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)  # creation sweeps this job's dead creators
     assert sorted(_job_files(tag)) == sorted([os.path.basename(alive), seg.name])
     seg.close()
-    assert shm.remove_job_segments(b"another job") == []
     os.unlink(alive)
-
-
-def test_remove_job_segments_removes_everything_of_the_job():
-    secret = secrets.token_bytes(32)
-    tag = shm.job_tag(secret)
-    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)
-    assert shm.remove_job_segments(secret) == [seg.name]
-    assert _job_files(tag) == []
-    seg.close()
 
 
 def test_creation_fails_cleanly_when_the_segment_cannot_be_made(tag):
@@ -132,7 +124,7 @@ def _run_node(local_size, task, slot_bytes=8192, kill=None, timeout=120):
     data_bytes = 2 * local_size * slot_bytes
     seg = shm.Segment.create(tag, local_size, data_bytes)
     ctx = multiprocessing.get_context("forkserver")  # imports torch once, not once per process
-    ctx.set_forkserver_preload(["torch", "numpy", "hvdray.collective.shm_collectives"])
+    ctx.set_forkserver_preload(["torch", "numpy", "hvdray.collective.transport.shm.node"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=_node_worker, args=(seg.name, r, local_size, data_bytes, slot_bytes, task, queue))
              for r in range(local_size)]
@@ -392,7 +384,7 @@ def _shared_tensors_in_place(node, rank, size):
                 want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
             if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
                 failures.append((str(dtype), str(op), n))
-            mapped.append(len(node._peer_tensors))
+            mapped.append(len(node.peer_tensors))
     slots_untouched = all(
         bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB).all())
         for h in range(2)
@@ -425,7 +417,7 @@ def _peer_tensor_unreadable_on_rank_1(node, rank, size):
         def refuse(place):
             raise shm.SharedMemoryError(f"cannot open a local peer's shared tensor (/proc/{place.pid}/fd/{place.fd})")
 
-        shm_collectives.map_peer_storage = refuse
+        shared_tensors.map_peer_storage = refuse
     t = torch.ones(50_000).share_memory_()
     started = time.monotonic()
     try:
@@ -464,7 +456,7 @@ def _wait_for_a_peer_that_never_comes(node, rank, size):
     if rank == 1:
         time.sleep(4)
         return "slept"
-    node._barrier._timeout_s = 1.0
+    node.barrier._timeout_s = 1.0
     started = time.monotonic()
     try:
         node.broadcast(torch.ones(10), 0)
@@ -515,16 +507,16 @@ def test_a_rank_makes_the_wake_up_call_only_for_a_peer_asleep_on_it(tag, monkeyp
 
     seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)
     try:
-        barriers = [shm.NodeBarrier(seg, rank, timeout_s=10.0, spin=0) for rank in range(2)]
+        barriers = [barrier.NodeBarrier(seg, rank, timeout_s=10.0, spin=0) for rank in range(2)]
         wakes = {0: 0, 1: 0}
-        real_wake = shm._Futex.wake
+        real_wake = barrier._Futex.wake
         calls = threading.local()
 
         def counting_wake(self, address):
             wakes[calls.rank] += 1
             real_wake(self, address)
 
-        monkeypatch.setattr(shm._Futex, "wake", counting_wake)
+        monkeypatch.setattr(barrier._Futex, "wake", counting_wake)
 
         def run(rank, rounds, before=None):
             calls.rank = rank
@@ -535,7 +527,7 @@ def test_a_rank_makes_the_wake_up_call_only_for_a_peer_asleep_on_it(tag, monkeyp
 
         asleep = threading.Thread(target=run, args=(1, 1))
         asleep.start()
-        while seg.words[shm._CONTROL_BASE_WORDS + 1 * shm._WORDS_PER_RANK + shm._SLEEPS_ON] != 1:
+        while seg.words[barrier._CONTROL_BASE_WORDS + 1 * barrier._WORDS_PER_RANK + barrier._SLEEPS_ON] != 1:
             time.sleep(0.001)  # rank 1 now sleeps on rank 0's counter
         run(0, 1)
         asleep.join(5)
@@ -562,7 +554,7 @@ def test_yielding_waiters_keep_the_barrier_and_then_sleep(tag):
 
     seg = shm.Segment.create(tag, local_size=3, data_bytes=4096)
     try:
-        barriers = [shm.NodeBarrier(seg, rank, timeout_s=10.0, spin=0, yields=200) for rank in range(3)]
+        barriers = [barrier.NodeBarrier(seg, rank, timeout_s=10.0, spin=0, yields=200) for rank in range(3)]
         arrived = [0, 0, 0]
         early = []
 
@@ -603,7 +595,7 @@ def test_yielding_waiters_keep_the_barrier_and_then_sleep(tag):
 
 def test_part_bounds_cover_the_piece_on_cache_lines():
     for numel, parts, itemsize in [(1, 3, 4), (17, 2, 8), (1000, 5, 2), (64, 4, 1)]:
-        bounds = _part_bounds(numel, parts, itemsize)
+        bounds = part_bounds(numel, parts, itemsize)
         assert bounds[0] == 0 and bounds[-1] == numel and bounds == sorted(bounds) and len(bounds) == parts + 1
         assert all(b * itemsize % 64 == 0 for b in bounds[:-1] if b < numel)
     assert slot_bytes_for(32 << 20, 4) == 4 << 20 and slot_bytes_for(1, 5) == 4096

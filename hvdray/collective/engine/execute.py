@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from hvdray.collective.communicator import Communicator
+from hvdray.collective.transport import Communicator
 from hvdray.collective.engine.cache import RankDescs
 from hvdray.collective.engine.fusion import Action, FusionPlanner
 from hvdray.collective.engine.handle import Request

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from hvdray.collective.autotune import Autotuner, TunedParams
-from hvdray.collective.communicator import Communicator
+from hvdray.collective.transport import Communicator
 from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action

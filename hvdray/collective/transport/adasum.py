@@ -11,6 +11,9 @@ is not a power of two, the last node of an odd-sized level has no partner and mo
 unchanged (so with 3 ranks the result is ``adasum(adasum(g0, g1), g2)``). Dot products and norms are
 computed in float64 whatever the tensor's dtype; every rank evaluates the same tree over the same
 gathered inputs, so every rank gets bit-identical results.
+
+:class:`AdasumAllreduce` is the first entry of the communicator's allreduce list: it serves
+``hvd.Adasum`` and nothing else, gathering every rank's tensor with the allgather list.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from hvdray.collective.protocol import ReduceOp as Reduction
+from hvdray.collective.transport.reductions import TransportOp
+from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, run_allgather
+
+_ADASUM = Reduction.ADASUM  # a module constant: an enum member's attribute lookup costs more, every op
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -42,3 +51,19 @@ def adasum_tree(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
             nxt.append(level[-1])
         level = nxt
     return level[0]
+
+
+class AdasumAllreduce(AllreduceStrategy):
+    """Adasum: every rank's tensor gathered (by the first of ``allgather`` that serves it), then combined
+    along the tree above on every rank."""
+
+    name = "adasum"
+
+    def __init__(self, allgather: Sequence[AllgatherStrategy]) -> None:
+        self._allgather = tuple(allgather)
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return op is _ADASUM
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        tensor.copy_(adasum_tree(run_allgather(self._allgather, tensor)))

@@ -1,4 +1,5 @@
-"""Which path each collective takes: shared memory inside a node, Gloo across nodes, or plain Gloo.
+"""Which strategies a job's lists hold: a shared-memory segment per node, hierarchical allreduce, or
+plain Gloo.
 
 Pure decisions from the job's layout and settings, so every rank derives the same plan. Ranks are
 contiguous per node (``topology.assign_ranks``), so a node is a block of consecutive ranks.

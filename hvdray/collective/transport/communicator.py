@@ -1,0 +1,211 @@
+"""The engine's communicator: builds this rank's private Gloo group(s) and node segment, then runs every
+collective with the first strategy of its ordered list that serves it (``order.py``).
+
+Given the ranks' places (``rank_info``) and ``TransportOptions``, ranks that share a node move data
+through a shared-memory segment instead of loopback TCP: every primitive on a single-node job, and
+allreduce across nodes hierarchically. ``plan.plan_transport`` decides; every rank reaches the same
+decision, so every rank builds the same lists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo, ReduceOp
+
+from hvdray.collective.protocol import ReduceOp as Reduction
+from hvdray.collective.topology import RankInfo
+from hvdray.collective.transport import gloo, shm
+from hvdray.collective.transport.hierarchical import cross_node_group
+from hvdray.collective.transport.order import Strategies, ordered_strategies
+from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
+from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
+from hvdray.collective.transport.strategy import Finish, run_allgather, run_allreduce, run_broadcast
+
+log = logging.getLogger(__name__)
+
+
+class Communicator:
+    """Blocking collectives over one private ``ProcessGroupGloo`` (and the node's segment, where the plan
+    maps one); used only by the engine thread."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        hostname: Optional[str] = None,
+        interface: Optional[str] = None,
+        rank_info: Optional[RankInfo] = None,
+        transport: Optional[TransportOptions] = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        options = gloo.group_options(timeout_s, hostname, interface)
+        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(store, rank, size, options)
+        self._node: Optional[shm.NodeCollectives] = None
+        self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
+        self.plan = TransportPlan(False, False, "no rank placement given")
+        self._use(ordered_strategies(self._pg))
+        if rank_info is not None and transport is not None and size > 1:
+            self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+
+    def _use(self, strategies: Strategies) -> None:
+        """Run every op with ``strategies`` from now on."""
+        self.strategies = strategies
+        self._allreduces = strategies.allreduce
+        self._allgathers = strategies.allgather
+        self._broadcasts = strategies.broadcast
+        self._fused = strategies.fused
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` (one node), ``"hierarchical"`` (shared memory + Gloo across nodes) or ``"gloo"``."""
+        if self._node is None:
+            return "gloo"
+        return "hierarchical" if self._cross is not None else "shm"
+
+    def close(self) -> None:
+        """Drop the process groups and leave the node's segment; pending peers fail at once."""
+        self._use(Strategies((), (), ()))
+        node, self._node = self._node, None
+        if node is not None:
+            node.close()
+        gloo.abort(self._cross)
+        gloo.abort(self._pg)
+        self._pg = self._cross = None
+
+    # -- shared memory setup ------------------------------------------------------------------
+    def _setup_shared_memory(
+        self, store: dist.Store, info: RankInfo, transport: TransportOptions, timeout_s: float,
+        options: "ProcessGroupGloo._Options",
+    ) -> None:
+        """Agree on a plan with every rank, then map the node's segment (and the cross-node group)."""
+        unsupported = shm.unsupported_reason()
+        mine = torch.tensor([info.local_rank, info.local_size, 0 if unsupported else 1], dtype=torch.int64)
+        table = torch.stack(self.allgather(mine)).tolist()
+        try:
+            layout = NodeLayout.from_local_ranks([(lr, ls) for lr, ls, _ in table])
+        except ValueError as exc:
+            log.warning("shared-memory transport off: %s", exc)
+            self.plan = TransportPlan(False, False, str(exc))
+            return
+        if any(not ok for _, _, ok in table) and not unsupported:
+            unsupported = "another rank cannot map shared memory"
+        plan = plan_transport(layout, transport, [unsupported] if unsupported else [])
+        if plan.node_shm:
+            node = self._attach_node_segment(store, info, layout, transport, timeout_s)
+            try:
+                agreed = torch.tensor([1 if node is not None else 0], dtype=torch.uint8)
+                self.and_flags(agreed)
+                if node is not None:
+                    node.segment.unlink()  # every local rank has tried to map it: the name can go
+                if agreed.item():
+                    if plan.hierarchical:
+                        self._cross = cross_node_group(
+                            store, info.local_rank, layout.node_of(self.rank), layout.num_nodes, options
+                        )
+                    self._node, node = node, None
+                    self._use(ordered_strategies(self._pg, self._node, self._cross))
+                else:
+                    plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
+            finally:
+                if node is not None:  # not used (or setup failed): unmap, and unlink if this rank created it
+                    node.close()
+        self.plan = plan
+        log.debug("rank %d transport %s (%s); strategies %s", self.rank, self.transport, plan.reason,
+                  self.strategies.names())
+
+    def _attach_node_segment(
+        self, store: dist.Store, info: RankInfo, layout: NodeLayout, transport: TransportOptions, timeout_s: float,
+    ) -> Optional[shm.NodeCollectives]:
+        """Local rank 0 creates the segment and publishes its name through the job's store; the others
+        map it. Returns None on this rank's failure (the caller agrees with every rank before use)."""
+        slot_bytes = shm.slot_bytes_for(transport.buffer_bytes, info.local_size)
+        data_bytes = 2 * info.local_size * slot_bytes
+        key = f"hvdray-shm/{layout.first_rank(layout.node_of(self.rank))}"
+        segment = None
+        try:
+            if info.local_rank == 0:
+                try:
+                    segment = shm.Segment.create(transport.job_tag, info.local_size, data_bytes)
+                finally:
+                    store.set(key, segment.name.encode() if segment is not None else b"")
+            else:
+                name = store.get(key).decode()
+                if not name:
+                    raise shm.SharedMemoryError("local rank 0 could not create the node's segment")
+                segment = shm.Segment.attach(name, info.local_size, data_bytes)
+            return shm.NodeCollectives(segment, info.local_rank, timeout_s, slot_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure here means plain Gloo for everyone
+            log.warning(
+                "rank %d cannot use the shared-memory transport (%s); the job falls back to Gloo. "
+                "A smaller shm_buffer_mb may fit /dev/shm.", self.rank, exc,
+            )
+            if segment is not None:
+                segment.close()
+            return None
+
+    # -- primitives ------------------------------------------------------------------------
+    def allgather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order (two allgathers: lengths, then padded bytes)."""
+        sizes = [int(t.item()) for t in self.allgather(torch.tensor([len(payload)], dtype=torch.int64))]
+        longest = max(sizes)
+        if longest == 0:
+            return [b""] * self.size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self.allgather(mine), sizes)]
+
+    def and_flags(self, flags: torch.Tensor) -> None:
+        """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
+        run_allreduce(self._allreduces, flags, ReduceOp.BAND)
+
+    def allreduce(self, tensor: torch.Tensor, op: Reduction) -> None:
+        """Reduce ``tensor`` in place across all ranks with ``op`` (averaging is a sum here: the engine
+        divides afterwards; Adasum is its own strategy)."""
+        run_allreduce(self._allreduces, tensor, TRANSPORT_OPS[op])
+
+    @property
+    def fused_message_bytes(self) -> int:
+        """The largest message :meth:`allreduce_tensors` takes (one slot of the node's shared-memory
+        segment); 0 where no strategy takes fused lists (the caller then stages tensors in one flat buffer)."""
+        return self._fused.fused_message_bytes if self._fused is not None else 0
+
+    def allreduce_tensors(
+        self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: Reduction,
+        finish: Optional[Finish] = None, shapes: Optional[tuple[torch.Size, ...]] = None,
+    ) -> None:
+        """Reduce same-dtype ``inputs`` as one message into ``outputs`` (may be the inputs), copied straight
+        between them and the node's shared memory; the message must fit :attr:`fused_message_bytes`.
+        ``finish`` (elementwise, in place, on a list of tensors) runs on the reduced data before it
+        reaches the outputs;
+        ``shapes``: see :meth:`NodeCollectives.allreduce_tensors`."""
+        if self._fused is None:
+            raise RuntimeError("allreduce_tensors needs a strategy that takes fused lists (fused_message_bytes is 0)")
+        self._fused.run_tensors(inputs, outputs, TRANSPORT_OPS[op], finish, shapes)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Equal-shaped allgather; returns one tensor per rank."""
+        return run_allgather(self._allgathers, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Every rank's ``tensor`` becomes rank ``root``'s, in place."""
+        run_broadcast(self._broadcasts, tensor, root)
+
+    def alltoall(
+        self, output: torch.Tensor, tensor: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ) -> None:
+        """Rank r sends ``input_splits[q]`` rows of ``tensor`` to each rank q, into ``output`` (Gloo)."""
+        self._pg.alltoall_base(output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()).wait()
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> None:
+        """``tensor`` holds ``size`` equal chunks along dim 0; rank r receives the reduced chunk r (Gloo)."""
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = GLOO_OPS[op]
+        self._pg._reduce_scatter_base(output, tensor, opts).wait()

@@ -1,0 +1,74 @@
+"""The ordered lists of strategies: the one place that says which algorithm runs each collective.
+
+Every rank builds the same lists from the same plan, so every rank picks the same strategy for an op.
+An op runs with the first entry whose ``serves`` answers yes; the last entry of each list serves
+everything, so a list never runs dry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, TypeVar
+
+from torch.distributed import ProcessGroupGloo
+
+from hvdray.collective.transport.adasum import AdasumAllreduce
+from hvdray.collective.transport.gloo import GlooAllgather, GlooBroadcast, GlooGatherReduce, GlooRing
+from hvdray.collective.transport.hierarchical import HierarchicalAllreduce
+from hvdray.collective.transport.shm.node import NodeCollectives
+from hvdray.collective.transport.shm.strategies import (
+    SharedMemoryAllgather,
+    SharedMemoryAllreduce,
+    SharedMemoryBroadcast,
+)
+from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
+
+_Strategy = TypeVar("_Strategy")
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """One ordered list per collective that has a choice (alltoall and reducescatter are Gloo's only)."""
+
+    allreduce: tuple[AllreduceStrategy, ...]
+    allgather: tuple[AllgatherStrategy, ...]
+    broadcast: tuple[BroadcastStrategy, ...]
+
+    @property
+    def fused(self) -> Optional[AllreduceStrategy]:
+        """The first allreduce entry that takes fused tensor lists (the engine sizes its batches by it)."""
+        return next((s for s in self.allreduce if s.fused_message_bytes), None)
+
+    def names(self) -> dict[str, list[str]]:
+        """Each list's entries by name, in order (for logs and tests)."""
+        return {kind: [s.name for s in getattr(self, kind)] for kind in ("allreduce", "allgather", "broadcast")}
+
+
+def ordered_strategies(
+    world: ProcessGroupGloo, node: Optional[NodeCollectives] = None, cross: Optional[ProcessGroupGloo] = None,
+) -> Strategies:
+    """The lists for a job whose ranks share the Gloo group ``world``; ``node``: this node's shared-memory
+    group, when the plan maps one; ``cross``: the Gloo group of this local rank across the nodes, when
+    allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node)."""
+    one_node = node if cross is None else None
+    allgather = _present(
+        SharedMemoryAllgather(one_node) if one_node is not None else None,
+        GlooAllgather(world),
+    )
+    broadcast = _present(
+        SharedMemoryBroadcast(one_node) if one_node is not None else None,
+        GlooBroadcast(world),
+    )
+    allreduce = _present(
+        AdasumAllreduce(allgather),
+        SharedMemoryAllreduce(one_node) if one_node is not None else None,
+        HierarchicalAllreduce(node, (GlooGatherReduce(cross), GlooRing(cross)))
+        if node is not None and cross is not None else None,
+        GlooGatherReduce(world),
+        GlooRing(world),
+    )
+    return Strategies(allreduce, allgather, broadcast)
+
+
+def _present(*entries: Optional[_Strategy]) -> tuple[_Strategy, ...]:
+    return tuple(entry for entry in entries if entry is not None)

@@ -1,0 +1,32 @@
+"""The shared-memory transport among the ranks of one node.
+
+``segment.py`` (the file in ``/dev/shm``: naming, creation, mapping, cleanup), ``barrier.py`` (how the
+local ranks wait for each other on it), ``parts.py`` (how messages divide between them),
+``node.py`` (allreduce, allgather and broadcast through the segment's slots), ``fused.py`` (the
+engine's fused tensor lists), ``shared_tensors.py`` (tensors that live in torch shared memory, reduced
+in place) and ``strategies.py`` (their entries in the communicator's lists).
+"""
+
+from hvdray.collective.transport.shm.node import NodeCollectives
+from hvdray.collective.transport.shm.parts import slot_bytes_for
+from hvdray.collective.transport.shm.segment import (
+    NAME_PREFIX,
+    SHM_DIR,
+    Segment,
+    SharedMemoryError,
+    job_tag,
+    segment_path,
+    unsupported_reason,
+)
+
+__all__ = [
+    "NAME_PREFIX",
+    "SHM_DIR",
+    "NodeCollectives",
+    "Segment",
+    "SharedMemoryError",
+    "job_tag",
+    "segment_path",
+    "slot_bytes_for",
+    "unsupported_reason",
+]

@@ -1,0 +1,186 @@
+"""The barrier the local ranks of one node synchronise on, over per-rank counters in their segment.
+
+A short spin, then a few hundred checks that each give the core away (``sched_yield``: a peer or
+another thread of this process that is ready to run gets the core at once, which matters when local
+ranks outnumber cores), then a Linux futex wait on the counter word (the kernel wakes the waiter the
+moment the counter moves). A rank about to sleep says so in its control block, and a rank that moves
+its counter makes the wake-up system call only when a peer sleeps on it (waking a sleeping thread
+costs tens of microseconds in a VM). A peer that died, left or failed turns into
+:class:`SharedMemoryError` within the timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import _thread
+import ctypes
+import os
+import platform
+import time
+from typing import Optional
+
+from hvdray.collective.transport.shm.segment import (
+    CONTROL_STRIDE_BYTES,
+    SYS_FUTEX,
+    Segment,
+    SharedMemoryError,
+    process_alive,
+)
+
+_SEQ_MASK = 0xFFFFFFFF
+_HALF_RANGE = 1 << 31
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_LIVENESS_CHECK_S = 0.05
+
+
+class _Futex:
+    """futex(2) on 32-bit words of a shared mapping (process-shared, so no FUTEX_PRIVATE_FLAG)."""
+
+    def __init__(self) -> None:
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+        self._number = ctypes.c_long(SYS_FUTEX[platform.machine().lower()])
+
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
+        """Sleep while the word at ``address`` equals ``expected``, at most ``timeout_s`` (GIL released)."""
+        seconds = int(timeout_s)
+        spec = _Timespec(seconds, int((timeout_s - seconds) * 1e9))
+        self._syscall(
+            self._number, ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAIT), ctypes.c_uint32(expected),
+            ctypes.byref(spec), None, ctypes.c_int(0),
+        )
+
+    def wake(self, address: int) -> None:
+        self._syscall(
+            self._number, ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE), ctypes.c_int(0x7FFFFFFF),
+            None, None, ctypes.c_int(0),
+        )
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+#: word offsets inside a rank's control block; _SLEEPS_ON holds 1 + the local rank whose counter this
+#: rank sleeps on (0: not sleeping)
+_COUNTER, _PID, _STATE, _SLEEPS_ON = 0, 1, 2, 3
+_STATE_LEFT = 1  # failed or shut down itself; 2 + k: left because local rank k died or left
+_WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
+_CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
+
+
+class NodeBarrier:
+    """A reusable barrier of the local ranks over their counters in one :class:`Segment`.
+
+    Sleeping and waking is a Dekker handshake on two words: a sleeper publishes whose counter it
+    sleeps on, fences, then re-reads that counter (the futex call checks it once more in the kernel);
+    a waker stores its counter, fences, then reads who sleeps on it. One of the two always sees the
+    other's store, so either the sleeper does not sleep or the waker wakes it."""
+
+    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, spin: int, yields: int = 0) -> None:
+        self._seg = segment
+        self._words = segment.words
+        self._me = local_rank
+        self._size = segment.local_size
+        self._timeout_s = timeout_s
+        self._spin = spin
+        self._yields = yields
+        self._futex = _Futex()
+        self._seq = 0
+        self._pids: dict[int, int] = {}
+        self._cause: Optional[int] = None  # the local rank whose death or leaving made this one fail
+        self._closed = False
+        # for _full_fence: one lock per barrier, whose ops run one at a time, so taking it never fails
+        self._fence_lock = _thread.allocate_lock()
+        self._words[self._word(local_rank, _PID)] = os.getpid()
+
+    def _full_fence(self) -> None:
+        """A full memory barrier: stores before it are visible to every core before loads after it.
+
+        x86-64 may let a load pass an earlier store to another address (the store-buffer case that the
+        sleeper/waker handshake must exclude); an uncontended lock's acquire and release are atomic
+        read-modify-write instructions, which drain the store buffer. (A contended acquire fails
+        without one, hence a lock of this barrier's own, not one shared by every thread.)"""
+        self._fence_lock.acquire(False)
+        self._fence_lock.release()
+
+    def _word(self, local_rank: int, field: int) -> int:
+        return _CONTROL_BASE_WORDS + local_rank * _WORDS_PER_RANK + field
+
+    def wait(self) -> None:
+        """Return once every local rank has reached this barrier; raise if one died or left."""
+        if self._closed:
+            raise SharedMemoryError(f"local rank {self._me} already left the shared-memory group")
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        counter = self._word(self._me, _COUNTER)
+        words = self._words
+        words[counter] = self._seq
+        self._full_fence()
+        mark = self._me + 1
+        for peer in range(self._size):
+            if words[self._word(peer, _SLEEPS_ON)] == mark:
+                self._futex.wake(self._seg.address + 4 * counter)
+                break
+        for peer in range(self._size):
+            if peer != self._me:
+                self._await(peer)
+
+    def _await(self, peer: int) -> None:
+        words, seq, index = self._words, self._seq, self._word(peer, _COUNTER)
+        for _ in range(self._spin):
+            if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
+                return
+        for _ in range(self._yields):
+            if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
+                return
+            os.sched_yield()
+        deadline = time.monotonic() + self._timeout_s
+        next_check = deadline - self._timeout_s + _LIVENESS_CHECK_S
+        address = self._seg.address + 4 * index
+        sleeps_on = self._word(self._me, _SLEEPS_ON)
+        words[sleeps_on] = peer + 1
+        self._full_fence()
+        try:
+            while True:
+                value = words[index]
+                if (value - seq) & _SEQ_MASK < _HALF_RANGE:
+                    return
+                if self._closed:
+                    raise SharedMemoryError(f"local rank {self._me} left the shared-memory group while waiting")
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_peer(peer, now, deadline)
+                    next_check = now + _LIVENESS_CHECK_S
+                self._futex.wait(address, value, min(_LIVENESS_CHECK_S, max(deadline - now, 0.001)))
+        finally:
+            words[sleeps_on] = 0  # the segment stays mapped while an op runs (NodeCollectives.close)
+
+    def _check_peer(self, peer: int, now: float, deadline: float) -> None:
+        states = {rank: self._words[self._word(rank, _STATE)] for rank in range(self._size) if rank != self._me}
+        # name a rank that failed by itself first: the others that left did so because of it
+        for rank in [r for r, state in states.items() if state == _STATE_LEFT] + list(states):
+            state = states[rank]
+            if state == _STATE_LEFT:
+                self._cause = rank
+                raise SharedMemoryError(f"local rank {rank} left the shared-memory group (it failed or shut down)")
+            if state:
+                self._cause = state - 2
+                raise SharedMemoryError(f"local rank {rank} left the shared-memory group (local rank {state - 2} died)")
+        pid = self._pids.get(peer) or self._words[self._word(peer, _PID)]
+        if pid:
+            self._pids[peer] = pid
+            if not process_alive(pid):
+                self._cause = peer
+                raise SharedMemoryError(f"local rank {peer} (pid {pid}) died")
+        if now >= deadline:
+            raise SharedMemoryError(
+                f"local rank {peer} did not reach the shared-memory barrier within {self._timeout_s} s"
+            )
+
+    def leave(self) -> None:
+        """Mark this rank gone and wake every waiter, so peers fail at once instead of timing out."""
+        if self._closed or self._seg.address == 0:
+            return
+        self._closed = True
+        self._words[self._word(self._me, _STATE)] = _STATE_LEFT if self._cause is None else 2 + self._cause
+        for rank in range(self._size):
+            self._futex.wake(self._seg.address + 4 * self._word(rank, _COUNTER))

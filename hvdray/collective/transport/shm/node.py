@@ -1,0 +1,332 @@
+"""Allreduce, allgather and broadcast among the ranks of one node through a shared segment.
+
+The data area holds two halves; each half has one slot per local rank. Every round of every op uses
+the next half, and every round has a barrier between its writes and its reads, so a rank writing in
+round k+2 knows that every rank has finished reading round k. Messages larger than a slot go in
+several rounds, so the segment stays small whatever the tensor size.
+
+Allreduce is a reduce-scatter then an all-gather inside one round: each rank copies the parts of its
+piece that the others reduce into its slot, then reduces its own part (from its own tensor and the
+peers' slots, all torch ops on tensors that view the shared memory, which run without the GIL),
+optionally hands that reduced part to a cross-node allreduce, publishes it in its slot, and finally
+copies the peers' reduced parts into its tensor. Every part is reduced exactly once, so every rank
+ends with bit-identical results. Up to ``SMALL_ALLREDUCE_BYTES`` one round with one barrier does:
+every rank reduces every slot.
+
+Two variants live beside this module: a list of tensors that fits one slot (``fused.py``: the engine's
+fused gradients, copied straight between the tensors and the slots) and tensors that every local rank
+holds in torch shared memory (``shared_tensors.py``: reduced in place, without the slots).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.distributed import ReduceOp
+
+from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS
+from hvdray.collective.transport.strategy import Finish
+from hvdray.collective.transport.shm import fused
+from hvdray.collective.transport.shm.barrier import NodeBarrier
+from hvdray.collective.transport.shm.parts import SMALL_ALLREDUCE_BYTES, memmove, part_bounds
+from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError
+from hvdray.collective.transport.shm.shared_tensors import (
+    PEER_STORAGES_PER_RANK,
+    PeerTensors,
+    allreduce_shared_tensors,
+    shared_place,
+)
+
+log = logging.getLogger(__name__)
+
+#: how often a barrier re-reads a peer's counter before it sleeps, when every local rank can have a core
+#: of its own (then a peer usually arrives within the spin, and neither rank pays a sleep and a wake-up)
+_SPIN_WHEN_CORES_FREE = 100
+#: then how many times it re-reads the counter and gives its core away (sched_yield) before it sleeps: a
+#: peer that is ready to run gets the core without a sleep and a wake-up (small-message latency, above all
+#: with more local ranks than cores: ``python benchmarks/bench_shm.py --rows latency``)
+_YIELDS_BEFORE_SLEEP = 200
+#: flat messages go through the slots in pieces of at most this much per rank: on the 2-core development
+#: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
+#: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
+PIECE_BYTES = 4 << 20
+#: how long ``close`` waits for a running op to notice that the group is closing
+_CLOSE_WAIT_S = 2.0
+#: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
+_LAYOUT_CACHE_SIZE = 16
+
+#: a cross-node allreduce of this rank's reduced part (hierarchical allreduce), in place
+CrossReduce = Callable[[torch.Tensor], None]
+
+
+class NodeCollectives:
+    """Collectives of one node's ranks over a shared :class:`Segment`; used by the engine thread only."""
+
+    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int) -> None:
+        self.segment = segment
+        self.local_rank = local_rank
+        self.local_size = segment.local_size
+        self.slot_bytes = slot_bytes
+        self.rounds = 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        spin = _SPIN_WHEN_CORES_FREE if self.local_size <= cores else 0
+        self.barrier = NodeBarrier(segment, local_rank, timeout_s, spin, _YIELDS_BEFORE_SLEEP)
+        self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
+        self._base = self._data.data_ptr()
+        self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
+        self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped by shared_tensors.py
+            PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
+        self._failed: Optional[BaseException] = None
+        self._op_lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the group (peers waiting on this rank fail at once) and unmap the segment.
+
+        May be called from another thread than the ops': an op still waiting ends with an error, and
+        the memory is unmapped only once no op runs (else it stays mapped until the process exits)."""
+        self.barrier.leave()
+        if not self._op_lock.acquire(timeout=_CLOSE_WAIT_S):
+            log.warning("a shared-memory op is still running; its segment stays mapped")
+            return
+        try:
+            self._slots.clear()
+            self._layouts.clear()
+            self.peer_tensors.clear()
+            self._data = None
+            self._base = 0
+            self.segment.close()
+        finally:
+            self._op_lock.release()
+
+    def _run(self, body: Callable[[], None]) -> None:
+        """Run one op; any failure leaves the group so that the local peers fail fast too."""
+        with self._op_lock:
+            if self._failed is not None:
+                raise SharedMemoryError(f"the node's shared-memory group failed earlier: {self._failed}")
+            if self._data is None:
+                raise SharedMemoryError("the node's shared-memory group was closed")
+            try:
+                body()
+            except BaseException as exc:
+                self._failed = exc
+                self.barrier.leave()
+                raise
+
+    def slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""
+        views = self._slots.get(dtype)
+        if views is None:
+            assert self._data is not None
+            views = [
+                [self._data[self._slot_offset(h, r) : self._slot_offset(h, r) + self.slot_bytes].view(dtype)
+                 for r in range(self.local_size)]
+                for h in range(2)
+            ]
+            self._slots[dtype] = views
+        return views
+
+    def _slot_offset(self, half: int, local_rank: int) -> int:
+        return (half * self.local_size + local_rank) * self.slot_bytes
+
+    def next_half(self) -> int:
+        """Start a round: the half of the data area it uses (the other one the previous round's)."""
+        self.rounds += 1
+        return self.rounds & 1
+
+    def _pieces(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        step = min(self.slot_bytes, PIECE_BYTES) // itemsize
+        return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+    # -- ops ----------------------------------------------------------------------------------
+    # Copies go through memmove on raw addresses (glibc's large-copy path beats a torch copy_, and
+    # ctypes releases the GIL for it); reductions are torch ops on views of the slots.
+    def allreduce(self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None) -> None:
+        """Reduce the contiguous 1-D ``flat`` in place across the local ranks (and ``cross``, if given,
+        across nodes: it is called on this rank's reduced part of every piece)."""
+        reducer = REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        if cross is None and flat.numel() * flat.element_size() <= min(SMALL_ALLREDUCE_BYTES, self.slot_bytes):
+            self._run(lambda: self._allreduce_small(flat, reducer))
+        else:
+            self._run(lambda: self._allreduce(flat, reducer, cross))
+
+    def _allreduce_small(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+        """One round, one barrier: every rank publishes its whole message and reduces all of them, in
+        rank order (so the results are bit-identical). Cheaper than two barriers for small messages."""
+        half, nbytes, n = self.next_half(), flat.numel() * flat.element_size(), flat.numel()
+        slots = self.slot_views(flat.dtype)[half]
+        memmove(self._base + self._slot_offset(half, self.local_rank), flat.data_ptr(), nbytes)
+        self.barrier.wait()
+        memmove(flat.data_ptr(), self._base + self._slot_offset(half, 0), nbytes)
+        for peer in range(1, self.local_size):
+            reducer(flat, slots[peer][:n], out=flat)
+
+    def _allreduce(
+        self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce]
+    ) -> None:
+        place = shared_place(flat)
+        self.segment.publish_tensor(self.local_rank, place)
+        pieces = self._pieces(flat.numel(), flat.element_size())
+        half = self.next_half()
+        if place is None:
+            self._expose(flat, pieces[0], half)
+        self.barrier.wait()
+        places = [self.segment.published_tensor(r) for r in range(self.local_size)]
+        if all(p is not None for p in places):
+            allreduce_shared_tensors(self, flat, places, reducer, cross)
+            return
+        if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
+            if place is not None:
+                self._expose(flat, pieces[0], half)
+            self.barrier.wait()
+        for i, piece in enumerate(pieces):
+            if i:
+                half = self.next_half()
+                self._expose(flat, piece, half)
+                self.barrier.wait()
+            self._reduce_piece(flat, piece, half, reducer, cross)
+
+    def _expose(self, flat: torch.Tensor, piece: tuple[int, int], half: int) -> None:
+        """Copy the parts of ``piece`` that the peers reduce into this rank's slot of ``half``."""
+        start, stop = piece
+        isz = flat.element_size()
+        bounds = part_bounds(stop - start, self.local_size, isz)
+        lo, hi = bounds[self.local_rank], bounds[self.local_rank + 1]
+        piece_at, own_at = flat.data_ptr() + start * isz, self._base + self._slot_offset(half, self.local_rank)
+        memmove(own_at, piece_at, lo * isz)
+        memmove(own_at + hi * isz, piece_at + hi * isz, (stop - start - hi) * isz)
+
+    def _reduce_piece(
+        self, flat: torch.Tensor, piece: tuple[int, int], half: int, reducer: Callable[..., torch.Tensor],
+        cross: Optional[CrossReduce],
+    ) -> None:
+        """After the peers exposed ``piece``: reduce and publish this rank's part, collect the others'."""
+        start, stop = piece
+        me, size, isz, data = self.local_rank, self.local_size, flat.element_size(), self._base
+        slots = self.slot_views(flat.dtype)[half]
+        bounds = part_bounds(stop - start, size, isz)
+        lo, hi = bounds[me], bounds[me + 1]
+        piece_at, own_at = flat.data_ptr() + start * isz, data + self._slot_offset(half, me)
+        if hi > lo:
+            acc = flat[start + lo : start + hi]
+            for peer in range(size):
+                if peer != me:
+                    reducer(acc, slots[peer][lo:hi], out=acc)
+            if cross is not None:
+                cross(acc)  # the same local rank on every node holds the same part: sizes agree
+            memmove(own_at + lo * isz, piece_at + lo * isz, (hi - lo) * isz)
+        self.barrier.wait()
+        for peer in range(size):
+            if peer != me:
+                at = bounds[peer] * isz
+                memmove(piece_at + at, data + self._slot_offset(half, peer) + at, bounds[peer + 1] * isz - at)
+
+
+    def fits(self, nbytes: int) -> bool:
+        """True when a message of ``nbytes`` goes through :meth:`allreduce_tensors` (one slot's worth)."""
+        return nbytes <= self.slot_bytes
+
+    def allreduce_tensors(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: ReduceOp.RedOpType,
+        cross: Optional[CrossReduce] = None, finish: Optional[Finish] = None,
+        shapes: Optional[tuple[torch.Size, ...]] = None,
+    ) -> None:
+        """Reduce ``inputs`` (one dtype, any shapes and strides) across the local ranks as one message
+        and write the results to ``outputs`` (same shapes; may be the inputs), without a staging buffer:
+        the inputs are copied straight into this rank's slot and the reduced parts straight out of the
+        slots. Every local rank must pass the same shapes and dtype; the total must :meth:`fits`.
+        When the outputs are the inputs (floating point, no ``cross``), a rank copies only the parts the
+        peers reduce into its slot, reduces its own part straight in its tensors and publishes that:
+        (2n-1)/n of the message copied instead of twice (:func:`fused.allreduce_in_place`; ranks may
+        take either way in the same op).
+        ``finish`` (an elementwise in-place op on a list of tensors, e.g. averaging's scale) runs on the
+        reduced data before it is copied out, after ``cross``. A caller that knows
+        the inputs' ``shapes`` and that the outputs match them in shape and dtype (the engine's cached
+        plans, every step with hundreds of tensors) passes them, and the per-tensor checks are skipped."""
+        reducer = REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        if len(inputs) != len(outputs):
+            raise ValueError(f"allreduce_tensors got {len(inputs)} inputs but {len(outputs)} outputs")
+        if not inputs:
+            return
+        dtype = inputs[0].dtype
+        if shapes is None:
+            shapes = fused.checked_shapes(inputs, outputs)
+        cached = self._layouts.get((dtype, shapes))
+        nbytes = cached.nbytes if cached is not None else sum(s.numel() for s in shapes) * inputs[0].element_size()
+        if not self.fits(nbytes):
+            raise ValueError(
+                f"allreduce_tensors: {nbytes} bytes do not fit a {self.slot_bytes}-byte slot; "
+                "use allreduce on a flat tensor"
+            )
+        if nbytes == 0:
+            return
+        if cross is None and nbytes <= SMALL_ALLREDUCE_BYTES:
+            self._run(lambda: fused.allreduce_small(
+                self, self._layout(dtype, shapes), inputs, outputs, reducer, finish))
+        elif (
+            cross is None and dtype.is_floating_point and op in FOREACH_REDUCERS
+            and (outputs is inputs or all(map(operator.is_, outputs, inputs)))
+        ):
+            self._run(lambda: fused.allreduce_in_place(
+                self, self._layout(dtype, shapes), inputs, reducer, FOREACH_REDUCERS[op], finish))
+        else:
+            self._run(lambda: fused.allreduce_copying(
+                self, self._layout(dtype, shapes), inputs, outputs, reducer, cross, finish))
+
+
+    def _layout(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> fused.TensorsLayout:
+        """The cached views for ``shapes`` (built on first use; only while the segment is mapped)."""
+        key = (dtype, shapes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = fused.TensorsLayout.build(self, dtype, shapes)
+            self._layouts[key] = layout
+            if len(self._layouts) > _LAYOUT_CACHE_SIZE:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
+
+
+    def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""
+        self._run(lambda: self._allgather(flat, out))
+
+    def _allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        me, isz, nbytes = self.local_rank, flat.element_size(), flat.numel() * flat.element_size()
+        src, dst = flat.data_ptr(), out.data_ptr()
+        memmove(dst + me * nbytes, src, nbytes)
+        for start, stop in self._pieces(flat.numel(), isz):
+            half = self.next_half()
+            length = (stop - start) * isz
+            memmove(self._base + self._slot_offset(half, me), src + start * isz, length)
+            self.barrier.wait()
+            for peer in range(self.local_size):
+                if peer != me:
+                    memmove(dst + peer * nbytes + start * isz, self._base + self._slot_offset(half, peer), length)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Every local rank's ``flat`` becomes local rank ``root``'s."""
+        self._run(lambda: self._broadcast(flat, root))
+
+    def _broadcast(self, flat: torch.Tensor, root: int) -> None:
+        isz, at = flat.element_size(), flat.data_ptr()
+        for start, stop in self._pieces(flat.numel(), isz):
+            slot_at = self._base + self._slot_offset(self.next_half(), root)
+            length = (stop - start) * isz
+            if self.local_rank == root:
+                memmove(slot_at, at + start * isz, length)
+            self.barrier.wait()
+            if self.local_rank != root:
+                memmove(at + start * isz, slot_at, length)

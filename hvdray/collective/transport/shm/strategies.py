@@ -1,0 +1,81 @@
+"""The shared-memory entries of the communicator's lists: every rank of the job on one node.
+
+Allreduce goes through the node's segment (:meth:`NodeCollectives.allreduce`) and takes the engine's
+fused tensor lists up to one slot; allgather and broadcast copy through the slots. The allreduce of an
+empty tensor is left to the Gloo entries after it (nothing to move).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from hvdray.collective.transport.reductions import TransportOp
+from hvdray.collective.transport.shm.node import NodeCollectives
+from hvdray.collective.transport.strategy import (
+    AllgatherStrategy,
+    AllreduceStrategy,
+    BroadcastStrategy,
+    Finish,
+    on_contiguous,
+)
+
+
+class SharedMemoryAllreduce(AllreduceStrategy):
+    """Allreduce among the ranks of one node through its segment (see ``node.py``)."""
+
+    name = "shared memory"
+
+    def __init__(self, node: NodeCollectives) -> None:
+        self._node = node
+        self.fused_message_bytes = node.slot_bytes
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return tensor.numel() > 0
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        node = self._node
+        on_contiguous(tensor, lambda flat: node.allreduce(flat, op))
+
+    def run_tensors(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
+        finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
+    ) -> None:
+        self._node.allreduce_tensors(inputs, outputs, op, None, finish, shapes)
+
+
+class SharedMemoryAllgather(AllgatherStrategy):
+    """Allgather among the ranks of one node through its segment's slots."""
+
+    name = "shared memory allgather"
+
+    def __init__(self, node: NodeCollectives) -> None:
+        self._node = node
+        self._size = node.local_size
+
+    def serves(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
+        if tensor.numel():
+            self._node.allgather(tensor.contiguous().view(-1), out.view(-1))
+        return list(out.unbind(0))
+
+
+class SharedMemoryBroadcast(BroadcastStrategy):
+    """Broadcast among the ranks of one node through the root's slot."""
+
+    name = "shared memory broadcast"
+
+    def __init__(self, node: NodeCollectives) -> None:
+        self._node = node
+
+    def serves(self, tensor: torch.Tensor, root: int) -> bool:
+        return True
+
+    def run(self, tensor: torch.Tensor, root: int) -> None:
+        if tensor.numel():
+            node = self._node
+            on_contiguous(tensor, lambda flat: node.broadcast(flat, root))

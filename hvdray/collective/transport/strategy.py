@@ -1,0 +1,119 @@
+"""What a strategy is: one way to run one collective, asked in turn whether it serves an op.
+
+The communicator holds an ordered list of strategies per collective (``order.py``) and runs an op with
+the first one whose ``serves`` answers yes. A strategy owns nothing: the communicator builds and closes
+the groups and the node segment a strategy runs over. ``serves`` is called for every op, so it only
+reads what it was given (sizes, the op, fields set at construction), and allocates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Optional, Sequence
+
+import torch
+
+from hvdray.collective.transport.reductions import TransportOp
+
+#: an elementwise in-place op on reduced data (averaging's scale), given a list of tensors
+Finish = Callable[[list[torch.Tensor]], None]
+
+
+class AllreduceStrategy:
+    """Reduces a tensor in place across the ranks. The list puts ``AdasumAllreduce`` first, so every
+    later entry sees elementwise Gloo reductions only."""
+
+    #: what logs and :attr:`Communicator.strategies` call it
+    name: ClassVar[str] = "allreduce"
+    #: the largest list of tensors (in bytes) :meth:`run_tensors` takes as one message; 0: none
+    fused_message_bytes: int = 0
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        """Whether this strategy runs the allreduce of ``tensor`` with ``op``."""
+        raise NotImplementedError
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        """Reduce ``tensor`` in place across every rank."""
+        raise NotImplementedError
+
+    def run_tensors(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
+        finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
+    ) -> None:
+        """Reduce ``inputs`` as one message into ``outputs`` (see ``Communicator.allreduce_tensors``)."""
+        raise NotImplementedError(f"the {self.name} strategy takes no fused tensor lists")
+
+
+class AllgatherStrategy:
+    """Gathers an equal-shaped tensor from every rank."""
+
+    name: ClassVar[str] = "allgather"
+
+    def serves(self, tensor: torch.Tensor) -> bool:
+        """Whether this strategy runs the allgather of ``tensor``."""
+        raise NotImplementedError
+
+    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor``, in rank order."""
+        raise NotImplementedError
+
+
+class BroadcastStrategy:
+    """Makes every rank's tensor rank ``root``'s."""
+
+    name: ClassVar[str] = "broadcast"
+
+    def serves(self, tensor: torch.Tensor, root: int) -> bool:
+        """Whether this strategy runs the broadcast of ``tensor`` from ``root``."""
+        raise NotImplementedError
+
+    def run(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` in place with rank ``root``'s."""
+        raise NotImplementedError
+
+
+class NoStrategyError(RuntimeError):
+    """No strategy in a list serves an op (a list must end with one that serves everything)."""
+
+
+def run_allreduce(strategies: Sequence[AllreduceStrategy], tensor: torch.Tensor, op: TransportOp) -> None:
+    """Allreduce ``tensor`` with the first of ``strategies`` that serves it."""
+    for strategy in strategies:
+        if strategy.serves(tensor, op):
+            strategy.run(tensor, op)
+            return
+    raise NoStrategyError(f"no allreduce strategy of {_names(strategies)} serves op {op} on {_describe(tensor)}")
+
+
+def run_allgather(strategies: Sequence[AllgatherStrategy], tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Allgather ``tensor`` with the first of ``strategies`` that serves it."""
+    for strategy in strategies:
+        if strategy.serves(tensor):
+            return strategy.run(tensor)
+    raise NoStrategyError(f"no allgather strategy of {_names(strategies)} serves {_describe(tensor)}")
+
+
+def run_broadcast(strategies: Sequence[BroadcastStrategy], tensor: torch.Tensor, root: int) -> None:
+    """Broadcast ``tensor`` from ``root`` with the first of ``strategies`` that serves it."""
+    for strategy in strategies:
+        if strategy.serves(tensor, root):
+            strategy.run(tensor, root)
+            return
+    raise NoStrategyError(f"no broadcast strategy of {_names(strategies)} serves {_describe(tensor)}")
+
+
+def _names(strategies: Sequence[AllreduceStrategy | AllgatherStrategy | BroadcastStrategy]) -> list[str]:
+    return [strategy.name for strategy in strategies]
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} on {tensor.device}"
+
+
+def on_contiguous(tensor: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """Run ``fn`` on a flat view of ``tensor`` (or of a contiguous copy, written back afterwards)."""
+    if tensor.is_contiguous():
+        fn(tensor.view(-1))
+    else:
+        flat = tensor.contiguous().view(-1)
+        fn(flat)
+        tensor.copy_(flat.view(tensor.shape))

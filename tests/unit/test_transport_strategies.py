@@ -1,0 +1,135 @@
+"""The transport's ordered strategy lists without Ray: which entries each plan builds and in what order,
+that an op runs with the first entry that serves it, what each entry serves, and a one-process
+communicator end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from hvdray.collective.protocol import ReduceOp as Reduction
+from hvdray.collective.transport import Communicator
+from hvdray.collective.transport.adasum import AdasumAllreduce
+from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES, GlooGatherReduce, GlooRing
+from hvdray.collective.transport.order import ordered_strategies
+from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
+from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
+from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, run_allreduce
+
+
+class _Group:
+    """Stands in for a ProcessGroupGloo: the strategies read only its size when built."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _Node:
+    """Stands in for NodeCollectives: the strategies read only its slot size and local size when built."""
+
+    slot_bytes = 1 << 20
+    local_size = 2
+
+
+def test_gloo_only_lists():
+    strategies = ordered_strategies(_Group(4))
+    assert strategies.names() == {
+        "allreduce": ["adasum", "gloo gather-reduce", "gloo ring"],
+        "allgather": ["gloo allgather"],
+        "broadcast": ["gloo broadcast"],
+    }
+    assert strategies.fused is None
+
+
+def test_one_node_lists_put_shared_memory_before_gloo():
+    strategies = ordered_strategies(_Group(2), _Node())
+    assert strategies.names() == {
+        "allreduce": ["adasum", "shared memory", "gloo gather-reduce", "gloo ring"],
+        "allgather": ["shared memory allgather", "gloo allgather"],
+        "broadcast": ["shared memory broadcast", "gloo broadcast"],
+    }
+    assert strategies.fused is strategies.allreduce[1] and strategies.fused.fused_message_bytes == _Node.slot_bytes
+
+
+def test_several_nodes_reduce_hierarchically_and_gather_over_gloo():
+    strategies = ordered_strategies(_Group(4), _Node(), cross=_Group(2))
+    assert strategies.names() == {
+        "allreduce": ["adasum", "hierarchical", "gloo gather-reduce", "gloo ring"],
+        "allgather": ["gloo allgather"],
+        "broadcast": ["gloo broadcast"],
+    }
+    assert strategies.fused is strategies.allreduce[1]
+
+
+class _Recording(AllreduceStrategy):
+    def __init__(self, name: str, serves_numel: set[int], ran: list[str]) -> None:
+        self.name, self._numels, self._ran = name, serves_numel, ran
+
+    def serves(self, tensor, op):
+        return tensor.numel() in self._numels
+
+    def run(self, tensor, op):
+        self._ran.append(self.name)
+
+
+def test_an_op_runs_with_the_first_entry_that_serves_it():
+    """An entry put first (as a device transport would be) takes only what it serves; the rest falls through."""
+    ran: list[str] = []
+    strategies = [_Recording("device", {1}, ran), _Recording("shm", {1, 2}, ran), _Recording("ring", {1, 2, 3}, ran)]
+    for numel in (1, 2, 3):
+        run_allreduce(strategies, torch.zeros(numel), ReduceOp.SUM)
+    assert ran == ["device", "shm", "ring"]
+    with pytest.raises(NoStrategyError, match=r"of \['device', 'shm', 'ring'\] serves op"):
+        run_allreduce(strategies, torch.zeros(4), ReduceOp.SUM)
+
+
+def test_what_each_entry_serves():
+    adasum, ring = AdasumAllreduce(()), GlooRing(_Group(4))
+    assert adasum.serves(torch.ones(3), Reduction.ADASUM) and not adasum.serves(torch.ones(3), ReduceOp.SUM)
+    assert ring.serves(torch.ones(1 << 20), ReduceOp.SUM)
+    shm = SharedMemoryAllreduce(_Node())
+    assert shm.serves(torch.ones(1), ReduceOp.SUM) and not shm.serves(torch.ones(0), ReduceOp.SUM)
+    # the gather-reduce takes messages whose every-rank copies fit GATHER_REDUCE_BYTES, between several ranks
+    small = GlooGatherReduce(_Group(4))
+    largest = GATHER_REDUCE_BYTES // (4 * 4)
+    assert small.serves(torch.ones(largest), ReduceOp.SUM) and small.serves(torch.ones(5), ReduceOp.BAND)
+    assert not small.serves(torch.ones(largest + 1), ReduceOp.SUM)
+    assert not small.serves(torch.ones(5), Reduction.ADASUM)
+    assert not GlooGatherReduce(_Group(1)).serves(torch.ones(5), ReduceOp.SUM)
+
+
+def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():
+    assert TRANSPORT_OPS[Reduction.AVERAGE] == ReduceOp.SUM  # the engine divides afterwards
+    assert TRANSPORT_OPS["max"] == ReduceOp.MAX  # the engine's wire format carries plain strings
+    assert TRANSPORT_OPS["adasum"] is Reduction.ADASUM
+    assert Reduction.ADASUM not in GLOO_OPS
+
+
+def test_a_one_process_communicator_runs_every_list():
+    comm = Communicator(dist.HashStore(), 0, 1, timeout_s=5.0)
+    try:
+        assert comm.transport == "gloo" and comm.fused_message_bytes == 0
+        assert comm.strategies.names()["allreduce"] == ["adasum", "gloo gather-reduce", "gloo ring"]
+        t = torch.arange(6.0).view(2, 3).t()  # not contiguous
+        comm.allreduce(t, Reduction.SUM)
+        assert torch.equal(t, torch.arange(6.0).view(2, 3).t())
+        g = torch.tensor([3.0, -4.0])
+        comm.allreduce(g, "adasum")
+        assert torch.equal(g, torch.tensor([3.0, -4.0]))  # one rank's Adasum is its own gradient
+        flags = torch.tensor([1, 3], dtype=torch.uint8)
+        comm.and_flags(flags)
+        assert flags.tolist() == [1, 3]
+        assert [p.tolist() for p in comm.allgather(torch.ones(2))] == [[1.0, 1.0]]
+        assert comm.allgather_bytes(b"hvdray") == [b"hvdray"]
+        comm.broadcast(g, 0)
+        with pytest.raises(RuntimeError, match="fused lists"):
+            comm.allreduce_tensors([g], [g], Reduction.SUM)
+    finally:
+        comm.close()
+    with pytest.raises(NoStrategyError):  # a closed communicator refuses ops loudly
+        comm.allreduce(torch.ones(1), Reduction.SUM)
