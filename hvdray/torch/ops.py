@@ -15,7 +15,6 @@ from hvdray.collective.ops import (  # noqa: F401 - re-exported
     Average,
     Max,
     Min,
-    OpHandle,
     Product,
     ReduceOp,
     Sum,
