@@ -8,67 +8,29 @@ In an elastic job the rank comes from a :class:`Membership` instead: ``init`` wa
 includes this worker, and :func:`reset` tears the engine and its Gloo group down, leaves the epoch and
 joins the next one.
 
-The module-level functions act on the process's one session (``_session``); the engine, rank and
-initialized queries read it directly, as they run for every op.
+The module-level functions act on the process's one session (``_session``); the engine and
+initialized queries read its fields directly, as they run for every op.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import secrets as _secrets
 import threading
-from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
-
-import torch.distributed as dist
 
 from hvdray.collective import shm
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.communicator import Communicator
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
+from hvdray.collective.job import JobConfig, Membership, single_process_job  # noqa: F401 - also read as session.*
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import TransportOptions
-from hvdray.settings import Settings, make_settings
+from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-class Membership(Protocol):
-    """Where an elastic worker learns its place in each membership epoch (the worker actor provides it)."""
-
-    def next_epoch(self, left_epoch: int) -> tuple[int, RankInfo]:
-        """Block until an epoch newer than ``left_epoch`` includes this worker; its number and our ranks."""
-
-    def host_updates(self) -> int:
-        """Host updates the driver announced since this worker's epoch was formed."""
-
-
-@dataclass
-class JobConfig:
-    """What a worker knows about its job; built inside the worker, never sent over the wire."""
-
-    rank_info: Optional[RankInfo]  # None: an elastic worker between epochs
-    settings: Settings
-    secret: bytes
-    store_factory: Callable[[str], dist.Store]  # key prefix -> the job's private store
-    host_ip: str
-    epoch: int = 1
-    membership: Optional[Membership] = None
-
-
-def single_process_job() -> JobConfig:
-    """A size-1 job on an in-memory store: what ``hvd.init()`` joins outside any executor."""
-    store = dist.HashStore()
-    return JobConfig(
-        rank_info=RankInfo(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1),
-        settings=make_settings(),
-        secret=_secrets.token_bytes(32),
-        store_factory=lambda prefix: dist.PrefixStore(prefix, store),
-        host_ip="127.0.0.1",
-    )
 
 
 class RegisteredSet(Protocol):
@@ -131,7 +93,12 @@ class Session:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def init(self) -> None:
-        """Join the job (see the module function :func:`init`)."""
+        """Join the configured job (or start a size-1 one). Calling it again is a no-op until ``shutdown``.
+
+        That holds for an engine that has stopped too (a peer shut down or the ring broke): its ops keep
+        raising what stopped it. Re-joining takes ``shutdown()`` then ``init()`` on every rank (what an
+        elastic reset does), so that all ranks count the same generations: a rank that quietly started a
+        new engine here would meet its peers' next generation, not the one they are shutting down."""
         with self.lock:
             if self.engine is not None:
                 return
@@ -273,7 +240,11 @@ class Session:
 
     # -- timeline -------------------------------------------------------------------------------
     def start_timeline(self, filename: str, mark_cycles: bool = False) -> None:
-        """See the module function :func:`start_timeline`."""
+        """Record a Chrome-trace timeline of every engine of this rank into ``filename``.
+
+        Rank 0 writes ``filename``; if the name contains ``{rank}``, every rank writes its own file
+        (``filename.format(rank=...)``). Other ranks do nothing. A running timeline is closed first.
+        """
         if not isinstance(filename, str) or not filename:
             raise ValueError(f"filename must be a non-empty path, got {filename!r}")
         if not isinstance(mark_cycles, bool):
@@ -312,12 +283,7 @@ def configure(job: Optional[JobConfig]) -> None:
 
 
 def init() -> None:
-    """Join the configured job (or start a size-1 one). Calling it again is a no-op until ``shutdown``.
-
-    That holds for an engine that has stopped too (a peer shut down or the ring broke): its ops keep
-    raising what stopped it. Re-joining takes ``shutdown()`` then ``init()`` on every rank (what an
-    elastic reset does), so that all ranks count the same generations: a rank that quietly started a
-    new engine here would meet its peers' next generation, not the one they are shutting down."""
+    """Join the configured job (or start a size-1 one); see :meth:`Session.init`."""
     _session.init()
 
 
@@ -356,11 +322,7 @@ def host_updates() -> int:
 
 
 def start_timeline(filename: str, mark_cycles: bool = False) -> None:
-    """Record a Chrome-trace timeline of every engine of this rank into ``filename``.
-
-    Rank 0 writes ``filename``; if the name contains ``{rank}``, every rank writes its own file
-    (``filename.format(rank=...)``). Other ranks do nothing. A running timeline is closed first.
-    """
+    """Record a Chrome-trace timeline of every engine of this rank; see :meth:`Session.start_timeline`."""
     _session.start_timeline(filename, mark_cycles)
 
 
