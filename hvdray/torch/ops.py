@@ -1,4 +1,10 @@
-"""``hvdray.torch`` ops: horovod.torch's signatures, with autograd, over the collective layer."""
+"""``hvdray.torch`` ops: horovod.torch's signatures, with autograd, over the collective layer.
+
+Every op of :mod:`hvdray.collective.surface` in each of its forms. The blocking form of a
+differentiable op is written here with its autograd function; an op's other forms share one body,
+built per form by ``surface.forms`` (``_allreduce_form`` ...); an async form that is the collective
+layer's own function (``allgather_async`` ...) is that function.
+"""
 
 from __future__ import annotations
 
