@@ -1,4 +1,5 @@
-"""Job facts every frontend shares: ``init``, rank and size, and what this build can do."""
+"""Job facts every frontend shares: ``init``, rank and size, process sets, the timeline, and what this
+build can do. ``__all__`` is the list; each frontend re-exports it as it is (``from ... import *``)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ from typing import Any, Optional, Sequence
 
 from hvdray.collective import session
 from hvdray.collective import process_sets as process_sets_module
-from hvdray.collective.process_sets import (  # noqa: F401 - re-exported by every frontend
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from hvdray.collective.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+
+__all__ = [
+    "init", "shutdown", "is_initialized",
+    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "start_timeline", "stop_timeline",
+    "gloo_enabled", "gloo_built", "mpi_enabled", "mpi_built", "mpi_threads_supported", "nccl_built",
+]
 
 
 def init(comm: Any = None, process_sets: Optional[Sequence[Any]] = None) -> None:

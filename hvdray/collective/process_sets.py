@@ -12,7 +12,6 @@ sets passed to ``hvd.init(process_sets=[...])`` are added by every ``init``.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -83,22 +82,6 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 
-_lock = threading.Lock()
-_registered: dict[int, ProcessSet] = {}
-_next_id = GLOBAL_ID + 1
-
-
-def _forget_all() -> None:
-    global _next_id
-    with _lock:
-        for ps in _registered.values():
-            ps.process_set_id = None
-        _registered.clear()
-        _next_id = GLOBAL_ID + 1
-
-
-session.on_shutdown(_forget_all)
-
 
 def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
     """The engine an op on ``process_set`` (None: the global set) runs on, with the set itself.
@@ -110,7 +93,7 @@ def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     set_id = process_set.process_set_id
-    if set_id is None or _registered.get(set_id) is not process_set:
+    if set_id is None or session.current().process_sets.sets.get(set_id) is not process_set:
         raise ValueError(
             f"process_set {process_set!r} is not registered; pass it to hvd.init(process_sets=[...]) or "
             "hvd.add_process_set() on every rank first"
@@ -161,17 +144,17 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
     outside = [r for r in ps.ranks if r >= info.size]
     if outside:
         raise ValueError(f"process_set {ps.ranks} has rank(s) {outside} outside the job of size {info.size}")
-    global _next_id
-    with _lock:
-        duplicate = next((s for s in _registered.values() if s.ranks == ps.ranks), None)
+    registry = session.current().process_sets
+    with registry.lock:
+        duplicate = next((s for s in registry.sets.values() if s.ranks == ps.ranks), None)
         if duplicate is not None:
             raise ValueError(f"a process_set with ranks {ps.ranks} is already registered: {duplicate!r}")
-        set_id, _next_id = _next_id, _next_id + 1
+        set_id, registry.next_id = registry.next_id, registry.next_id + 1
     if info.rank in ps.ranks:
         session.start_set_engine(set_id, ps.ranks.index(info.rank), len(ps.ranks))
-    with _lock:
+    with registry.lock:
         ps.process_set_id = set_id
-        _registered[set_id] = ps
+        registry.sets[set_id] = ps
     log.debug("added %r", ps)
     return ps
 
@@ -183,15 +166,16 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     set_id = process_set.process_set_id
-    if set_id is None or _registered.get(set_id) is not process_set:
+    registry = session.current().process_sets
+    if set_id is None or registry.sets.get(set_id) is not process_set:
         return False
     engine = session.engine("remove_process_set")
     # every member is here before any member's engine stops
     name = engine.auto_name("remove_process_set")
     engine.submit(Request(barrier_desc(name), None, None, Handle(name))).wait()
     session.stop_set_engine(set_id)
-    with _lock:
-        _registered.pop(set_id, None)
+    with registry.lock:
+        registry.sets.pop(set_id, None)
         process_set.process_set_id = None
     return True
 

@@ -31,7 +31,7 @@ def broadcast_variables(
         return None
     base = _c.check_name(name, "op") if name is not None else "broadcast_variables"
     values = [as_tensor(var, f"variables[{i}]") for i, var in enumerate(variables)]
-    received = _ops._broadcast_raw(values, root_rank, [f"{base}.{i}" for i in range(len(values))], ps)
+    received = _ops.broadcast_tensors(values, root_rank, [f"{base}.{i}" for i in range(len(values))], ps)
     assigns = [var.assign(value) for var, value in zip(variables, received)]
     if tf.executing_eagerly():
         return None

@@ -16,38 +16,16 @@ import tensorflow as tf
 import torch
 
 from hvdray.collective import ops as _c
+from hvdray.collective import surface
+from hvdray.collective.basics import rank
 from hvdray.collective.compression import Compression
-from hvdray.collective.ops import ReduceOp
-from hvdray.collective.process_sets import resolve
+from hvdray.collective.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - re-exported
+from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 from hvdray.tensorflow import bridge
 from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
 
-from hvdray.collective.basics import (  # noqa: F401 - re-exported, shared with the torch frontend
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-    cross_rank,
-    cross_size,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-
-Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
+#: every op of the surface in its blocking form (the only one a TensorFlow graph can hold), and the reduce ops
+__all__ = [*surface.names(surface.BLOCKING_ONLY), *surface.REDUCE_OPS, "ReduceOp"]
 
 
 # -- argument checks -----------------------------------------------------------------------------
@@ -263,9 +241,12 @@ def allgather(
     return _differentiable(lambda xs: [_allgather_raw(xs[0], name, ps)], backward, [x])[0]
 
 
-def _broadcast_raw(
+def broadcast_tensors(
     xs: list[tf.Tensor], root_rank: int, names: list[Optional[str]], ps: ProcessSet
 ) -> list[tf.Tensor]:
+    """Root's values of ``xs`` on every rank, in one exchange (one node in a graph) and without a gradient:
+    :func:`broadcast` and ``broadcast_variables`` run on it. ``ps`` is a checked process set."""
+
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         handles = [_c.broadcast_async(to_torch(x), root_rank, n, process_set=ps) for x, n in zip(eager, names)]
         return [to_tf(_c.synchronize(h)) for h in handles]
@@ -286,7 +267,7 @@ def broadcast(
         summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0, ps)
         return [summed if rank() == root_rank else tf.zeros_like(summed)]
 
-    return _differentiable(lambda xs: _broadcast_raw(xs, root_rank, [name], ps), backward, [x])[0]
+    return _differentiable(lambda xs: broadcast_tensors(xs, root_rank, [name], ps), backward, [x])[0]
 
 
 def _alltoall_raw(

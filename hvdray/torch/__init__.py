@@ -1,63 +1,10 @@
 """``import hvdray.torch as hvd``: horovod.torch's API on hvdray's engine."""
 
+from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
 from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
+from hvdray.torch.ops import *  # noqa: F401,F403 - every op in each of its forms, reduce ops, poll, synchronize
 from hvdray.torch.functions import broadcast_optimizer_state, broadcast_parameters
-from hvdray.torch.ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    ReduceOp,
-    Sum,
-    add_process_set,
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    cross_rank,
-    cross_size,
-    gloo_built,
-    gloo_enabled,
-    global_process_set,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    init,
-    is_homogeneous,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    poll,
-    rank,
-    reducescatter,
-    reducescatter_async,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-    synchronize,
-)
 from hvdray.torch import elastic
 from hvdray.torch.optimizer import DistributedOptimizer
 from hvdray.torch.sync_batch_norm import SyncBatchNorm

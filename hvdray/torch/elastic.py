@@ -121,8 +121,9 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
-        if hasattr(self.optimizer, "_hvd_discard_in_flight"):  # a DistributedOptimizer caught mid-step
-            self.optimizer._hvd_discard_in_flight()
+        from hvdray.torch.optimizer import discard_in_flight  # imported here: dir(hvdray.torch.elastic) stays as it was
+
+        discard_in_flight(self.optimizer)  # a DistributedOptimizer caught mid-step
         for name, state in self._saved_samplers.items():
             self._samplers[name].load_state_dict(state)
         super().restore()

@@ -1,72 +1,65 @@
-"""``hvdray.torch`` ops: horovod.torch's signatures, with autograd, over the collective layer."""
+"""``hvdray.torch`` ops: horovod.torch's signatures, with autograd, over the collective layer.
+
+Every op of :mod:`hvdray.collective.surface` in each of its forms. The blocking form of a
+differentiable op is written here with its autograd function; an op's other forms share one body,
+built per form by ``surface.forms`` (``_allreduce_form`` ...); an async form that is the collective
+layer's own function (``allgather_async`` ...) is that function.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from hvdray.collective import ops as _c
-from hvdray.collective.basics import (  # noqa: F401 - re-exported (shared with the other frontends)
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-    cross_rank,
-    cross_size,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from hvdray.collective import surface
+from hvdray.collective.basics import rank
 from hvdray.collective.compression import Compression
-from hvdray.collective.ops import OpHandle, ReduceOp, poll, synchronize  # noqa: F401 - re-exported
+from hvdray.collective.ops import (  # noqa: F401 - re-exported
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    poll,
+    synchronize,
+)
+from hvdray.collective.process_sets import ProcessSet, global_process_set
+from hvdray.collective.surface import Form
 
-Average, Sum, Min, Max, Product, Adasum = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product, _c.Adasum
+#: every op of the surface in each of its forms, the reduce ops and the handle functions
+__all__ = [*surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize"]
 
 
 # -- allreduce -----------------------------------------------------------------------------------
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> OpHandle:
-    """Start reducing ``tensor`` into a new tensor; ``synchronize`` the handle for the result."""
-    return _c.allreduce_async(
-        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set=process_set
-    )
+def _allreduce_form(form: Form) -> Callable[..., Any]:
+    inplace, blocking = form.inplace, form.blocking
+
+    def allreduce(
+        tensor: torch.Tensor,
+        average: Optional[bool] = None,
+        name: Optional[str] = None,
+        op: Optional[ReduceOp] = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set,
+    ) -> Any:
+        """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise)."""
+        handle = _c.allreduce_async(
+            tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor,
+            output=tensor if inplace else None, process_set=process_set,
+        )
+        return synchronize(handle) if blocking else handle
+
+    return allreduce
 
 
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> OpHandle:
-    """Start reducing ``tensor`` in place."""
-    return _c.allreduce_async(
-        tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, output=tensor,
-        process_set=process_set,
-    )
+allreduce_async, allreduce_, allreduce_async_ = surface.forms(
+    "allreduce", _allreduce_form, Form.ASYNC, Form.INPLACE, Form.INPLACE_ASYNC
+)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -103,48 +96,31 @@ def allreduce(
     return compression.decompress(reduced, cctx)
 
 
-def allreduce_(
-    tensor: torch.Tensor,
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    """Reduce ``tensor`` in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+def _grouped_allreduce_form(form: Form) -> Callable[..., Any]:
+    inplace, blocking = form.inplace, form.blocking
+
+    def grouped_allreduce(
+        tensors: Sequence[torch.Tensor],
+        average: Optional[bool] = None,
+        name: Optional[str] = None,
+        op: Optional[ReduceOp] = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set,
+    ) -> Any:
+        """Reduce a list of tensors together (fused by the engine)."""
+        handle = _c.grouped_allreduce_async(
+            tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=inplace,
+            process_set=process_set,
+        )
+        return synchronize(handle) if blocking else handle
+
+    return grouped_allreduce
 
 
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> OpHandle:
-    """Start reducing a list of tensors together; the result is a list of new tensors."""
-    return _c.grouped_allreduce_async(
-        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set=process_set
-    )
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> OpHandle:
-    """Start reducing a list of tensors together, in place."""
-    return _c.grouped_allreduce_async(
-        tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=True,
-        process_set=process_set,
-    )
+grouped_allreduce_async, grouped_allreduce_, grouped_allreduce_async_ = surface.forms(
+    "grouped_allreduce", _grouped_allreduce_form, Form.ASYNC, Form.INPLACE, Form.INPLACE_ASYNC
+)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -183,21 +159,6 @@ def grouped_allreduce(
     return [compression.decompress(t, cctx) for t, (_, cctx) in zip(reduced, packed)]
 
 
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: Optional[bool] = None,
-    name: Optional[str] = None,
-    op: Optional[ReduceOp] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Reduce a list of tensors together, in place, and return them."""
-    return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
-
-
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
 allgather_async = _c.allgather_async
 
@@ -225,14 +186,23 @@ def allgather(
     return _Allgather.apply(tensor, name, process_set)
 
 
-broadcast_async = _c.broadcast_async
+broadcast_async = _c.broadcast_async  # the collective's own: it takes inplace= as well
 
 
-def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
-) -> OpHandle:
-    """Start overwriting ``tensor`` with root's value."""
-    return _c.broadcast_async(tensor, root_rank, name, inplace=True, process_set=process_set)
+def _broadcast_form(form: Form) -> Callable[..., Any]:
+    inplace, blocking = form.inplace, form.blocking
+
+    def broadcast(
+        tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+    ) -> Any:
+        """Root's ``tensor`` (``root_rank`` is a global rank) on every rank."""
+        handle = _c.broadcast_async(tensor, root_rank, name, inplace=inplace, process_set=process_set)
+        return synchronize(handle) if blocking else handle
+
+    return broadcast
+
+
+broadcast_, broadcast_async_ = surface.forms("broadcast", _broadcast_form, Form.INPLACE, Form.INPLACE_ASYNC)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -254,13 +224,6 @@ def broadcast(
 ) -> torch.Tensor:
     """Root's ``tensor`` on every rank, as a new tensor; differentiable."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
-
-
-def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
-) -> torch.Tensor:
-    """Overwrite ``tensor`` with root's value and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 alltoall_async = _c.alltoall_async  # result: (output, received_splits)

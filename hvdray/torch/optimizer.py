@@ -193,6 +193,13 @@ class _DistributedMixin:
         return super().zero_grad(set_to_none)
 
 
+def discard_in_flight(optimizer: Any) -> None:
+    """Forget the gradient reductions a ``DistributedOptimizer`` has in flight on a ring that broke (an
+    elastic restore rolls the step back); any other optimizer has none."""
+    if isinstance(optimizer, _DistributedMixin):
+        optimizer._hvd_discard_in_flight()
+
+
 _classes: dict[type, type] = {}
 
 

@@ -10,44 +10,14 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
 from hvdray.collective.compression import Compression
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.keras import callbacks, elastic
 from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
-from hvdray.tensorflow.ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    allgather_object,
-    broadcast_object,
-    cross_rank,
-    cross_size,
-    gloo_built,
-    gloo_enabled,
-    global_process_set,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from hvdray.tensorflow.ops import Adasum, Average, Max, Min, Product, Sum, allgather_object, broadcast_object
 
 
 def allreduce(

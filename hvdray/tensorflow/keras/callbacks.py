@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import keras
 import tensorflow as tf
 
+from hvdray.collective import basics
 from hvdray.collective import ops as _c
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.functions import broadcast_variables
@@ -166,7 +167,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
         def multiplier(epoch: float) -> float:
             epoch += 1.0 / self.steps_per_epoch  # reach round numbers at the end of each epoch
-            return 1.0 / _ops.size() * (epoch * (_ops.size() - 1) / warmup_epochs + 1)
+            return 1.0 / basics.size() * (epoch * (basics.size() - 1) / warmup_epochs + 1)
 
         super().__init__(
             initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
@@ -176,7 +177,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and _ops.rank() == 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
             lr = _learning_rate(self.model.optimizer)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
