@@ -27,16 +27,11 @@ from hvdray.driver.arguments import (
     check_start_arguments,
 )
 from hvdray.driver.controller import ElasticDriver
+from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
-from hvdray.driver.worker_group import (
-    GroupState,
-    JobCoordinator,
-    WorkerGroup,
-    WorkerLostError,
-    start_job_coordinator,
-)
+from hvdray.driver.worker_group import GroupState, WorkerGroup, WorkerLostError, actor_name
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
@@ -147,7 +142,7 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()
         if self._limits is not None:
-            self._coordinator = start_job_coordinator(self._id)  # the elastic driver starts workers in each run()
+            self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
             self._state = "started"
             return
         self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg)
@@ -161,9 +156,12 @@ class RayExecutor:
     def _runtime_env(self) -> Optional[dict[str, Any]]:
         return {"env_vars": self._extra_env} if self._extra_env else None
 
+    def _start_coordinator(self) -> JobCoordinator:
+        return start_job_coordinator(actor_name(self._id, "coordinator"))
+
     def _start_group(self) -> None:
         """A new worker group with its own coordinator; if it cannot start, it stops what it started."""
-        self._group = WorkerGroup(self._id, self.settings, start_job_coordinator(self._id), self._runtime_env(),
+        self._group = WorkerGroup(self._id, self.settings, self._start_coordinator(), self._runtime_env(),
                                   elastic=False, owns_coordinator=True)
         self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable)
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import enum
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hvdray.collective.topology import WorkerSlot
-from hvdray.driver.coordinator import CoordinatorClient, start_coordinator
+from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker
 
@@ -47,27 +45,6 @@ def actor_name(executor_id: str, role: str) -> str:
     """The Ray actor name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``), so
     that ``ray list actors`` and the dashboard show who is who."""
     return f"hvdray-{executor_id}-{role}"
-
-
-@dataclass(frozen=True)
-class JobCoordinator:
-    """The job's coordinator actor and the secret its workers share for the rendezvous."""
-
-    client: CoordinatorClient
-    secret: bytes
-
-    def kill(self) -> None:
-        ray.kill(self.client.handle, no_restart=True)
-
-
-def start_job_coordinator(executor_id: str) -> JobCoordinator:
-    """A coordinator on the driver's node, never spilled elsewhere: losing another node must not lose it."""
-    client = start_coordinator(
-        num_cpus=0,
-        name=actor_name(executor_id, "coordinator"),
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    )
-    return JobCoordinator(client, secrets.token_bytes(32))
 
 
 def failure_error(
@@ -139,6 +116,7 @@ class _Start:
     worker: GroupWorker
     call: ray.ObjectRef
     deadline: float
+    out_of_time: str  # the error's text when the call outlives its budget
     configuring: bool = False  # False: waiting for its slot; True: waiting for configure()
 
 
@@ -199,6 +177,11 @@ class WorkerGroup:
         assert self._coordinator is not None, "the group was stopped"
         return self._coordinator.client
 
+    @property
+    def _secret(self) -> bytes:
+        assert self._coordinator is not None, "the group was stopped"
+        return self._coordinator.secret
+
     # -- starting ------------------------------------------------------------------------------
     def launch(self, worker_id: str, actor_options: dict[str, Any], node_id: Optional[str] = None) -> None:
         """Create one worker actor with ``actor_options`` (from placement); it joins once it answers."""
@@ -211,10 +194,14 @@ class WorkerGroup:
             options["max_concurrency"] = 2  # ping answers while run is busy
         role = f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}"
         actor = ray.remote(Worker).options(name=actor_name(self.executor_id, role), **options).remote()
-        worker = GroupWorker(worker_id, actor, node_id)
-        self._starting[worker_id] = _Start(
-            worker, actor.slot.remote(), time.monotonic() + self._settings.placement_group_timeout_s
-        )
+        self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
+
+    def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
+        """A start step with its own budget: placement_group_timeout_s to start, timeout_s to configure."""
+        budget = "timeout_s" if configuring else "placement_group_timeout_s"
+        seconds = getattr(self._settings, budget)
+        what = "was not configured" if configuring else "did not start"
+        return _Start(worker, call, time.monotonic() + seconds, f"it {what} within {budget}={seconds} s", configuring)
 
     @property
     def starting(self) -> int:
@@ -237,10 +224,7 @@ class WorkerGroup:
                 continue
             try:
                 if call not in answered_set:
-                    budget = "timeout_s" if start.configuring else "placement_group_timeout_s"
-                    seconds = self._settings.timeout_s if start.configuring else self._settings.placement_group_timeout_s
-                    what = "was not configured" if start.configuring else "did not start"
-                    raise ray.exceptions.GetTimeoutError(f"it {what} within {budget}={seconds} s")
+                    raise ray.exceptions.GetTimeoutError(start.out_of_time)
                 answer = ray.get(call)
             except Exception as exc:  # noqa: BLE001 - the node went away or is full: the caller decides
                 del self._starting[worker.worker_id]
@@ -252,11 +236,10 @@ class WorkerGroup:
                 worker.slot = answer
                 worker.node_id = answer.node_id
                 if self._elastic:  # configured on its own: it then waits in hvd.init for its epoch
-                    start.call = worker.actor.configure.remote(
+                    configure = worker.actor.configure.remote(
                         None, 0, self._settings, self._secret, self.coordinator, (), worker.worker_id
                     )
-                    start.deadline = time.monotonic() + self._settings.timeout_s
-                    start.configuring = True
+                    self._starting[worker.worker_id] = self._awaiting(worker, configure, configuring=True)
                     continue
             del self._starting[worker.worker_id]
             self.workers[worker.worker_id] = worker
@@ -264,11 +247,6 @@ class WorkerGroup:
         if started and self.state is GroupState.STARTING:
             self.state = GroupState.RUNNING
         return started, failed
-
-    @property
-    def _secret(self) -> bytes:
-        assert self._coordinator is not None, "the group was stopped"
-        return self._coordinator.secret
 
     def start_fixed(
         self, actor_options: Callable[[int], dict[str, Any]], num_workers: int,
