@@ -185,8 +185,10 @@ class ElasticDriver:
             return ended
         self._place_workers(discover_anyway=True)
         given_up = self._given_up_below_minimum()
-        if given_up is not None or not self._scaling.enough(len(self._group.workers)) or self._group.starting:
+        if given_up is not None:
             return given_up
+        if not self._scaling.enough(len(self._group.workers)) or self._group.starting:
+            return None  # the first epoch waits for min_workers and for every worker started so far
         return self._form_epoch_when_ready(deadline=None)
 
     def _step_running(self) -> Optional[Transition]:
@@ -227,8 +229,10 @@ class ElasticDriver:
             return ended
         self._place_workers(discover_anyway=False)
         given_up = self._given_up_below_minimum()
-        if given_up is not None or not self._scaling.enough(len(self._group.workers)):
+        if given_up is not None:
             return given_up
+        if not self._scaling.enough(len(self._group.workers)):
+            return None  # replacements are on their way
         return self._form_epoch_when_ready(deadline=self._rejoin_deadline)
 
     def _step_finishing(self) -> Optional[Transition]:
