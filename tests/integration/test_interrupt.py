@@ -138,7 +138,10 @@ def _execute(client, code: str, timeout: float):
             error = content["ename"]
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    reply = client.get_shell_msg(timeout=30)
+    while True:  # skip stale replies (wait_for_ready may have sent kernel_info more than once)
+        reply = client.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
     return reply["content"]["status"], "".join(stdout), error
 
 
