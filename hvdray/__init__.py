@@ -19,7 +19,7 @@ _PUBLIC = {
     "ProgressBar": "hvdray.driver.callbacks",
     "RayExecutor": "hvdray.driver.executor",
     "Settings": "hvdray.settings",
-    "WorkerLostError": "hvdray.driver.executor",
+    "WorkerLostError": "hvdray.driver.worker_group",
     "init_ray": "hvdray.driver.cluster",
 }
 

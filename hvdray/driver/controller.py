@@ -1,6 +1,9 @@
 """The elastic driver: an explicit state machine that keeps a worker group training as Ray nodes come and go.
 
-States and what moves between them::
+Each tick, :meth:`ElasticDriver.step` looks at the world (the workers' runs and starts, the
+coordinator's waiting list, the discovery) for the current state and returns the transition to take,
+or None to stay. Only :meth:`ElasticDriver._enter` changes the state, and only along
+:data:`NEXT_STATES`::
 
     STARTING ──first epoch formed──▶ RUNNING ──a member returned──▶ FINISHING ──▶ FINISHED
                                       │    ▲
@@ -14,25 +17,25 @@ States and what moves between them::
 
 Leaving STARTING, RESIZING or RECOVERING forms a new membership epoch in the coordinator: the
 survivors (in their old rank order) then the new workers. Every transition is logged and sent to the
-run's callbacks as ``{"event": "elastic", ...}``.
+run's callbacks as ``{"event": "elastic", ...}``. What to do about failures and sizes is asked of
+:mod:`hvdray.driver.policies`; the workers themselves are started and stopped by the worker group.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from hvdray.driver.placement import node_worker_options
-from hvdray.worker.actor import Worker
-from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
+from hvdray.driver.placement import node_worker_options
+from hvdray.driver.policies import ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
+from hvdray.driver.worker_group import RunOutcome, WorkerGroup, failure_error
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -51,66 +54,41 @@ class DriverState(enum.Enum):
     ERRORED = "errored"
 
 
+#: Which state may follow which: the one place that says so. Every live state may also end in ERRORED;
+#: RECOVERING may start over (another worker lost meanwhile restarts its rejoin deadline).
+NEXT_STATES: dict[DriverState, frozenset[DriverState]] = {
+    DriverState.STARTING: frozenset({DriverState.RUNNING, DriverState.RECOVERING, DriverState.FINISHING}),
+    DriverState.RUNNING: frozenset({DriverState.RESIZING, DriverState.RECOVERING, DriverState.FINISHING}),
+    DriverState.RESIZING: frozenset({DriverState.RUNNING, DriverState.RECOVERING, DriverState.FINISHING}),
+    DriverState.RECOVERING: frozenset({DriverState.RUNNING, DriverState.RECOVERING, DriverState.FINISHING}),
+    DriverState.FINISHING: frozenset({DriverState.FINISHED}),
+    DriverState.FINISHED: frozenset(),
+    DriverState.ERRORED: frozenset(),
+}
+_TERMINAL = frozenset({DriverState.FINISHED, DriverState.ERRORED})
+
+
 class ElasticJobError(RuntimeError):
     """An elastic job could not go on: reset_limit exceeded, or too few workers for elastic_timeout."""
 
 
 @dataclass(frozen=True)
-class ElasticLimits:
-    """The sizes and limits an elastic job keeps to (validated by the executor)."""
+class Transition:
+    """The state a step decided on, why, and (into ERRORED) the error the run raises."""
 
-    min_workers: int
-    max_workers: int
-    reset_limit: Optional[int]
-    cooldown_range: Optional[tuple[float, float]]
-    elastic_timeout: float
+    state: DriverState
+    reason: str
+    error: Optional[BaseException] = None
 
 
-@dataclass
-class _Member:
-    """One worker actor of the job and what the driver knows about it."""
-
-    worker_id: str
-    actor: Any
-    slot: WorkerSlot
-    ref: Optional[ray.ObjectRef] = None
-    rank: Optional[int] = None  # in the current epoch; None until it is a member
-    done: bool = False
-    result: Any = None
+def errored(error: BaseException) -> Transition:
+    """The transition that ends the run with ``error``."""
+    return Transition(DriverState.ERRORED, str(error), error)
 
 
-@dataclass
-class _Launch:
-    """A worker actor being created; it joins the job once it answers (or is dropped at its deadline)."""
-
-    worker_id: str
-    node_id: str
-    actor: Any
-    slot_ref: ray.ObjectRef
-    deadline: float
-
-
-@dataclass
-class Blacklist:
-    """Nodes where a worker failed; with a cooldown range they come back after an exponential backoff."""
-
-    cooldown_range: Optional[tuple[float, float]]
-    _until: dict[str, float] = field(default_factory=dict)
-    _failures: dict[str, int] = field(default_factory=dict)
-
-    def add(self, node_id: str) -> float:
-        """Blacklist ``node_id``; returns the cooldown in seconds (inf: for good)."""
-        count = self._failures[node_id] = self._failures.get(node_id, 0) + 1
-        if self.cooldown_range is None:
-            delay = math.inf
-        else:
-            low, high = self.cooldown_range
-            delay = min(high, low * 2 ** (count - 1))
-        self._until[node_id] = time.monotonic() + delay
-        return delay
-
-    def blocked(self, node_id: str) -> bool:
-        return self._until.get(node_id, 0.0) > time.monotonic()
+def allowed(old: DriverState, new: DriverState) -> bool:
+    """True when the machine may move from ``old`` to ``new``."""
+    return new in NEXT_STATES[old] or (new is DriverState.ERRORED and old not in _TERMINAL)
 
 
 class ElasticDriver:
@@ -118,41 +96,33 @@ class ElasticDriver:
 
     def __init__(
         self,
-        executor_id: str,
+        group: WorkerGroup,
         limits: ElasticLimits,
         settings: Settings,
         discovery: HostDiscovery,
-        coordinator: Any,
-        secret: bytes,
         cpus_per_worker: float,
         gpus_per_worker: float,
-        runtime_env: Optional[dict[str, Any]],
-        blacklist: Blacklist,
+        failure_policy: FailurePolicy,
     ) -> None:
-        self._executor_id = executor_id
-        self._limits = limits
+        self._group = group  # an elastic group of its own: stopped when the run ends
         self._settings = settings
-        self._worker_settings = settings.model_copy(
-            update={"discovery": None, "elastic_timeout": limits.elastic_timeout}
-        )
         self._discovery = discovery
-        self._coordinator = coordinator
-        self._secret = secret
         self._cpus = cpus_per_worker
         self._gpus = gpus_per_worker
-        self._runtime_env = runtime_env
-        self._blacklist = blacklist
-        self._workers: dict[str, _Member] = {}
-        self._launching: dict[str, _Launch] = {}
+        self._failures = failure_policy
+        self._scaling = ScalingPolicy(limits)
         self._state = DriverState.STARTING
         self._epoch = 0
         self._resets = 0
-        self._below_min_since: Optional[float] = None
         self._next_discovery = 0.0
         self._rejoin_deadline = 0.0
         self._error: Optional[BaseException] = None
         self._call: tuple[Callable[..., Any], list[Any], dict[str, Any]] = (lambda: None, [], {})
         self._callbacks: list[Callable[[dict[str, Any]], None]] = []
+
+    @property
+    def state(self) -> DriverState:
+        return self._state
 
     # -- the machine ----------------------------------------------------------------------------
     def run(
@@ -166,155 +136,182 @@ class ElasticDriver:
         self._call = (fn, list(args), dict(kwargs))
         self._callbacks = list(callbacks)
         self._report(None, DriverState.STARTING, "job started")
-        handlers = {
-            DriverState.STARTING: self._on_starting,
-            DriverState.RUNNING: self._on_running,
-            DriverState.RESIZING: self._on_resizing,
-            DriverState.RECOVERING: self._on_recovering,
-            DriverState.FINISHING: self._on_finishing,
-        }
         try:
-            while self._state not in (DriverState.FINISHED, DriverState.ERRORED):
-                self._deliver_logs()  # first: a worker's records arrive before the transition its exit causes
-                handlers[self._state]()
+            while self._state not in _TERMINAL:
+                self._group.deliver_logs(self._callbacks)  # first: records arrive before the transition they cause
+                transition = self.step()
+                if transition is not None:
+                    self._enter(transition)
                 time.sleep(_TICK_S)
-            self._deliver_logs()
+            self._group.deliver_logs(self._callbacks)
         except ray.exceptions.RayActorError as exc:  # worker deaths are handled above: this is the coordinator
             raise ElasticJobError(f"the job's coordinator actor died ({exc}); the elastic job cannot go on") from exc
         finally:
             self.stop()
         if self._error is not None:
             raise self._error
-        members = sorted((m for m in self._workers.values() if m.done), key=lambda m: m.rank)
-        return [m.result for m in members]
+        return [w.result for w in self._group.ranked() if w.done]
 
-    def _move(self, new: DriverState, reason: str) -> None:
-        old, self._state = self._state, new
+    def step(self) -> Optional[Transition]:
+        """Look at the world in the current state; the transition to take, or None to stay."""
+        steps = {
+            DriverState.STARTING: self._step_starting,
+            DriverState.RUNNING: self._step_running,
+            DriverState.RESIZING: self._step_resizing,
+            DriverState.RECOVERING: self._step_recovering,
+            DriverState.FINISHING: self._step_finishing,
+        }
+        return steps[self._state]()
+
+    def _enter(self, transition: Transition) -> None:
+        """The only place the state changes, with each state's entry action."""
+        old, new = self._state, transition.state
+        if not allowed(old, new):
+            raise AssertionError(f"hvdray elastic: no transition from {old.value} to {new.value}")
+        self._state = new
         if new is DriverState.RECOVERING:
             # survivors notice a broken ring within a collective timeout; later ones are stuck
             self._rejoin_deadline = time.monotonic() + self._settings.timeout_s
-        self._report(old, new, reason)
+        elif new is DriverState.FINISHING:
+            self._group.drain()  # no new workers: the job ends with the members it has
+        elif new is DriverState.ERRORED:
+            self._error = transition.error
+        self._report(old, new, transition.reason)
 
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._move(DriverState.ERRORED, str(error))
-
-    def _on_starting(self) -> None:
+    def _step_starting(self) -> Optional[Transition]:
         """Place workers on the discovered slots; form the first epoch once they have all started."""
-        if self._watch_runs() or not self._place_workers() or self._launching:
-            return
-        self._form_epoch_when_ready(deadline=None)
+        ended = self._after_runs()
+        if ended is not None:
+            return ended
+        self._place_workers(discover_anyway=True)
+        given_up = self._given_up_below_minimum()
+        if given_up is not None:
+            return given_up
+        if not self._scaling.enough(len(self._group.workers)) or self._group.starting:
+            return None  # the first epoch waits for min_workers and for every worker started so far
+        return self._form_epoch_when_ready(deadline=None)
 
-    def _on_running(self) -> None:
-        if self._watch_runs():
-            return
+    def _step_running(self) -> Optional[Transition]:
+        """Watch the members; start workers on new slots (a resize) and notice hosts that left."""
+        ended = self._after_runs()
+        if ended is not None:
+            return ended
         if self._members_waiting():
-            self._move(DriverState.RECOVERING, "a member left its epoch after a peer failure")
-            return
-        if self._collect_launched():
-            ray.get(self._coordinator.notify_hosts_updated.remote())
-            self._move(DriverState.RESIZING, f"new workers started: {len(self._workers)} in the job")
-            return
-        if time.monotonic() >= self._next_discovery:
-            self._next_discovery = time.monotonic() + self._settings.discovery_interval_s
-            slots = self._discover()
-            if slots is None:
-                return
-            lost = [w for w, m in self._workers.items() if m.slot.node_id not in slots]
-            if lost:
-                self._remove(lost, blacklist=False)
-                self._move(DriverState.RECOVERING, f"hosts of worker(s) {lost} left the discovery")
-                return
-            self._launch(self._free_slots(slots))
+            return Transition(DriverState.RECOVERING, "a member left its epoch after a peer failure")
+        if self._collect_started():
+            self._group.announce_new_hosts()
+            return Transition(DriverState.RESIZING, f"new workers started: {len(self._group.workers)} in the job")
+        if not self._discovery_due():
+            return None
+        slots = self._discover()
+        if slots is None:
+            return None
+        lost = [w for w, worker in self._group.workers.items() if worker.node_id not in slots]
+        if lost:
+            self._drop(lost, lost_workers=False)
+            return Transition(DriverState.RECOVERING, f"hosts of worker(s) {lost} left the discovery")
+        self._launch(self._free_slots(slots))
+        return None
 
-    def _on_resizing(self) -> None:
+    def _step_resizing(self) -> Optional[Transition]:
         """New workers wait in hvd.init; members join them when they commit next."""
-        if self._watch_runs():
-            return
-        self._collect_launched()
-        self._form_epoch_when_ready(deadline=None)
+        ended = self._after_runs()
+        if ended is not None:
+            return ended
+        self._collect_started()
+        return self._form_epoch_when_ready(deadline=None)
 
-    def _on_recovering(self) -> None:
+    def _step_recovering(self) -> Optional[Transition]:
         """Drop the dead, start replacements only if below min_workers, re-form the ring from the rest."""
-        self._probe_liveness()
-        if self._watch_runs():
-            return
-        if not self._place_workers():
-            return
-        self._form_epoch_when_ready(deadline=self._rejoin_deadline)
+        self._drop(self._group.probe_liveness(_PING_TIMEOUT_S), lost_workers=True)
+        ended = self._after_runs()
+        if ended is not None:
+            return ended
+        self._place_workers(discover_anyway=False)
+        given_up = self._given_up_below_minimum()
+        if given_up is not None:
+            return given_up
+        if not self._scaling.enough(len(self._group.workers)):
+            return None  # replacements are on their way
+        return self._form_epoch_when_ready(deadline=self._rejoin_deadline)
 
-    def _on_finishing(self) -> None:
-        """A member returned: wait for the others of its epoch, drop everyone else."""
-        self._watch_runs()
-        members = [m for m in self._workers.values() if m.rank is not None]
-        waiting = self._waiting_ids()
-        if all(m.done or m.worker_id in waiting for m in members):
-            self._remove([m.worker_id for m in self._workers.values() if not m.done], blacklist=False)
-            self._cancel_launches()
-            self._move(DriverState.FINISHED, f"{sum(m.done for m in members)} member(s) returned")
+    def _step_finishing(self) -> Optional[Transition]:
+        """A member returned: wait for the others of its epoch, then drop everyone else."""
+        ended = self._after_runs()
+        if ended is not None:
+            return ended
+        members = self._group.ranked()
+        waiting = self._group.waiting()
+        if not all(m.done or m.worker_id in waiting for m in members):
+            return None
+        self._group.remove([w.worker_id for w in self._group.workers.values() if not w.done])
+        return Transition(DriverState.FINISHED, f"{sum(m.done for m in members)} member(s) returned")
 
-    # -- forming epochs ------------------------------------------------------------------------
-    def _form_epoch_when_ready(self, deadline: Optional[float]) -> None:
-        """When every live worker waits for a new epoch, form it (checking reset_limit first)."""
-        waiting = self._waiting_ids()
-        late = [w for w in self._workers if w not in waiting]
+    # -- what happened and what it calls for (may drop workers; never changes the state) ----------
+    def _after_runs(self) -> Optional[Transition]:
+        """Collect ended runs: the dead are dropped; returns the transition they call for, if any."""
+        finishing = self._state in (DriverState.FINISHING, DriverState.FINISHED)
+        lost: list[str] = []
+        returned = False
+        for ended in self._group.poll_runs():
+            worker = ended.worker
+            if ended.outcome is RunOutcome.RETURNED:
+                returned = returned or worker.rank is not None
+            elif ended.outcome is RunOutcome.LOST:
+                if ended.out_of_memory:
+                    log.warning("hvdray elastic: worker %s was killed because its node ran out of memory",
+                                worker.worker_id)
+                lost.append(worker.worker_id)
+            elif self._failures.run_error(worker.rank is not None, finishing) is RunErrorDecision.RAISE:
+                assert ended.error is not None
+                return errored(failure_error(ended.error, worker.rank, worker_id=worker.worker_id,
+                                             aftermath="the job was stopped"))
+        if lost:
+            self._drop(lost, lost_workers=True)
+            if self._state is not DriverState.FINISHING:
+                return Transition(DriverState.RECOVERING, f"worker(s) {lost} died")
+        if returned and self._state is not DriverState.FINISHING:
+            return Transition(DriverState.FINISHING, "a member returned from the training function")
+        return None
+
+    def _given_up_below_minimum(self) -> Optional[Transition]:
+        """The transition to ERRORED once fewer than min_workers have run for longer than elastic_timeout."""
+        reason = self._scaling.below_minimum(len(self._group.workers))
+        return errored(ElasticJobError(reason)) if reason is not None else None
+
+    def _form_epoch_when_ready(self, deadline: Optional[float]) -> Optional[Transition]:
+        """When every live worker waits for a new epoch, form it (checking reset_limit first); workers
+        still not waiting after ``deadline`` are dropped."""
+        waiting = self._group.waiting()
+        late = [w for w in self._group.workers if w not in waiting]
         if late:
             if deadline is not None and time.monotonic() > deadline:
                 log.warning("hvdray elastic: worker(s) %s did not rejoin within timeout_s; dropping them", late)
-                self._remove(late, blacklist=True)
-            return
-        if len(self._workers) < self._limits.min_workers:
-            self._move(DriverState.RECOVERING, f"only {len(self._workers)} worker(s) left")
-            return
+                self._drop(late, lost_workers=True)
+            return None
+        if not self._scaling.enough(len(self._group.workers)):
+            return Transition(DriverState.RECOVERING, f"only {len(self._group.workers)} worker(s) left")
         if self._epoch > 0:
-            if self._limits.reset_limit is not None and self._resets >= self._limits.reset_limit:
-                self._fail(ElasticJobError(
-                    f"the elastic job needed reset number {self._resets + 1}, more than reset_limit="
-                    f"{self._limits.reset_limit}; giving up"
-                ))
-                return
+            refusal = self._failures.reset_refusal(self._resets)
+            if refusal is not None:
+                return errored(ElasticJobError(refusal))
             self._resets += 1
-        order = sorted(self._workers.values(), key=lambda m: (m.rank is None, m.rank if m.rank is not None else 0))
-        ids = [m.worker_id for m in order]
-        self._epoch, infos, _ = ray.get(
-            self._coordinator.assign.remote([m.slot for m in order], ids), timeout=self._settings.timeout_s
-        )
-        for member, info in zip(order, infos):
-            member.rank = info.rank
-        self._move(DriverState.RUNNING, f"membership epoch {self._epoch} formed with {len(ids)} worker(s)")
-
-    def _waiting_ids(self) -> set[str]:
-        return set(ray.get(self._coordinator.waiting.remote()))
+        order = sorted(self._group.workers.values(),
+                       key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0))
+        self._epoch = self._group.form_epoch(order)
+        return Transition(DriverState.RUNNING, f"membership epoch {self._epoch} formed with {len(order)} worker(s)")
 
     def _members_waiting(self) -> list[str]:
         """Members of the running epoch that left it: their ring broke."""
-        waiting = self._waiting_ids()
-        return [w for w, m in self._workers.items() if w in waiting and m.rank is not None]
+        waiting = self._group.waiting()
+        return [w for w, worker in self._group.workers.items() if w in waiting and worker.rank is not None]
 
-    # -- placing workers ----------------------------------------------------------------------------
-    def _place_workers(self) -> bool:
-        """Start workers on free slots; True when at least ``min_workers`` run (else wait, then fail)."""
-        self._collect_launched()
-        if len(self._workers) < self._limits.min_workers or self._state is DriverState.STARTING:
-            if time.monotonic() >= self._next_discovery:
-                self._next_discovery = time.monotonic() + self._settings.discovery_interval_s
-                slots = self._discover()
-                if slots is not None:
-                    self._launch(self._free_slots(slots))
-        if len(self._workers) >= self._limits.min_workers:
-            self._below_min_since = None
-            return True
-        now = time.monotonic()
-        if self._below_min_since is None:
-            self._below_min_since = now
-            log.info("hvdray elastic: %d worker(s), waiting for min_workers=%d", len(self._workers),
-                     self._limits.min_workers)
-        elif now - self._below_min_since > self._limits.elastic_timeout:
-            self._fail(ElasticJobError(
-                f"only {len(self._workers)} worker(s) could run, fewer than min_workers={self._limits.min_workers}, "
-                f"for more than elastic_timeout={self._limits.elastic_timeout} s"
-            ))
-        return False
+    def _discovery_due(self) -> bool:
+        """True (and the next one scheduled) when it is time to ask the discovery again."""
+        if time.monotonic() < self._next_discovery:
+            return False
+        self._next_discovery = time.monotonic() + self._settings.discovery_interval_s
+        return True
 
     def _discover(self) -> Optional[dict[str, int]]:
         """Slots per node from the discovery; None when it failed (the job goes on, asking again later)."""
@@ -326,150 +323,61 @@ class ElasticDriver:
 
     def _free_slots(self, slots: dict[str, int]) -> dict[str, int]:
         """Slots not yet used by this job, per node, never more in total than max_workers allows."""
-        room = self._limits.max_workers - len(self._workers) - len(self._launching)
-        held = self.held()
-        free: dict[str, int] = {}
-        for node_id in sorted(slots):
-            if room <= 0:
-                break
-            if self._blacklist.blocked(node_id):
-                continue
-            extra = min(slots[node_id] - held.get(node_id, 0), room)
-            if extra > 0:
-                free[node_id] = extra
-                room -= extra
-        return free
+        running = len(self._group.workers) + self._group.starting
+        return self._scaling.free_slots(slots, self._group.held(), running, self._failures.usable)
 
     def held(self) -> dict[str, int]:
         """Workers this job runs per node (Ray's free resources do not count them)."""
-        held: dict[str, int] = {}
-        for node_id in [m.slot.node_id for m in self._workers.values()] + [l.node_id for l in self._launching.values()]:
-            held[node_id] = held.get(node_id, 0) + 1
-        return held
+        return self._group.held()
+
+    # -- actions (start and drop workers; never change the state) ---------------------------------
+    def _place_workers(self, discover_anyway: bool) -> None:
+        """Collect started workers; below min_workers (or ``discover_anyway``) start more on free slots."""
+        self._collect_started()
+        below = not self._scaling.enough(len(self._group.workers))
+        if (below or discover_anyway) and self._discovery_due():
+            slots = self._discover()
+            if slots is not None:
+                self._launch(self._free_slots(slots))
 
     def _launch(self, free: dict[str, int]) -> None:
-        """Create one worker actor per free slot; they join in :meth:`_collect_launched` once they answer."""
-        options: dict[str, Any] = {"runtime_env": self._runtime_env} if self._runtime_env else {}
-        deadline = time.monotonic() + self._settings.placement_group_timeout_s
+        """Start one worker per free slot; :meth:`_collect_started` gives them ``fn`` once they answer."""
         for node_id, count in free.items():
             for _ in range(count):
-                worker_id = uuid.uuid4().hex[:8]
-                actor = ray.remote(Worker).options(
-                    name=f"hvdray-{self._executor_id}-elastic-{worker_id}",
-                    max_concurrency=2,  # ping answers while run is busy
-                    **node_worker_options(node_id, self._cpus, self._gpus),
-                    **options,
-                ).remote()
-                self._launching[worker_id] = _Launch(worker_id, node_id, actor, actor.slot.remote(), deadline)
+                options = node_worker_options(node_id, self._cpus, self._gpus)
+                self._group.launch(uuid.uuid4().hex[:8], options, node_id=node_id)
         if free:
             log.info("hvdray elastic: starting %d worker(s) on %s", sum(free.values()),
                      {n[:8]: c for n, c in free.items()})
             # Ray's view of free resources lags the new actors: look again only once it has caught up
             self._next_discovery = time.monotonic() + 2 * self._settings.discovery_interval_s
 
-    def _collect_launched(self) -> int:
-        """Workers that answered are configured and given ``fn`` (they wait in hvd.init); returns how many."""
-        if not self._launching:
-            return 0
-        refs = {launch.slot_ref: launch for launch in self._launching.values()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        joined = 0
-        for ref, launch in refs.items():
-            if ref not in ready and time.monotonic() < launch.deadline:
-                continue
-            del self._launching[launch.worker_id]
-            try:
-                if ref not in ready:
-                    raise TimeoutError(f"it did not start within placement_group_timeout_s="
-                                       f"{self._settings.placement_group_timeout_s} s")
-                slot = ray.get(ref)
-                ray.get(launch.actor.configure.remote(
-                    None, 0, self._worker_settings, self._secret, self._coordinator, (), launch.worker_id
-                ), timeout=self._settings.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the node went away or is full; discovery will tell
-                log.warning("hvdray elastic: could not start a worker on node %s: %s", launch.node_id[:8], exc)
-                ray.kill(launch.actor, no_restart=True)
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    self._blacklist.add(launch.node_id)
-                continue
-            fn, args, kwargs = self._call
-            member = _Member(launch.worker_id, launch.actor, slot)
-            member.ref = launch.actor.run.remote(fn, args, kwargs)
-            self._workers[launch.worker_id] = member
-            joined += 1
-        return joined
+    def _collect_started(self) -> int:
+        """Workers that started are given ``fn`` (they wait in hvd.init); failed starts are reported to
+        the failure policy. Returns how many started."""
+        started, failed = self._group.poll_starts()
+        for failure in failed:
+            log.warning("hvdray elastic: could not start a worker on node %s: %s",
+                        (failure.node_id or "?")[:8], failure.error)
+            self._failures.start_failed(failure.node_id, failure.worker_died)
+        fn, args, kwargs = self._call
+        for worker in started:
+            self._group.run(worker, fn, args, kwargs)
+        return len(started)
 
-    def _cancel_launches(self) -> None:
-        for launch in self._launching.values():
-            ray.kill(launch.actor, no_restart=True)
-        self._launching.clear()
-
-    # -- watching workers ----------------------------------------------------------------------------
-    def _watch_runs(self) -> bool:
-        """Collect finished runs. True when the state changed (a death, a user error, a member finished)."""
-        refs = {m.ref: m for m in self._workers.values() if m.ref is not None and not m.done}
-        if not refs:
-            return False
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        dead, finished = [], False
-        for ref in done:
-            member = refs[ref]
-            try:
-                member.result = ray.get(ref)
-                member.done = True
-                finished = finished or member.rank is not None
-            except ray.exceptions.RayActorError:
-                dead.append(member.worker_id)
-            except ray.exceptions.OutOfMemoryError:
-                log.warning("hvdray elastic: worker %s was killed because its node ran out of memory", member.worker_id)
-                dead.append(member.worker_id)
-            except ray.exceptions.RayTaskError as exc:
-                if member.rank is None and self._state in (DriverState.FINISHING, DriverState.FINISHED):
-                    continue
-                self._fail(_with_rank(exc, member))
-                return True
-        if dead:
-            self._remove(dead, blacklist=True)
-            if self._state is not DriverState.FINISHING:
-                self._move(DriverState.RECOVERING, f"worker(s) {dead} died")
-                return True
-        if finished and self._state is not DriverState.FINISHING:
-            self._move(DriverState.FINISHING, "a member returned from the training function")
-            return True
-        return False
-
-    def _probe_liveness(self) -> None:
-        """Workers that do not answer a ping within a couple of seconds are gone (their node may be down)."""
-        candidates = {m.actor.ping.remote(): w for w, m in self._workers.items() if not m.done}
-        if not candidates:
+    def _drop(self, worker_ids: Sequence[str], lost_workers: bool) -> None:
+        """Remove these workers; ``lost_workers``: they failed, and the policy hears of their nodes."""
+        if not worker_ids:
             return
-        answered, _ = ray.wait(list(candidates), num_returns=len(candidates), timeout=_PING_TIMEOUT_S)
-        gone = [w for ref, w in candidates.items() if ref not in answered]
-        for ref in answered:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - any failure to answer means the worker is gone
-                gone.append(candidates[ref])
-        if gone:
-            self._remove(gone, blacklist=True)
-
-    def _remove(self, worker_ids: Sequence[str], blacklist: bool) -> None:
-        for worker_id in worker_ids:
-            member = self._workers.pop(worker_id, None)
-            if member is None:
-                continue
-            ray.kill(member.actor, no_restart=True)
-            if blacklist:
-                delay = self._blacklist.add(member.slot.node_id)
+        for worker in self._group.remove(worker_ids):
+            if lost_workers and worker.node_id is not None:
+                delay = self._failures.worker_lost(worker.node_id)
                 log.warning("hvdray elastic: worker %s on node %s lost; node blacklisted for %s s",
-                            worker_id, member.slot.node_id[:8], delay)
-        ray.get(self._coordinator.forget.remote(list(worker_ids)))
+                            worker.worker_id, worker.node_id[:8], delay)
 
     def stop(self) -> None:
         """Kill every worker of this run (the coordinator belongs to the executor)."""
-        for member in self._workers.values():
-            ray.kill(member.actor, no_restart=True)
-        self._cancel_launches()
+        self._group.stop()
 
     # -- reporting ---------------------------------------------------------------------------------
     def _report(self, old: Optional[DriverState], new: DriverState, reason: str) -> None:
@@ -479,26 +387,11 @@ class ElasticDriver:
             "previous": old.value if old is not None else None,
             "reason": reason,
             "epoch": self._epoch,
-            "workers": len(self._workers),
+            "workers": len(self._group.workers),
             "resets": self._resets,
             "time": time.time(),
         }
         log.info("hvdray elastic: %s -> %s (%s); epoch %d, %d worker(s), %d reset(s)",
-                 record["previous"], new.value, reason, self._epoch, len(self._workers), self._resets)
+                 record["previous"], new.value, reason, self._epoch, len(self._group.workers), self._resets)
         for cb in self._callbacks:
             cb(record)
-
-    def _deliver_logs(self) -> None:
-        if not self._callbacks:
-            return
-        for record in ray.get(self._coordinator.drain_logs.remote()):
-            for cb in self._callbacks:
-                cb(record)
-
-
-def _with_rank(exc: ray.exceptions.RayTaskError, member: _Member) -> BaseException:
-    error = exc.as_instanceof_cause()
-    if hasattr(error, "add_note"):
-        where = f"rank {member.rank}" if member.rank is not None else "a worker not yet in the ring"
-        error.add_note(f"hvdray: raised on {where} (worker {member.worker_id}); the job was stopped")
-    return error

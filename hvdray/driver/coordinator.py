@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
@@ -22,7 +23,7 @@ class CoordinatorClient:
     """The coordinator's actor handle plus the job's token, which it presents on every call.
 
     ``client.kv_get.remote(key, timeout_s)`` calls ``Coordinator.kv_get(token, key, timeout_s)``. The
-    driver makes one with :func:`start_coordinator` and hands it to the job's workers."""
+    driver makes one with :func:`start_job_coordinator` and hands it to the job's workers."""
 
     def __init__(self, handle: Any, token: bytes) -> None:
         self.handle = handle
@@ -44,13 +45,32 @@ class _TokenCall:
         return self._method.remote(self._token, *args, **kwargs)
 
 
-def start_coordinator(**actor_options: Any) -> CoordinatorClient:
-    """Start a coordinator actor for one job with a fresh random token; the client holds the token."""
+@dataclass(frozen=True)
+class JobCoordinator:
+    """A job's coordinator (its client, holding the token) and the secret its workers share."""
+
+    client: CoordinatorClient
+    secret: bytes
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.client.handle, no_restart=True)
+
+
+def start_job_coordinator(name: str) -> JobCoordinator:
+    """Start a job's coordinator actor with a fresh token and secret, on the driver's node and never
+    spilled elsewhere: losing another node must not lose it. It needs no CPU."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     token = secrets.token_bytes(32)
-    handle = ray.remote(Coordinator).options(**actor_options).remote(hashlib.sha256(token).digest())
-    return CoordinatorClient(handle, token)
+    handle = ray.remote(Coordinator).options(
+        num_cpus=0,
+        name=name,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote(hashlib.sha256(token).digest())
+    return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
 
 
 class Coordinator:

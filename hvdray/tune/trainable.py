@@ -22,7 +22,8 @@ except ImportError:  # Ray < 2.10
     from ray.train._internal.session import _TrainingResult
 
 from hvdray.driver.placement import PlacementPlan, plan_placement
-from hvdray.driver.executor import RayExecutor, WorkerLostError
+from hvdray.driver.executor import RayExecutor
+from hvdray.driver.worker_group import failure_error
 from hvdray.settings import Settings
 from hvdray.tune.channel import report_channel_class
 from hvdray.tune.packing import pack_directory, unpack_directory
@@ -164,16 +165,11 @@ class DistributedTrainable(Trainable):
     def _raise_if_failed(self, ref: ray.ObjectRef) -> None:
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            rank, size = self._runs.index(ref), len(self._runs)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            error = failure_error(exc, self._runs.index(ref), len(self._runs))
             self._abort("the trial failed")
-            raise WorkerLostError(f"the worker of rank {rank} (of {size}) died: {exc}") from exc
-        except ray.exceptions.RayTaskError as exc:
-            rank, size = self._runs.index(ref), len(self._runs)
-            self._abort("the trial failed")
-            if hasattr(exc.cause, "add_note"):  # on the user's exception: Tune's copy of the error reads it there
-                exc.cause.add_note(f"hvdray: raised on rank {rank} of {size}; the other workers were stopped")
-            raise exc.as_instanceof_cause() from None
+            # a lost worker's error keeps Ray's as its cause; a user's exception is raised as itself
+            raise error from (exc if isinstance(exc, ray.exceptions.RayActorError) else None)
 
     def _abort(self, why: str) -> None:
         self._done = why

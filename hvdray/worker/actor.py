@@ -16,13 +16,8 @@ from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
 
 
-def worker_actor_name(executor_id: str, rank: int) -> str:
-    """The Ray actor name of ``rank``'s worker, so ``ray list actors`` and the dashboard show who is who."""
-    return f"hvdray-{executor_id}-rank-{rank}"
-
-
 class Worker:
-    """Created by the executor inside its placement group; configured once ranks are known."""
+    """Created by the driver's worker group (named there); configured once ranks are known."""
 
     def __init__(self) -> None:
         self._executable: Any = None
@@ -108,8 +103,3 @@ class Worker:
             return fn(self._executable)
         finally:
             self._flush_logs()
-
-    def stop_collective(self) -> None:
-        from hvdray.collective import session
-
-        session.shutdown()

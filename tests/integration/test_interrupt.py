@@ -60,9 +60,13 @@ def _alive(actor) -> bool:
         return False
 
 
+def _worker_actors(executor) -> list:
+    return [worker.actor for worker in executor._group.ranked()]
+
+
 def test_ctrl_c_during_run_stops_the_workers_and_keeps_the_executor_usable(make_executor):
     executor = make_executor(num_workers=2)
-    busy_workers = list(executor._workers)
+    busy_workers = _worker_actors(executor)
     _interrupt_after(3.0)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -71,7 +75,7 @@ def test_ctrl_c_during_run_stops_the_workers_and_keeps_the_executor_usable(make_
     assert not any(_alive(w) for w in busy_workers), "the interrupted workers are still running"
 
     assert executor.run(_rank) == [0, 1]  # fresh workers, same executor
-    assert not set(executor._workers) & set(busy_workers)
+    assert not set(_worker_actors(executor)) & set(busy_workers)
 
 
 def test_ctrl_c_during_an_elastic_run(ray_local):
@@ -134,7 +138,10 @@ def _execute(client, code: str, timeout: float):
             error = content["ename"]
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    reply = client.get_shell_msg(timeout=30)
+    while True:  # skip stale replies (wait_for_ready may have sent kernel_info more than once)
+        reply = client.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
     return reply["content"]["status"], "".join(stdout), error
 
 

@@ -10,7 +10,7 @@ import torch
 
 import hvdray.torch as hvd
 from hvdray.collective.errors import HvdrayError
-from hvdray.driver.controller import Blacklist
+from hvdray.driver.policies import Blacklist
 from hvdray.torch import elastic as torch_elastic
 
 

@@ -1,0 +1,413 @@
+"""The worker actors of one job under one lifecycle, for fixed and elastic runs alike.
+
+::
+
+    STARTING ──a worker started──▶ RUNNING ──drain()──▶ DRAINING ──stop()──▶ STOPPED
+        │                                                                      ▲
+        └──────── stop(): a fixed start failed, a rank failed, Ctrl-C ─────────┘
+
+A worker starts in steps, each one Ray call with its own budget: its actor is created and reports
+its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (within
+``timeout_s``). :meth:`WorkerGroup.poll_starts` advances every start without blocking on any one of
+them, so that a control loop can keep watching the others. A fixed group starts all its workers at
+once, gives them ranks and stops whatever it started if any step fails.
+
+Log delivery (the coordinator's log channel to the run's callbacks), naming a failed rank and naming
+the job's actors live here, once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import ray
+
+from hvdray.collective.topology import WorkerSlot
+from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
+from hvdray.settings import Settings
+from hvdray.worker.actor import Worker
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[dict[str, Any]], None]
+_LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
+
+
+class WorkerLostError(RuntimeError):
+    """A worker actor died (its process exited, was killed, or its node went away)."""
+
+
+def actor_name(executor_id: str, role: str) -> str:
+    """The Ray actor name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``), so
+    that ``ray list actors`` and the dashboard show who is who."""
+    return f"hvdray-{executor_id}-{role}"
+
+
+def failure_error(
+    exc: BaseException,
+    rank: Optional[int],
+    size: Optional[int] = None,
+    worker_id: Optional[str] = None,
+    aftermath: str = "the other workers were stopped",
+) -> BaseException:
+    """The error to raise for a worker whose call failed with ``exc``: a lost worker becomes a
+    :class:`WorkerLostError` naming its rank; the user's exception comes back as itself with a note
+    saying where it was raised (on the exception and on Ray's copy of it, which Tune reads)."""
+    if isinstance(exc, (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError)):
+        who = f"the worker of rank {rank} (of {size})"
+        if isinstance(exc, ray.exceptions.OutOfMemoryError):
+            first_lines = " ".join(str(exc).strip().splitlines()[:2])
+            lost = WorkerLostError(f"{who} was killed because its node ran out of memory "
+                                   f"(Ray's memory monitor): {first_lines}")
+        else:
+            lost = WorkerLostError(f"{who} died: {exc}")
+        lost.__cause__ = exc
+        return lost
+    if size is not None:
+        where = f"rank {rank} of {size}"
+    else:
+        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
+    if worker_id is not None:
+        where += f" (worker {worker_id})"
+    note = f"hvdray: raised on {where}; {aftermath}"
+    error = exc
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        _add_note(exc.cause, note)
+        error = exc.as_instanceof_cause()
+    _add_note(error, note)
+    return error
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    # Ray's copy of a user exception reads missing attributes from the original, notes included
+    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+
+
+class GroupState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class GroupWorker:
+    """One worker actor of the group and what the driver knows about it."""
+
+    worker_id: str
+    actor: Any
+    node_id: Optional[str]  # where it was asked to run (elastic) or runs (once its slot is known)
+    slot: Optional[WorkerSlot] = None
+    rank: Optional[int] = None  # in the current epoch; None until it is in the ring
+    run_ref: Optional[ray.ObjectRef] = None
+    done: bool = False
+    result: Any = None
+
+
+@dataclass
+class _Start:
+    """A worker on its way in: the Ray call it waits on now and the time that call may take."""
+
+    worker: GroupWorker
+    call: ray.ObjectRef
+    deadline: float
+    out_of_time: str  # the error's text when the call outlives its budget
+    configuring: bool = False  # False: waiting for its slot; True: waiting for configure()
+
+
+@dataclass(frozen=True)
+class StartFailure:
+    """A worker that did not start; its actor has been killed."""
+
+    worker_id: str
+    node_id: Optional[str]
+    error: BaseException
+    worker_died: bool  # its process died or its node went away (not a timeout)
+
+
+class RunOutcome(enum.Enum):
+    RETURNED = "returned"
+    LOST = "lost"  # the worker died (killed, its node lost, out of memory)
+    RAISED = "raised"  # the function raised
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one worker's function call ended."""
+
+    worker: GroupWorker
+    outcome: RunOutcome
+    error: Optional[BaseException] = None
+    out_of_memory: bool = False
+
+
+class WorkerGroup:
+    """The job's worker actors: started, watched and stopped here.
+
+    ``elastic`` groups name workers by id, configure each on its own as it starts (it then waits for a
+    membership epoch) and answer pings while busy; fixed groups start all ranks at once
+    (:meth:`start_fixed`). A group that owns its coordinator kills it when it stops."""
+
+    def __init__(
+        self,
+        executor_id: str,
+        settings: Settings,
+        coordinator: JobCoordinator,
+        runtime_env: Optional[dict[str, Any]],
+        elastic: bool,
+        owns_coordinator: bool,
+    ) -> None:
+        self.executor_id = executor_id
+        self.state = GroupState.STARTING
+        self.workers: dict[str, GroupWorker] = {}  # started workers, by id
+        self._starting: dict[str, _Start] = {}
+        self._settings = settings
+        self._coordinator: Optional[JobCoordinator] = coordinator
+        self._runtime_env = runtime_env
+        self._elastic = elastic
+        self._owns_coordinator = owns_coordinator
+
+    @property
+    def coordinator(self) -> CoordinatorClient:
+        assert self._coordinator is not None, "the group was stopped"
+        return self._coordinator.client
+
+    @property
+    def _secret(self) -> bytes:
+        assert self._coordinator is not None, "the group was stopped"
+        return self._coordinator.secret
+
+    # -- starting ------------------------------------------------------------------------------
+    def launch(self, worker_id: str, actor_options: dict[str, Any], node_id: Optional[str] = None) -> None:
+        """Create one worker actor with ``actor_options`` (from placement); it joins once it answers."""
+        if self.state in (GroupState.DRAINING, GroupState.STOPPED):
+            raise RuntimeError(f"cannot start workers in a {self.state.value} worker group")
+        options = dict(actor_options)
+        if self._runtime_env:
+            options["runtime_env"] = self._runtime_env
+        if self._elastic:
+            options["max_concurrency"] = 2  # ping answers while run is busy
+        role = f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}"
+        actor = ray.remote(Worker).options(name=actor_name(self.executor_id, role), **options).remote()
+        self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
+
+    def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
+        """A start step with its own budget: placement_group_timeout_s to start, timeout_s to configure."""
+        budget = "timeout_s" if configuring else "placement_group_timeout_s"
+        seconds = getattr(self._settings, budget)
+        what = "was not configured" if configuring else "did not start"
+        return _Start(worker, call, time.monotonic() + seconds, f"it {what} within {budget}={seconds} s", configuring)
+
+    @property
+    def starting(self) -> int:
+        """How many workers are on their way in."""
+        return len(self._starting)
+
+    def poll_starts(self, timeout: float = 0.0) -> tuple[list[GroupWorker], list[StartFailure]]:
+        """Advance every start, waiting at most ``timeout`` (0: never blocks): the workers started now,
+        and the starts that failed or ran out of budget (their actors are killed)."""
+        if not self._starting:
+            return [], []
+        calls = {start.call: start for start in self._starting.values()}
+        answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
+        answered_set = set(answered)
+        started: list[GroupWorker] = []
+        failed: list[StartFailure] = []
+        for call, start in calls.items():
+            worker = start.worker
+            if call not in answered_set and time.monotonic() < start.deadline:
+                continue
+            try:
+                if call not in answered_set:
+                    raise ray.exceptions.GetTimeoutError(start.out_of_time)
+                answer = ray.get(call)
+            except Exception as exc:  # noqa: BLE001 - the node went away or is full: the caller decides
+                del self._starting[worker.worker_id]
+                ray.kill(worker.actor, no_restart=True)
+                died = isinstance(exc, ray.exceptions.RayActorError)
+                failed.append(StartFailure(worker.worker_id, worker.node_id, exc, died))
+                continue
+            if not start.configuring:
+                worker.slot = answer
+                worker.node_id = answer.node_id
+                if self._elastic:  # configured on its own: it then waits in hvd.init for its epoch
+                    configure = worker.actor.configure.remote(
+                        None, 0, self._settings, self._secret, self.coordinator, (), worker.worker_id
+                    )
+                    self._starting[worker.worker_id] = self._awaiting(worker, configure, configuring=True)
+                    continue
+            del self._starting[worker.worker_id]
+            self.workers[worker.worker_id] = worker
+            started.append(worker)
+        if started and self.state is GroupState.STARTING:
+            self.state = GroupState.RUNNING
+        return started, failed
+
+    def start_fixed(
+        self, actor_options: Callable[[int], dict[str, Any]], num_workers: int,
+        executable: tuple[Optional[type], Sequence[Any], dict[str, Any]],
+    ) -> None:
+        """Start ``num_workers`` ranks (``actor_options(i)`` places worker ``i``), give them ranks and
+        build ``executable`` on each. If any step fails the group stops, and what it started with it."""
+        timeout = self._settings.placement_group_timeout_s
+        try:
+            for index in range(num_workers):
+                self.launch(str(index), actor_options(index))
+            while self._starting:
+                earliest = min(start.deadline for start in self._starting.values())
+                _, failed = self.poll_starts(timeout=max(earliest - time.monotonic(), 0.0))
+                if failed:
+                    raise failed[0].error
+            workers = [self.workers[str(index)] for index in range(num_workers)]
+            epoch, infos, gpus = ray.get(self.coordinator.assign.remote([w.slot for w in workers]), timeout=timeout)
+            ray.get(
+                [
+                    w.actor.configure.remote(info, epoch, self._settings, self._secret, self.coordinator, node_gpus)
+                    for w, info, node_gpus in zip(workers, infos, gpus)
+                ],
+                timeout=timeout,
+            )
+            cls, args, kwargs = executable
+            ray.get([w.actor.start_executable.remote(cls, args, kwargs) for w in workers], timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        for worker, info in zip(workers, infos):
+            worker.rank = info.rank
+        log.info("hvdray executor %s started %d worker(s)", self.executor_id, num_workers)
+
+    # -- running -------------------------------------------------------------------------------
+    def ranked(self) -> list[GroupWorker]:
+        """Workers in the ring, in rank order."""
+        return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
+
+    def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Start ``fn`` on ``worker``; :meth:`poll_runs` reports how it ends."""
+        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs))
+
+    def poll_runs(self) -> list[RunResult]:
+        """Runs that ended since they were last looked at (never blocks); a returned value is kept on
+        its worker. A run that raised is reported again at the next poll: it is not done."""
+        calls = {w.run_ref: w for w in self.workers.values() if w.run_ref is not None and not w.done}
+        if not calls:
+            return []
+        ended, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
+        results = []
+        for call in ended:
+            worker = calls[call]
+            try:
+                worker.result = ray.get(call)
+                worker.done = True
+                results.append(RunResult(worker, RunOutcome.RETURNED))
+            except ray.exceptions.RayActorError as exc:
+                results.append(RunResult(worker, RunOutcome.LOST, exc))
+            except ray.exceptions.OutOfMemoryError as exc:
+                results.append(RunResult(worker, RunOutcome.LOST, exc, out_of_memory=True))
+            except ray.exceptions.RayTaskError as exc:
+                results.append(RunResult(worker, RunOutcome.RAISED, exc))
+        return results
+
+    def gather(self, calls: list[ray.ObjectRef], callbacks: Sequence[Callback]) -> list[Any]:
+        """Wait for one call per rank (``calls`` in rank order), handing worker records to ``callbacks``
+        meanwhile. The first rank that fails stops the group (the others may wait on it) and its
+        error is raised, naming the rank."""
+        rank_of = {call: rank for rank, call in enumerate(calls)}
+        pending = list(calls)
+        while pending:
+            ended, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
+            self.deliver_logs(callbacks)
+            for call in ended:
+                try:
+                    ray.get(call)
+                except BaseException as exc:  # noqa: BLE001 - re-raised with the rank attached
+                    self.stop()
+                    raise failure_error(exc, rank_of[call], len(calls))
+        self.deliver_logs(callbacks)
+        return ray.get(calls)
+
+    def probe_liveness(self, timeout: float) -> list[str]:
+        """Ids of running workers that do not answer a ping within ``timeout`` (their node may be down)."""
+        pings = {w.actor.ping.remote(): w.worker_id for w in self.workers.values() if not w.done}
+        if not pings:
+            return []
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
+        gone = [worker_id for ping, worker_id in pings.items() if ping not in answered]
+        for ping in answered:
+            try:
+                ray.get(ping)
+            except Exception:  # noqa: BLE001 - any failure to answer means the worker is gone
+                gone.append(pings[ping])
+        return gone
+
+    def held(self) -> dict[str, int]:
+        """Workers per node, started or starting (Ray's free resources do not count them)."""
+        held: dict[str, int] = {}
+        for worker in [*self.workers.values(), *(start.worker for start in self._starting.values())]:
+            if worker.node_id is not None:
+                held[worker.node_id] = held.get(worker.node_id, 0) + 1
+        return held
+
+    def waiting(self) -> set[str]:
+        """Ids of workers waiting in the coordinator for a new membership epoch."""
+        return set(ray.get(self.coordinator.waiting.remote()))
+
+    def form_epoch(self, order: Sequence[GroupWorker]) -> int:
+        """A new membership epoch of ``order``'s workers, ranked by the coordinator; returns its number."""
+        epoch, infos, _ = ray.get(
+            self.coordinator.assign.remote([w.slot for w in order], [w.worker_id for w in order]),
+            timeout=self._settings.timeout_s,
+        )
+        for worker, info in zip(order, infos):
+            worker.rank = info.rank
+        return epoch
+
+    def announce_new_hosts(self) -> None:
+        """Members raise HostsUpdatedInterrupt at their next commit, to re-form with the new workers."""
+        ray.get(self.coordinator.notify_hosts_updated.remote())
+
+    def deliver_logs(self, callbacks: Sequence[Callback]) -> None:
+        """Hand every record the workers logged since the last call to each callback, in order."""
+        if not callbacks or self._coordinator is None:
+            return
+        for record in ray.get(self.coordinator.drain_logs.remote()):
+            for cb in callbacks:
+                cb(record)
+
+    # -- ending --------------------------------------------------------------------------------
+    def remove(self, worker_ids: Sequence[str]) -> list[GroupWorker]:
+        """Kill these workers and tell the coordinator to forget them; returns those that were here."""
+        removed = []
+        for worker_id in worker_ids:
+            worker = self.workers.pop(worker_id, None)
+            if worker is not None:
+                ray.kill(worker.actor, no_restart=True)
+                removed.append(worker)
+        ray.get(self.coordinator.forget.remote(list(worker_ids)))
+        return removed
+
+    def cancel_starts(self) -> None:
+        """Kill the workers still on their way in."""
+        for start in self._starting.values():
+            ray.kill(start.worker.actor, no_restart=True)
+        self._starting.clear()
+
+    def drain(self) -> None:
+        """No new workers from now on: cancel the starts; the running calls end on their own."""
+        if self.state is not GroupState.STOPPED:
+            self.cancel_starts()
+            self.state = GroupState.DRAINING
+
+    def stop(self) -> None:
+        """Kill every worker (and the coordinator, if the group owns it); safe to call twice."""
+        self.cancel_starts()
+        for worker in self.workers.values():
+            ray.kill(worker.actor, no_restart=True)
+        if self._owns_coordinator and self._coordinator is not None:
+            self._coordinator.kill()
+            self._coordinator = None
+        self.state = GroupState.STOPPED

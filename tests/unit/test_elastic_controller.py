@@ -1,0 +1,269 @@
+"""The elastic driver's state machine, stepped by hand over a fake worker group and discovery (no Ray).
+
+Each test scripts what the workers do (start, wait for an epoch, return, die, raise) and checks the
+transitions ``step()`` chooses and the ``{"event": "elastic"}`` records they produce.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdray.collective.topology import WorkerSlot
+from hvdray.driver import controller
+from hvdray.driver.controller import (
+    NEXT_STATES,
+    DriverState,
+    ElasticDriver,
+    ElasticJobError,
+    Transition,
+    allowed,
+)
+from hvdray.driver.policies import ElasticLimits, FailurePolicy
+from hvdray.driver.worker_group import GroupWorker, RunOutcome, RunResult, StartFailure
+from hvdray.settings import make_settings
+
+S = DriverState
+A, B = "a" * 56, "b" * 56  # Ray node ids (hex); the driver places on them in id order
+
+
+class FakeGroup:
+    """Just enough of WorkerGroup: launches start at the next poll and then wait for an epoch."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, GroupWorker] = {}
+        self.pending: dict[str, GroupWorker] = {}
+        self.waiting_ids: set[str] = set()
+        self.ended: list[RunResult] = []
+        self.fail_starts: dict[str, bool] = {}  # node id -> worker_died
+        self.unresponsive: list[str] = []
+        self.epoch = 0
+        self.announced = 0
+        self.drained = self.stopped = False
+
+    @property
+    def starting(self) -> int:
+        return len(self.pending)
+
+    def launch(self, worker_id, actor_options, node_id=None):
+        assert not self.drained
+        self.pending[worker_id] = GroupWorker(worker_id, actor=None, node_id=node_id)
+
+    def poll_starts(self, timeout=0.0):
+        started, failed = [], []
+        for worker_id, worker in list(self.pending.items()):
+            del self.pending[worker_id]
+            if worker.node_id in self.fail_starts:
+                failed.append(StartFailure(worker_id, worker.node_id, RuntimeError("no"), self.fail_starts[worker.node_id]))
+                continue
+            worker.slot = WorkerSlot(node_id=worker.node_id, hostname="h", ip="127.0.0.1", gpu_ids=())
+            self.workers[worker_id] = worker
+            started.append(worker)
+        return started, failed
+
+    def run(self, worker, fn, args, kwargs):
+        worker.run_ref = object()
+        self.waiting_ids.add(worker.worker_id)  # hvd.init: waits for its first epoch
+
+    def poll_runs(self):
+        ended, self.ended = self.ended, []
+        for result in ended:
+            if result.outcome is RunOutcome.RETURNED:
+                result.worker.done = True
+        return ended
+
+    def waiting(self):
+        return set(self.waiting_ids)
+
+    def form_epoch(self, order):
+        self.epoch += 1
+        for rank, worker in enumerate(order):
+            worker.rank = rank
+            self.waiting_ids.discard(worker.worker_id)
+        return self.epoch
+
+    def announce_new_hosts(self):
+        self.announced += 1
+
+    def probe_liveness(self, timeout):
+        return [w for w in self.unresponsive if w in self.workers]
+
+    def ranked(self):
+        return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
+
+    def held(self):
+        held = {}
+        for worker in [*self.workers.values(), *self.pending.values()]:
+            held[worker.node_id] = held.get(worker.node_id, 0) + 1
+        return held
+
+    def remove(self, worker_ids):
+        removed = [self.workers.pop(w) for w in worker_ids if w in self.workers]
+        self.waiting_ids -= set(worker_ids)
+        return removed
+
+    def drain(self):
+        self.pending.clear()
+        self.drained = True
+
+    def stop(self):
+        self.stopped = True
+
+    def deliver_logs(self, callbacks):
+        pass
+
+    # -- scripting what workers do --------------------------------------------------------------
+    def by_rank(self, rank):
+        return next(w for w in self.workers.values() if w.rank == rank)
+
+    def end(self, worker, outcome, error=None, result=None, oom=False):
+        worker.result = result
+        self.ended.append(RunResult(worker, outcome, error, out_of_memory=oom))
+
+
+@pytest.fixture
+def slots(monkeypatch):
+    """What the discovery offers now: node id -> slots (the driver reads it through slots_per_node)."""
+    offered = {A: 2}
+    monkeypatch.setattr(controller, "slots_per_node", lambda discovery: dict(offered))
+    return offered
+
+
+def _driver(group, min_workers=1, max_workers=4, reset_limit=None, elastic_timeout=600.0, policy=None):
+    limits = ElasticLimits(min_workers, max_workers, reset_limit, None, elastic_timeout)
+    settings = make_settings(timeout_s=5, discovery_interval_s=0.01)
+    driver = ElasticDriver(group, limits, settings, discovery=None, cpus_per_worker=1, gpus_per_worker=0,
+                           failure_policy=policy or FailurePolicy(reset_limit, None))
+    driver.records = []
+    driver._callbacks = [driver.records.append]
+    return driver
+
+
+def _advance(driver, steps=1):
+    """Run ``steps`` steps, taking each transition; returns the states entered."""
+    entered = []
+    for _ in range(steps):
+        transition = driver.step()
+        if transition is not None:
+            driver._enter(transition)
+            entered.append(transition.state)
+    return entered
+
+
+def _running(driver, group, slots):
+    assert _advance(driver, 2) == [S.RUNNING]  # launch; then start, wait in hvd.init and form an epoch
+
+
+def test_the_transition_table_is_the_only_way_between_states():
+    for state in (S.STARTING, S.RUNNING, S.RESIZING, S.RECOVERING, S.FINISHING):
+        assert allowed(state, S.ERRORED)
+    assert allowed(S.RECOVERING, S.RECOVERING)
+    assert not allowed(S.RUNNING, S.STARTING)
+    assert not allowed(S.FINISHING, S.RUNNING)
+    assert not any(allowed(S.FINISHED, s) or allowed(S.ERRORED, s) for s in S)
+    assert NEXT_STATES[S.STARTING] == {S.RUNNING, S.RECOVERING, S.FINISHING}
+    driver = _driver(FakeGroup())
+    with pytest.raises(AssertionError, match="no transition from starting to finished"):
+        driver._enter(Transition(S.FINISHED, "not from here"))
+
+
+def test_starting_launches_on_free_slots_and_forms_the_first_epoch(slots):
+    group = FakeGroup()
+    driver = _driver(group, max_workers=3)
+    slots.update({B: 4})
+    assert _advance(driver) == []  # launches 3 workers (max_workers) on a, then b
+    assert group.starting == 3 and group.held() == {A: 2, B: 1}
+    assert _advance(driver) == [S.RUNNING]  # they start, get fn, wait in hvd.init: epoch 1 forms
+    assert [w.rank for w in group.ranked()] == [0, 1, 2]
+    last = driver.records[-1]
+    assert {k: last[k] for k in ("event", "state", "previous", "epoch", "workers", "resets")} == {
+        "event": "elastic", "state": "running", "previous": "starting", "epoch": 1, "workers": 3, "resets": 0
+    }
+    assert last["reason"] == "membership epoch 1 formed with 3 worker(s)"
+
+
+def test_new_slots_while_running_resize_the_ring(slots):
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    slots[B] = 1
+    driver._next_discovery = 0.0
+    assert _advance(driver) == []  # the discovery shows a new slot: a worker starts there
+    assert group.held() == {A: 2, B: 1}
+    assert _advance(driver) == [S.RESIZING] and group.announced == 1
+    assert _advance(driver) == []  # the members train on until their next commit
+    group.waiting_ids.update(w.worker_id for w in group.ranked())
+    assert _advance(driver) == [S.RUNNING]
+    assert (driver.records[-1]["workers"], driver.records[-1]["resets"]) == (3, 1)
+
+
+def test_a_dead_member_blacklists_its_node_and_the_survivors_re_form(slots):
+    group = FakeGroup()
+    policy = FailurePolicy(None, None)
+    driver = _driver(group, policy=policy)
+    _running(driver, group, slots)
+    dead, survivor = group.by_rank(0), group.by_rank(1)
+    group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
+    assert _advance(driver) == [S.RECOVERING]
+    assert driver.records[-1]["reason"] == f"worker(s) {[dead.worker_id]} died"
+    assert not policy.usable(A)
+    assert _advance(driver) == []  # the survivor has not left its epoch yet
+    group.waiting_ids.add(survivor.worker_id)
+    assert _advance(driver) == [S.RUNNING]
+    assert (driver.records[-1]["epoch"], driver.records[-1]["resets"]) == (2, 1)
+    assert survivor.rank == 0
+
+
+def test_reset_limit_ends_the_job(slots):
+    group = FakeGroup()
+    driver = _driver(group, reset_limit=0)
+    _running(driver, group, slots)
+    group.waiting_ids.update(group.workers)  # a peer failed: both members left the epoch
+    assert _advance(driver) == [S.RECOVERING]
+    assert _advance(driver) == [S.ERRORED]
+    assert isinstance(driver._error, ElasticJobError) and "reset_limit=0" in str(driver._error)
+
+
+def test_a_users_exception_ends_the_job_naming_the_rank(slots):
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    worker = group.by_rank(1)
+    group.end(worker, RunOutcome.RAISED, KeyError("bad batch"))
+    assert _advance(driver) == [S.ERRORED]
+    assert driver._error.__notes__ == [f"hvdray: raised on rank 1 (worker {worker.worker_id}); the job was stopped"]
+
+
+def test_a_returned_member_finishes_the_job_once_its_epoch_has_returned(slots):
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    group.end(group.by_rank(1), RunOutcome.RETURNED, result="one")
+    assert _advance(driver) == [S.FINISHING]
+    assert group.drained
+    assert _advance(driver) == []  # rank 0 still trains
+    group.end(group.by_rank(0), RunOutcome.RETURNED, result="zero")
+    assert _advance(driver) == [S.FINISHED]
+    assert driver.records[-1]["reason"] == "2 member(s) returned"
+    assert [w.result for w in group.ranked() if w.done] == ["zero", "one"]
+
+
+def test_too_few_workers_for_elastic_timeout_ends_the_job(slots):
+    group = FakeGroup()
+    slots.clear()
+    slots[A] = 1
+    group.fail_starts[A] = False  # the node never manages to start a worker
+    driver = _driver(group, min_workers=2, elastic_timeout=0.05)
+    driver._scaling._clock = iter([0.0, 1.0]).__next__
+    assert _advance(driver, 2) == [S.ERRORED]
+    assert "fewer than min_workers=2" in str(driver._error)
+
+
+def test_a_worker_that_does_not_answer_while_recovering_is_dropped(slots):
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    group.waiting_ids.add(group.by_rank(0).worker_id)  # rank 0's ring broke; rank 1 hangs
+    group.unresponsive.append(group.by_rank(1).worker_id)
+    assert _advance(driver) == [S.RECOVERING]
+    assert _advance(driver) == [S.RUNNING]
+    assert len(group.workers) == 1 and driver.records[-1]["reason"] == "membership epoch 2 formed with 1 worker(s)"
