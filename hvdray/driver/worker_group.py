@@ -2,9 +2,13 @@
 
 ::
 
-    STARTING ──a worker started──▶ RUNNING ──drain()──▶ DRAINING ──stop()──▶ STOPPED
-        │                                                                      ▲
-        └──────── stop(): a fixed start failed, a rank failed, Ctrl-C ─────────┘
+    STARTING ──started──▶ RUNNING ──drain()──▶ DRAINING ──stop()──▶ STOPPED
+        │                    │                                            ▲
+        └────────────────────┴── stop(): a start failed, a rank failed, ──┘
+                                 Ctrl-C, the run or the executor ended
+
+A fixed group is RUNNING once every rank is configured; an elastic one from its first worker on
+(it keeps adding workers while it runs). DRAINING starts no more workers.
 
 A worker starts in steps, each one Ray call with its own budget: its actor is created and reports
 its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (within
@@ -244,8 +248,8 @@ class WorkerGroup:
             del self._starting[worker.worker_id]
             self.workers[worker.worker_id] = worker
             started.append(worker)
-        if started and self.state is GroupState.STARTING:
-            self.state = GroupState.RUNNING
+        if started and self._elastic and self.state is GroupState.STARTING:
+            self.state = GroupState.RUNNING  # an elastic group runs from its first worker on
         return started, failed
 
     def start_fixed(
@@ -279,6 +283,7 @@ class WorkerGroup:
             raise
         for worker, info in zip(workers, infos):
             worker.rank = info.rank
+        self.state = GroupState.RUNNING
         log.info("hvdray executor %s started %d worker(s)", self.executor_id, num_workers)
 
     # -- running -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``DistributedTrainableCreator``: a Ray Tune Trainable whose every trial is a distributed hvdray job.
 
 Tune reserves one placement group per trial (``default_resource_request``): an empty head bundle for
-the Trainable actor, which only waits, and the workers' bundles as ``actors/placement.py`` plans them
+the Trainable actor, which only waits, and the workers' bundles as ``hvdray/driver/placement.py`` plans them
 (one bundle per host). The trial's ``RayExecutor`` finds that group as its current one and starts the
 workers inside it. The user's function runs on every worker; its reports come back through a
 ``ReportChannel``, one per ``train()`` call, and rank 0's checkpoints become the Trainable's.
