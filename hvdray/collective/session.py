@@ -17,7 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.engine import Engine
@@ -58,8 +58,7 @@ class ProcessSetRegistry:
 
 class Session:
     """Everything one worker process holds for collectives: its job, the global engine and one engine per
-    process set it belongs to, the init generation, the timeline, the process-set registry and the hooks
-    run after a shutdown."""
+    process set it belongs to, the init generation, the timeline and the process-set registry."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -71,7 +70,6 @@ class Session:
         self.generation_epoch = -1
         self.timeline: Optional[Timeline] = None
         self.process_sets = ProcessSetRegistry()
-        self.shutdown_hooks: list[Callable[[], None]] = []
 
     # -- the job --------------------------------------------------------------------------------
     def current_job(self) -> JobConfig:
@@ -129,8 +127,6 @@ class Session:
             engine.shutdown()
         self.stop_timeline()
         self.process_sets.forget_all()
-        for hook in self.shutdown_hooks:
-            hook()
 
     def reset(self) -> None:
         """Elastic reset: tear down the engine and Gloo group, leave this epoch, join the next one."""
@@ -296,11 +292,6 @@ atexit.register(shutdown)
 def reset() -> None:
     """Elastic reset: tear down the engine and Gloo group, leave this epoch, join the next one."""
     _session.reset()
-
-
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Call ``hook`` after every shutdown (modules that keep per-job state forget it there)."""
-    _session.shutdown_hooks.append(hook)
 
 
 def start_set_engine(set_id: int, set_rank: int, set_size: int) -> Engine:

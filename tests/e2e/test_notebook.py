@@ -10,7 +10,6 @@ import ast
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest

@@ -123,8 +123,6 @@ def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor
                 cases.append((dtype, numel, op))
 
     def run(cases):
-        import torch
-
         hvd = checks.init()
         out = []
         for dtype, numel, op in cases:

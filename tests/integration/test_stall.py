@@ -1,44 +1,51 @@
-"""A tensor submitted on some ranks only: a warning naming it and the missing ranks, then an error."""
+"""A tensor submitted on some ranks only, negotiated by name or already cached: a warning naming it
+and the missing ranks, then an error on the waiting rank; the ring still works afterwards."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from hvdray import RayExecutor
 
 
-def test_stalled_tensor_warns_then_fails_on_the_waiting_rank(make_executor):
+def _only_rank_zero_submits(name: str, cached_steps: int):
+    """Rank 0 submits ``name`` after ``cached_steps`` steps on every rank (so it is cached); rank 1 not."""
+    import logging
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hvdray.collective.engine").addHandler(Keep())
+    hvd.init()
+    for _ in range(cached_steps):
+        hvd.allreduce(torch.ones(2), name=name)
+    started = time.monotonic()
+    error = None
+    if hvd.rank() == 0:
+        try:
+            hvd.allreduce(torch.ones(2), name=name)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            error = f"{type(exc).__name__}: {exc}"
+    else:
+        time.sleep(3.5)
+    hvd.barrier()  # the ring still works after the stalled tensor was dropped
+    return error, records, time.monotonic() - started
+
+
+@pytest.mark.parametrize("cached_steps", [0, 3], ids=["negotiated-by-name", "cached"])
+def test_stalled_tensor_warns_then_fails_on_the_waiting_rank(make_executor, cached_steps):
     settings = RayExecutor.create_settings(timeout_s=20, stall_warning_s=1, stall_shutdown_s=2)
     ex = make_executor(settings=settings, num_workers=2)
-
-    def only_rank_zero_submits():
-        import logging
-
-        import torch
-
-        import hvdray.torch as hvd
-
-        records = []
-
-        class Keep(logging.Handler):
-            def emit(self, record):
-                records.append(record.getMessage())
-
-        logging.getLogger("hvdray.collective.engine").addHandler(Keep())
-        hvd.init()
-        started = time.monotonic()
-        error = None
-        if hvd.rank() == 0:
-            try:
-                hvd.allreduce(torch.ones(2), name="lonely")
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                error = f"{type(exc).__name__}: {exc}"
-        else:
-            time.sleep(3.5)
-        hvd.barrier()  # the ring still works after the stalled tensor was dropped
-        return error, records, time.monotonic() - started
-
-    (error0, records0, took0), (error1, _, _) = ex.run(only_rank_zero_submits)
+    (error0, records0, took0), (error1, _, _) = ex.run(_only_rank_zero_submits, args=["lonely", cached_steps])
     assert error1 is None
     assert error0 is not None and "'lonely'" in error0 and "[1]" in error0 and "stall_shutdown_s" in error0
     assert 1.5 < took0 < 10

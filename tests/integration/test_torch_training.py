@@ -369,17 +369,23 @@ def _sync_bn(cases: dict) -> dict:
             x = x_full.split(case["splits"])[rank].clone().requires_grad_()
             y = bn(x)
             (y * up_full.split(case["splits"])[rank]).sum().backward()
-            iters.append({
-                "y": y.detach(), "x_grad": x.grad, "w_grad": bn.weight.grad.clone(), "b_grad": bn.bias.grad.clone(),
-                "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone(),
-                "num_batches_tracked": bn.num_batches_tracked.clone(),
-            })
-            bn.zero_grad()
+            iters.append(_bn_step_record(bn, x, y))
         bn.eval()
         with torch.no_grad():
             y_eval = bn(case["eval_input"].split(case["splits"])[rank])
         out[key] = {"iters": iters, "eval": y_eval}
     return out
+
+
+def _bn_step_record(bn: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """What one training step of a batch norm layer produced (then its gradients are cleared)."""
+    record = {
+        "y": y.detach(), "x_grad": x.grad, "w_grad": bn.weight.grad.clone(), "b_grad": bn.bias.grad.clone(),
+        "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone(),
+        "num_batches_tracked": bn.num_batches_tracked.clone(),
+    }
+    bn.zero_grad()
+    return record
 
 
 def _bn_reference(case: dict, dims: int) -> dict:
@@ -393,12 +399,7 @@ def _bn_reference(case: dict, dims: int) -> dict:
         x = x_full.double().requires_grad_()
         y = bn(x)
         (y * up_full.double()).sum().backward()
-        iters.append({
-            "y": y.detach(), "x_grad": x.grad, "w_grad": bn.weight.grad.clone(), "b_grad": bn.bias.grad.clone(),
-            "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone(),
-            "num_batches_tracked": bn.num_batches_tracked.clone(),
-        })
-        bn.zero_grad()
+        iters.append(_bn_step_record(bn, x, y))
     bn.eval()
     with torch.no_grad():
         y_eval = bn(case["eval_input"].double())

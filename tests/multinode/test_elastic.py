@@ -139,6 +139,10 @@ class Recorder:
     def on(self, match, action) -> None:
         self._actions.append((match, action))
 
+    def at_commit(self, epoch: int, action) -> None:
+        """Run ``action()`` once rank 0 has committed ``epoch``."""
+        self.on(lambda r: r.get("kind") == "commit" and r["rank"] == 0 and r["epoch"] == epoch, lambda r: action())
+
     def __call__(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         for entry in list(self._actions):
@@ -177,8 +181,7 @@ def test_node_removed_mid_training_job_finishes_on_the_rest(cluster):
     _use_nodes(cluster, 3)
     started = time.monotonic()
     recorder = Recorder()
-    recorder.on(lambda r: r.get("kind") == "commit" and r["rank"] == 0 and r["epoch"] == 1,
-                lambda r: _remove_node_of(cluster, recorder.node_of_rank(1)))
+    recorder.at_commit(1, lambda: _remove_node_of(cluster, recorder.node_of_rank(1)))
     with _executor(min_workers=2, max_workers=3) as ex:
         results = ex.run(_train, args=[EPOCHS], callbacks=[recorder])
     _check_invariants(results, recorder)
@@ -192,8 +195,7 @@ def test_node_joins_mid_training_job_grows(cluster):
     _use_nodes(cluster, 2)
     started = time.monotonic()
     recorder = Recorder()
-    recorder.on(lambda r: r.get("kind") == "commit" and r["rank"] == 0 and r["epoch"] == 0,
-                lambda r: cluster.add_node(num_cpus=1))
+    recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
     with _executor(min_workers=2, max_workers=3) as ex:
         results = ex.run(_train, args=[EPOCHS], kwargs={"hold": (2, 3, 60.0)}, callbacks=[recorder])
     _check_invariants(results, recorder)
@@ -231,8 +233,7 @@ def test_below_min_workers_longer_than_elastic_timeout_ends_with_clear_error(clu
     _use_nodes(cluster, 2)
     started = time.monotonic()
     recorder = Recorder()
-    recorder.on(lambda r: r.get("kind") == "commit" and r["rank"] == 0 and r["epoch"] == 0,
-                lambda r: _remove_node_of(cluster, recorder.node_of_rank(1)))
+    recorder.at_commit(0, lambda: _remove_node_of(cluster, recorder.node_of_rank(1)))
     with _executor(min_workers=2, max_workers=2, elastic_timeout=3) as ex:
         with pytest.raises(ElasticJobError, match=r"fewer than min_workers=2.*elastic_timeout=3"):
             ex.run(_train, args=[EPOCHS], callbacks=[recorder])

@@ -107,10 +107,7 @@ def test_a_session_starts_and_stops_its_own_timeline(fresh, tmp_path):
     assert fresh.timeline is None and (tmp_path / "t.json").exists()
 
 
-def test_shutdown_forgets_the_process_sets_and_runs_the_hooks():
-    calls = []
-    hooks = session.current().shutdown_hooks
-    session.on_shutdown(lambda: calls.append("hook"))
+def test_shutdown_forgets_the_process_sets():
     try:
         hvd.init()
         ps = hvd.add_process_set([0])
@@ -118,9 +115,7 @@ def test_shutdown_forgets_the_process_sets_and_runs_the_hooks():
         assert torch.equal(hvd.allreduce(torch.ones(2), process_set=ps), torch.ones(2))
         hvd.shutdown()
         assert ps.process_set_id is None and session.current().process_sets.sets == {}
-        assert calls == ["hook"]
         hvd.init()
         assert hvd.add_process_set([0]).process_set_id == 1  # ids count from 1 again
     finally:
         hvd.shutdown()
-        hooks.pop()

@@ -16,7 +16,7 @@ from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES, GlooGatherRedu
 from hvdray.collective.transport.order import ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
-from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, run_allreduce
+from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, first_serving
 
 
 class _Group:
@@ -82,10 +82,11 @@ def test_an_op_runs_with_the_first_entry_that_serves_it():
     ran: list[str] = []
     strategies = [_Recording("device", {1}, ran), _Recording("shm", {1, 2}, ran), _Recording("ring", {1, 2, 3}, ran)]
     for numel in (1, 2, 3):
-        run_allreduce(strategies, torch.zeros(numel), ReduceOp.SUM)
+        tensor = torch.zeros(numel)
+        first_serving(strategies, tensor, ReduceOp.SUM).run(tensor, ReduceOp.SUM)
     assert ran == ["device", "shm", "ring"]
-    with pytest.raises(NoStrategyError, match=r"of \['device', 'shm', 'ring'\] serves op"):
-        run_allreduce(strategies, torch.zeros(4), ReduceOp.SUM)
+    with pytest.raises(NoStrategyError, match=r"of \['device', 'shm', 'ring'\] serves"):
+        first_serving(strategies, torch.zeros(4), ReduceOp.SUM)
 
 
 def test_what_each_entry_serves():

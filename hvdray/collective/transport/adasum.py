@@ -24,7 +24,7 @@ import torch
 
 from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.transport.reductions import TransportOp
-from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, run_allgather
+from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, first_serving
 
 _ADASUM = Reduction.ADASUM  # a module constant: an enum member's attribute lookup costs more, every op
 
@@ -66,4 +66,4 @@ class AdasumAllreduce(AllreduceStrategy):
         return op is _ADASUM
 
     def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
-        tensor.copy_(adasum_tree(run_allgather(self._allgather, tensor)))
+        tensor.copy_(adasum_tree(first_serving(self._allgather, tensor).run(tensor)))

@@ -23,7 +23,7 @@ from hvdray.collective.transport.hierarchical import cross_node_group
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
-from hvdray.collective.transport.strategy import Finish, run_allgather, run_allreduce, run_broadcast
+from hvdray.collective.transport.strategy import Finish, first_serving
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +164,13 @@ class Communicator:
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
-        run_allreduce(self._allreduces, flags, ReduceOp.BAND)
+        first_serving(self._allreduces, flags, ReduceOp.BAND).run(flags, ReduceOp.BAND)
 
     def allreduce(self, tensor: torch.Tensor, op: Reduction) -> None:
         """Reduce ``tensor`` in place across all ranks with ``op`` (averaging is a sum here: the engine
         divides afterwards; Adasum is its own strategy)."""
-        run_allreduce(self._allreduces, tensor, TRANSPORT_OPS[op])
+        transport_op = TRANSPORT_OPS[op]
+        first_serving(self._allreduces, tensor, transport_op).run(tensor, transport_op)
 
     @property
     def fused_message_bytes(self) -> int:
@@ -192,11 +193,11 @@ class Communicator:
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Equal-shaped allgather; returns one tensor per rank."""
-        return run_allgather(self._allgathers, tensor)
+        return first_serving(self._allgathers, tensor).run(tensor)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Every rank's ``tensor`` becomes rank ``root``'s, in place."""
-        run_broadcast(self._broadcasts, tensor, root)
+        first_serving(self._broadcasts, tensor, root).run(tensor, root)
 
     def alltoall(
         self, output: torch.Tensor, tensor: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]

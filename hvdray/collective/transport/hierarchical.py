@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroupGloo
 from hvdray.collective.transport.reductions import TransportOp
 from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
-from hvdray.collective.transport.strategy import AllreduceStrategy, Finish, on_contiguous, run_allreduce
+from hvdray.collective.transport.strategy import AllreduceStrategy, Finish, first_serving, on_contiguous
 
 
 def cross_node_group(
@@ -51,4 +51,4 @@ class HierarchicalAllreduce(SharedMemoryAllreduce):
     def _cross_step(self, op: TransportOp) -> CrossReduce:
         """Allreduce a part this node reduced across the nodes, with the first cross strategy that serves it."""
         cross = self._cross
-        return lambda part: run_allreduce(cross, part, op)
+        return lambda part: first_serving(cross, part, op).run(part, op)

@@ -8,7 +8,7 @@ reads what it was given (sizes, the op, fields set at construction), and allocat
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence, TypeVar
 
 import torch
 
@@ -71,38 +71,21 @@ class BroadcastStrategy:
         raise NotImplementedError
 
 
+_Strategy = TypeVar("_Strategy", "AllreduceStrategy", "AllgatherStrategy", "BroadcastStrategy")
+
+
 class NoStrategyError(RuntimeError):
     """No strategy in a list serves an op (a list must end with one that serves everything)."""
 
 
-def run_allreduce(strategies: Sequence[AllreduceStrategy], tensor: torch.Tensor, op: TransportOp) -> None:
-    """Allreduce ``tensor`` with the first of ``strategies`` that serves it."""
+def first_serving(strategies: Sequence[_Strategy], tensor: torch.Tensor, *args: Any) -> _Strategy:
+    """The first of ``strategies`` whose ``serves(tensor, *args)`` answers yes (the op's other arguments:
+    an allreduce's op, a broadcast's root); a list ends with an entry that serves everything."""
     for strategy in strategies:
-        if strategy.serves(tensor, op):
-            strategy.run(tensor, op)
-            return
-    raise NoStrategyError(f"no allreduce strategy of {_names(strategies)} serves op {op} on {_describe(tensor)}")
-
-
-def run_allgather(strategies: Sequence[AllgatherStrategy], tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Allgather ``tensor`` with the first of ``strategies`` that serves it."""
-    for strategy in strategies:
-        if strategy.serves(tensor):
-            return strategy.run(tensor)
-    raise NoStrategyError(f"no allgather strategy of {_names(strategies)} serves {_describe(tensor)}")
-
-
-def run_broadcast(strategies: Sequence[BroadcastStrategy], tensor: torch.Tensor, root: int) -> None:
-    """Broadcast ``tensor`` from ``root`` with the first of ``strategies`` that serves it."""
-    for strategy in strategies:
-        if strategy.serves(tensor, root):
-            strategy.run(tensor, root)
-            return
-    raise NoStrategyError(f"no broadcast strategy of {_names(strategies)} serves {_describe(tensor)}")
-
-
-def _names(strategies: Sequence[AllreduceStrategy | AllgatherStrategy | BroadcastStrategy]) -> list[str]:
-    return [strategy.name for strategy in strategies]
+        if strategy.serves(tensor, *args):
+            return strategy
+    names = [strategy.name for strategy in strategies]
+    raise NoStrategyError(f"no strategy of {names} serves {args} on {_describe(tensor)}")
 
 
 def _describe(tensor: torch.Tensor) -> str:
