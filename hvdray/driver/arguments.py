@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Sequence
 
+from hvdray.driver.worker_group import Callback
 from hvdray.settings import Settings
-
-Callback = Callable[[dict[str, Any]], None]
 
 
 def check_executor_arguments(

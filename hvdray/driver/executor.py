@@ -31,12 +31,10 @@ from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
-from hvdray.driver.worker_group import GroupState, WorkerGroup, WorkerLostError, actor_name
+from hvdray.driver.worker_group import Callback, GroupState, WorkerGroup, WorkerLostError, actor_name
 from hvdray.settings import Settings, make_settings
 
 log = logging.getLogger(__name__)
-
-Callback = Callable[[dict[str, Any]], None]
 
 __all__ = ["ElasticRayExecutor", "RayExecutor", "WorkerLostError"]
 
@@ -186,15 +184,19 @@ class RayExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def _ready_group(self) -> WorkerGroup:
-        """The running worker group: started on first use, started anew after a failure or an interrupt."""
-        if self._limits is not None:
-            raise RuntimeError("elastic executors have no fixed workers: use run(), not run_remote/execute")
+    def _ensure_started(self) -> None:
+        """Start a new executor on first use; refuse one that was shut down."""
         if self._state == "new":
             self.start()
         elif self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
-        elif self._group is None or self._group.state is GroupState.STOPPED:
+
+    def _ready_group(self) -> WorkerGroup:
+        """The running worker group: started on first use, started anew after a failure or an interrupt."""
+        if self._limits is not None:
+            raise RuntimeError("elastic executors have no fixed workers: use run(), not run_remote/execute")
+        self._ensure_started()
+        if self._group is None or self._group.state is GroupState.STOPPED:
             self._start_group()
         assert self._group is not None
         return self._group
@@ -229,10 +231,7 @@ class RayExecutor:
         callbacks: Optional[Sequence[Callback]],
     ) -> list[Any]:
         check_callable(fn)
-        if self._state == "new":
-            self.start()
-        elif self._state == "shut down":
-            raise RuntimeError("this executor was shut down; create a new RayExecutor")
+        self._ensure_started()
         assert self._limits is not None and self._coordinator is not None
         # the workers wait for their epochs up to elastic_timeout; discovery stays with the driver
         worker_settings = self.settings.model_copy(

@@ -37,6 +37,7 @@ from hvdray.worker.actor import Worker
 
 log = logging.getLogger(__name__)
 
+#: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
 Callback = Callable[[dict[str, Any]], None]
 _LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
 
