@@ -184,6 +184,47 @@ def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):
     assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
 
 
+class _RefusesWhenMarked:
+    """An executable that cannot be built once ``marker`` exists (a restart that fails)."""
+
+    def __init__(self, marker):
+        if os.path.exists(marker):
+            raise RuntimeError("this executable refuses to start again")
+
+
+def _named_actor_alive(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+        return True
+    except ValueError:
+        return False
+
+
+def test_a_restart_that_fails_leaves_no_actors_behind(make_executor, tmp_path):
+    marker = str(tmp_path / "refuse")
+    ex = make_executor(start=False, num_workers=2)
+    ex.start(executable_cls=_RefusesWhenMarked, executable_args=[marker])
+
+    def die_on_rank_one():
+        import hvdray.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            os._exit(3)
+        time.sleep(60)
+
+    with pytest.raises(WorkerLostError):
+        ex.run(die_on_rank_one)
+    open(marker, "w").close()
+    with pytest.raises(Exception, match="refuses to start again"):
+        ex.run(_rank_and_size)  # the executor starts new workers, and that start fails
+    names = [f"hvdray-{ex._id}-{role}" for role in ("coordinator", "rank-0", "rank-1")]
+    deadline = time.monotonic() + 10
+    while any(_named_actor_alive(n) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [n for n in names if _named_actor_alive(n)], "a failed restart left its actors running"
+
+
 @pytest.mark.parametrize(
     "kwargs,argument",
     [
