@@ -56,7 +56,15 @@ class Settings(BaseModel):
         60.0, gt=0, description="A tensor submitted on some ranks but not all for this long logs a warning."
     )
     stall_shutdown_s: float = Field(
-        0.0, ge=0, description="If > 0, such a stall turns into an error on every rank after this many seconds."
+        1800.0, ge=0,
+        description="Such a stall turns into an error naming the missing ranks on the waiting ranks after this "
+        "many seconds (the default is torch.distributed's default collective timeout); 0 never.",
+    )
+    storage_path: Optional[str] = Field(
+        None,
+        description="Elastic jobs: rank 0 writes each commit() of the elastic state here (a local directory or a "
+        "pyarrow filesystem URI such as s3://bucket/run); a job whose workers all died, or a new job started "
+        "on the same path, resumes from the newest commit there.",
     )
     timeline_filename: Optional[str] = Field(
         None,
@@ -142,6 +150,8 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Settings":
+        if "stall_shutdown_s" not in self.model_fields_set and self.stall_shutdown_s < self.stall_warning_s:
+            self.stall_shutdown_s = self.stall_warning_s  # the default bound never comes before the warning
         if self.stall_shutdown_s and self.stall_shutdown_s < self.stall_warning_s:
             raise ValueError(
                 f"stall_shutdown_s ({self.stall_shutdown_s}) must be 0 (off) or >= stall_warning_s "

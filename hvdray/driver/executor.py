@@ -271,18 +271,28 @@ class RayExecutor:
     ) -> list[ray.ObjectRef]:
         """Like ``run`` but returns the ObjectRefs (rank order) without waiting."""
         check_call_arguments(fn, args, kwargs)
-        return [w.run.remote(fn, list(args or ()), dict(kwargs or {})) for w in self._ready_workers()]
+        workers = self._ready_workers()
+        call = self._group_call()
+        return [w.run.remote(fn, list(args or ()), dict(kwargs or {}), call) for w in workers]
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[Sequence[Callback]] = None) -> list[Any]:
         """Call ``fn(executable)`` on every worker's executable instance; results in rank order."""
         check_callable(fn)
         check_callbacks(callbacks)
-        return self._gather([w.execute.remote(fn) for w in self._ready_workers()], callbacks)
+        workers = self._ready_workers()
+        call = self._group_call()
+        return self._gather([w.execute.remote(fn, call) for w in workers], callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its result."""
         check_callable(fn)
-        return self._gather([self._ready_workers()[0].execute.remote(fn)], None)[0]
+        worker = self._ready_workers()[0]
+        return self._gather([worker.execute.remote(fn, self._group_call())], None)[0]
+
+    def _group_call(self) -> int:
+        group = self._group
+        assert group is not None, "the workers were started"
+        return group.begin_call()
 
     def _gather(self, calls: list[ray.ObjectRef], callbacks: Optional[Sequence[Callback]]) -> list[Any]:
         group = self._group

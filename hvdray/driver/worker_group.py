@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
+from hvdray.collective.errors import HorovodInternalError, PeerFinishedError
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
 from hvdray.settings import Settings
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 #: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
 Callback = Callable[[dict[str, Any]], None]
 _LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
+_ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 
 
 class WorkerLostError(RuntimeError):
@@ -85,6 +87,13 @@ def failure_error(
         error = exc.as_instanceof_cause()
     _add_note(error, note)
     return error
+
+
+def _is_consequence(exc: BaseException) -> bool:
+    """True for a rank's error that another rank's failure caused: an op a leaving peer never submitted
+    (PeerFinishedError) or a ring broken by a dead one (HorovodInternalError)."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    return isinstance(cause, (PeerFinishedError, HorovodInternalError))
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -176,6 +185,7 @@ class WorkerGroup:
         self._runtime_env = runtime_env
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
+        self.call = 0  # the number of the latest call sent to the workers (see begin_call)
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -292,9 +302,15 @@ class WorkerGroup:
         """Workers in the ring, in rank order."""
         return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
 
+    def begin_call(self) -> int:
+        """Number a new call of the user's functions on the workers (1, 2, ...: the same on every rank, so
+        that a rank leaving its function tells its peers which call's ops will never come)."""
+        self.call += 1
+        return self.call
+
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Start ``fn`` on ``worker``; :meth:`poll_runs` reports how it ends."""
-        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs))
+        """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
+        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs), self.call)
 
     def poll_runs(self) -> list[RunResult]:
         """Runs that ended since they were last looked at (never blocks); a returned value is kept on
@@ -324,15 +340,26 @@ class WorkerGroup:
         error is raised, naming the rank."""
         rank_of = {call: rank for rank, call in enumerate(calls)}
         pending = list(calls)
-        while pending:
+        failures: list[tuple[int, BaseException]] = []
+        grace_ends = None
+        while pending and (grace_ends is None or time.monotonic() < grace_ends):
             ended, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
             self.deliver_logs(callbacks)
             for call in ended:
                 try:
                     ray.get(call)
                 except BaseException as exc:  # noqa: BLE001 - re-raised with the rank attached
-                    self.stop()
-                    raise failure_error(exc, rank_of[call], len(calls))
+                    failures.append((rank_of[call], exc))
+            if failures and grace_ends is None:
+                if not all(_is_consequence(exc) for _, exc in failures):
+                    break
+                # a peer's failure shows up in the others first (an op fails, a ring breaks): give the rank
+                # that caused it a moment to report its own error, which says more
+                grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
+        if failures:
+            self.stop()
+            rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
+            raise failure_error(exc, rank, len(calls))
         self.deliver_logs(callbacks)
         return ray.get(calls)
 

@@ -92,14 +92,25 @@ class Worker:
     def start_executable(self, cls: Optional[type], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         self._executable = cls(*args, **kwargs) if cls is not None else None
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._flush_logs()
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], call: int = 0) -> Any:
+        """Run ``fn(*args, **kwargs)`` as executor call ``call`` (numbered by the driver alike on every rank)."""
+        return self._call(call, fn, *args, **kwargs)
 
-    def execute(self, fn: Callable[[Any], Any]) -> Any:
+    def execute(self, fn: Callable[[Any], Any], call: int = 0) -> Any:
+        """Run ``fn(executable)`` as executor call ``call``."""
+        return self._call(call, fn, self._executable)
+
+    def _call(self, call: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the user's function; when it returns or raises, every rank hears of it (see
+        ``session.end_call``), so that no peer waits forever for an op this rank will never submit."""
+        from hvdray.collective import session
+
+        session.begin_call(call)
+        how = "raised"
         try:
-            return fn(self._executable)
+            result = fn(*args, **kwargs)
+            how = "returned"
+            return result
         finally:
+            session.end_call(how)
             self._flush_logs()

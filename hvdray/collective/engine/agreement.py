@@ -19,7 +19,7 @@ from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
 from hvdray.collective.engine.fusion import Action, FusionPlanner, ReadyOp
 from hvdray.collective.engine.handle import Request
-from hvdray.collective.engine.negotiation import NegotiationTable, RoundMessage
+from hvdray.collective.engine.negotiation import Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
 
@@ -82,10 +82,12 @@ class Agreement:
         return self.flags.read()
 
     # -- a full round ------------------------------------------------------------------------
-    def message(self, join: bool, stop: bool) -> RoundMessage:
-        """What this rank says in this full round."""
+    def message(self, join: bool, stop: bool, call: int, finished: Optional[Finished]) -> RoundMessage:
+        """What this rank says in this full round (``call``: the executor call its announcements belong to;
+        ``finished``: it has just left that call's function)."""
         message = RoundMessage(
-            announce=[r.desc for r in self.outbox], census=sorted(self.slot_requests), join=join, stop=stop
+            announce=[r.desc for r in self.outbox], census=sorted(self.slot_requests), join=join, stop=stop,
+            call=call, finished=finished,
         )
         self.outbox = []
         if self.rank == 0:
