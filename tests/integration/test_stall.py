@@ -50,3 +50,27 @@ def test_stalled_tensor_warns_then_fails_on_the_waiting_rank(make_executor, cach
     assert error0 is not None and "'lonely'" in error0 and "[1]" in error0 and "stall_shutdown_s" in error0
     assert 1.5 < took0 < 10
     assert any("'lonely'" in m and "[1]" in m for m in records0)
+
+
+def _each_rank_its_own_name():
+    """Rank r allreduces 'grad.r': alive, but never the same op as its peer (a desync, not a leaver)."""
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name=f"grad.{hvd.rank()}")
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_ranks_waiting_on_different_names_both_fail_naming_the_other_rank(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=20, stall_warning_s=1, stall_shutdown_s=2)
+    ex = make_executor(settings=settings, num_workers=2)
+    (error0, took0), (error1, took1) = ex.run(_each_rank_its_own_name)
+    assert error0 is not None and "'grad.0'" in error0 and "[1]" in error0, error0
+    assert error1 is not None and "'grad.1'" in error1 and "[0]" in error1, error1
+    assert took0 < 10 and took1 < 10
