@@ -1,8 +1,8 @@
 """Committed elastic state in storage: what outlives every worker and the driver.
 
 With ``storage_path`` set (a local directory or any URI pyarrow's filesystems open, as Ray Train's
-``storage_path``: ``s3://bucket/run``, ``gs://...``, ``file:///...``), rank 0 writes each commit there
-as ``commit-<n>.pkl``: first under a temporary name, then moved into place, so that a reader sees whole
+``storage_path``: ``s3://bucket/run``, ``gs://...``, ``file:///...``), rank 0 writes each commit under
+it as ``elastic_state/commit-<n>.pkl``: first under a temporary name, then moved into place, so that a reader sees whole
 commits only; the newest two are kept. A job started on the same path, with every worker new, resumes
 from the newest one.
 """
@@ -24,16 +24,20 @@ _NAME = re.compile(r"^commit-(\d+)\.pkl$")
 _KEEP = 2
 
 
+SUBDIR = "elastic_state"
+
+
 class CommitStorage:
-    """The commits of one elastic job under ``path``."""
+    """The commits of one elastic job under ``path`` (in its ``elastic_state`` directory)."""
 
     def __init__(self, path: str) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError(f"storage_path must be a non-empty directory path or URI, got {path!r}")
         if "://" in path:
-            self.fs, self.root = pyarrow.fs.FileSystem.from_uri(path)
+            self.fs, base = pyarrow.fs.FileSystem.from_uri(path)
         else:
-            self.fs, self.root = pyarrow.fs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+            self.fs, base = pyarrow.fs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+        self.root = f"{base.rstrip('/')}/{SUBDIR}"
         self.path = path
 
     def write(self, commit: int, payload: Any) -> None:

@@ -30,17 +30,18 @@ def test_commits_are_read_whole_and_only_the_newest_two_are_kept(tmp_path, as_ur
     for n in range(1, 5):
         storage.write(n, {"epoch": n})
     assert storage.latest() == (4, {"epoch": 4})
-    assert sorted(os.listdir(where)) == ["commit-3.pkl", "commit-4.pkl"]
+    assert sorted(os.listdir(where / "elastic_state")) == ["commit-3.pkl", "commit-4.pkl"]
     # a writer that died mid-write leaves a partial file: it is never read
-    (where / ".commit-5.pkl.partial").write_bytes(pickle.dumps({"epoch": 5})[:7])
+    (where / "elastic_state" / ".commit-5.pkl.partial").write_bytes(pickle.dumps({"epoch": 5})[:7])
     assert storage.latest() == (4, {"epoch": 4})
 
 
 def test_a_storage_path_that_is_a_file_is_refused_by_name(tmp_path):
-    blocker = tmp_path / "taken"
+    (tmp_path / "taken").mkdir()
+    blocker = tmp_path / "taken" / "elastic_state"
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="storage_path .*taken.* not a directory"):
-        CommitStorage(str(blocker)).latest()
+        CommitStorage(str(tmp_path / "taken")).latest()
     with pytest.raises(ValueError, match="storage_path"):
         CommitStorage("")
 
