@@ -8,7 +8,7 @@ import torch
 
 from hvdray.collective.autotune import TunedParams
 from hvdray.collective.engine.fusion import DIRECT_BYTES, FusionPlanner, ReadyOp
-from hvdray.collective.engine.negotiation import Finished, NegotiationTable, RoundMessage, mismatch
+from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage, mismatch
 from hvdray.collective.engine.steps import LearnedStep
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc
 
@@ -55,10 +55,12 @@ def test_matches_ignores_the_name_only():
 def test_round_messages_survive_the_wire_and_an_empty_one_is_empty():
     assert RoundMessage().encode() == b"" and RoundMessage.decode(b"") == RoundMessage()
     message = RoundMessage(announce=[allreduce("g")], census=[3, 7], join=True, stop=True,
-                           drops=[("lonely", [1])], tune=TunedParams(4.0, 1.5, False), call=4,
+                           drops=[Drop("lonely", [1]), Drop("stuck", [0, 2], True)],
+                           tune=TunedParams(4.0, 1.5, False), call=4,
                            finished=Finished(3, "raised"))
     back = RoundMessage.decode(message.encode())
-    assert back.census == [3, 7] and back.join and back.stop and back.drops == [("lonely", [1])]
+    assert back.census == [3, 7] and back.join and back.stop
+    assert back.drops == [Drop("lonely", [1], False), Drop("stuck", [0, 2], True)]
     assert back.call == 4 and back.finished == Finished(3, "raised")
     assert back.tune == TunedParams(4.0, 1.5, False) and back.announce[0].matches(allreduce("g"))
 

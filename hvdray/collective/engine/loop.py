@@ -71,6 +71,8 @@ class Engine:
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
         self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
+        self._blocked_on: list[Request] = []  # ops callers have waited on (or polled) since they were submitted
+        self._blocked = False  # this tick: a caller waits on an op still in flight (read by the engine thread)
         self._shutdown_requested = False
         self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
         # while it sleeps: how many queued requests, or queued bytes, make it worth waking the engine (a
@@ -168,6 +170,7 @@ class Engine:
             self._step.closing = True
             if self._waited is not request:
                 self._waited = request
+                self._blocked_on.append(request)
                 self._wake.notify()
 
     def auto_name(self, op: str) -> str:
@@ -257,7 +260,7 @@ class Engine:
         try:
             while True:
                 wants_full = self._collect(wait_s)
-                self.comm.and_flags(agreement.fill_flags(wants_full))
+                self.comm.and_flags(agreement.fill_flags(wants_full, self._blocked))
                 ready_slots, pending_somewhere, full = agreement.read_flags()
                 self.stats.rounds += 1
                 busy = bool(ready_slots or pending_somewhere)
@@ -273,8 +276,11 @@ class Engine:
                 ready_at = executor.start_tick(timeline, self.timeline_pid)
                 if busy and timeline is not None:
                     timeline.cycle(self.timeline_pid, ready_at)
-                for action in agreement.ready_plan(ready_slots, self.comm.fused_message_bytes):
+                actions = agreement.ready_plan(ready_slots, self.comm.fused_message_bytes)
+                for action in actions:
                     self._run(action)
+                if self.rank == 0:
+                    agreement.stall.watch_blocked(agreement.flags.everyone_blocked, ran=bool(actions))
                 if self._left_call >= self._call > 0:
                     self._fail_left_behind()
                 if table.everyone_joined:
@@ -349,6 +355,9 @@ class Engine:
                 self._sleeping = False
                 self.stats.wakeups += 1
             self._waited = None
+            local = self._local
+            self._blocked_on = [r for r in self._blocked_on if local.get(r.name) is r]
+            self._blocked = bool(self._blocked_on)
             step.unsent_bytes = 0
             wants_full = bool(self._join_announce or self._shutdown_requested or self._finish_announce)
         if self.rank == 0:
@@ -382,10 +391,10 @@ class Engine:
                 self._leavers = table.leavers(self._call)
         if messages[0].tune is not None:
             self._cycle_s = messages[0].tune.cycle_time_ms / 1000.0
-        for name, missing in drops:  # stalled past stall_shutdown_s: fail it where it was submitted
-            request = self._take_local(name)
+        for drop in drops:  # stalled past stall_shutdown_s, or deadlocked: fail it where it was submitted
+            request = self._take_local(drop.name)
             if request is not None:
-                request.handle._finish(error=self._agreement.stall.dropped_error(request.desc.kind, name, missing))
+                request.handle._finish(error=self._agreement.stall.dropped_error(request.desc.kind, drop))
         return new_work
 
     # -- running ready ops ------------------------------------------------------------------

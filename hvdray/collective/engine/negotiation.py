@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from hvdray.collective.autotune import TunedParams
 from hvdray.collective.engine.cache import RankDescs
@@ -26,6 +26,15 @@ class Finished:
     how: str
 
 
+class Drop(NamedTuple):
+    """A stalled name rank 0 tells every rank to forget: the ranks that never submitted it, and whether every
+    rank was blocked waiting meanwhile (a deadlock) rather than the stall outlasting stall_shutdown_s."""
+
+    name: str
+    missing: list[int]
+    deadlock: bool = False
+
+
 @dataclass
 class RoundMessage:
     """What one rank says in a full round; empty fields stay off the wire."""
@@ -34,7 +43,7 @@ class RoundMessage:
     census: list[int] = field(default_factory=list)  # cached slots pending here (rank 0 watches stalls)
     join: bool = False  # this rank called join()
     stop: bool = False  # this rank shuts down: every rank stops after this round
-    drops: list[tuple[str, list[int]]] = field(default_factory=list)  # rank 0: stalled names, missing ranks
+    drops: list[Drop] = field(default_factory=list)  # rank 0: stalled names to forget
     call: int = 0  # the executor call this rank's announcements belong to (0: outside any call)
     finished: Optional[Finished] = None  # this rank left the function of this call (returned or raised)
     tune: Optional[TunedParams] = None  # rank 0: autotune's parameters, applied by every rank now
@@ -51,7 +60,7 @@ class RoundMessage:
         if self.stop:
             wire["x"] = 1
         if self.drops:
-            wire["drop"] = self.drops
+            wire["drop"] = [[d.name, d.missing, 1] if d.deadlock else [d.name, d.missing] for d in self.drops]
         if self.announce and self.call:
             wire["c"] = self.call
         if self.finished is not None:
@@ -73,7 +82,7 @@ class RoundMessage:
             census=[int(slot) for slot in wire.get("pc", ())],
             join=bool(wire.get("j")),
             stop=bool(wire.get("x")),
-            drops=[(str(name), [int(r) for r in missing]) for name, missing in wire.get("drop", ())],
+            drops=[Drop(str(d[0]), [int(r) for r in d[1]], len(d) > 2 and bool(d[2])) for d in wire.get("drop", ())],
             call=int(wire.get("c", 0)),
             finished=None if finished is None else Finished(int(finished[0]), str(finished[1])),
             tune=None if tune is None else TunedParams(float(tune[0]), float(tune[1]), bool(tune[2])),
