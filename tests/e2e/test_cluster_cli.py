@@ -84,29 +84,58 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool = True
 
 
 # -- ray start + ray job submit -------------------------------------------------------------------
+def _node_env(base: dict[str, str], home: Path, **extra: str) -> dict[str, str]:
+    """One "machine" of the README's recipe: its own HOME (so ~/.ray/auth_token is its own) and no
+    authentication variables but those the recipe sets."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in base.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(HOME=str(home), **extra)
+    return env
+
+
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """A head and a second node, 1 CPU each, so a 2-worker job must span both nodes (shared by the tests below)."""
+    """The README's "Nodes you start yourself" recipe, with Ray's token authentication: a head and a
+    second node, 1 CPU each, so a 2-worker job must span both nodes (shared by the tests below).
+
+    Each node has its own HOME, so the second node and the submitter hold only the token the recipe
+    hands them (``RAY_AUTH_TOKEN``); the recipe's commands get private ports and a private temp dir.
+    Yields the submitter's environment, the dashboard URL, the GCS address and the bare environment."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-"))  # short: Ray's unix socket paths must stay < 108 chars
-    env = _ray_env(tmp)
+    base = _ray_env(tmp)
     gcs, dashboard, client, agent1, agent2 = _free_ports(5)
     try:
+        head = _node_env(base, tmp / "head", RAY_AUTH_MODE="token")
+        token = _run([RAY, "get-auth-token", "--generate"], head, timeout=120).stdout.strip().splitlines()[-1]
+        assert (tmp / "head" / ".ray" / "auth_token").read_text().strip() == token
         _run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=1",
               f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
               f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-              f"--dashboard-agent-listen-port={agent1}", "--disable-usage-stats"], env, timeout=180)
+              f"--dashboard-agent-listen-port={agent1}", "--disable-usage-stats"], head, timeout=180)
+        other = _node_env(base, tmp / "other", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         _run([RAY, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-              f"--dashboard-agent-listen-port={agent2}", "--disable-usage-stats"], env, timeout=180)
-        yield env, f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}"
+              f"--dashboard-agent-listen-port={agent2}", "--disable-usage-stats"], other, timeout=180)
+        submitter = _node_env(base, tmp / "submitter", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        yield submitter, f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", _node_env(base, tmp / "stranger")
     finally:
         _kill(_processes_using(str(tmp)))
         shutil.rmtree(tmp, ignore_errors=True)
         assert not _processes_using(str(tmp))
 
 
+def test_the_cluster_refuses_a_client_without_the_token(two_node_cluster):
+    """Authentication is really on: without the token (or with a wrong one) the job API and the GCS say no."""
+    _, dashboard, gcs, stranger = two_node_cluster
+    for env in (stranger, dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)):
+        listed = _run([RAY, "job", "list", f"--address={dashboard}"], env, timeout=120, check=False)
+        assert listed.returncode != 0, listed.stdout + listed.stderr
+        assert "401" in listed.stdout + listed.stderr or "403" in listed.stdout + listed.stderr or \
+            "auth" in (listed.stdout + listed.stderr).lower(), listed.stdout + listed.stderr
+
+
 def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
-    env, dashboard, gcs = two_node_cluster
-    nodes = _run([sys.executable, "-c", "import ray; ray.init(address='auto'); "
+    env, dashboard, gcs, _ = two_node_cluster
+    nodes = _run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); "
                   "print(sum(n['Alive'] for n in ray.nodes()))"], env, timeout=120)
     assert nodes.stdout.strip().splitlines()[-1] == "2"
     submit = _run([RAY, "job", "submit", f"--address={dashboard}", f"--working-dir={ROOT / 'examples'}", "--",
@@ -119,7 +148,7 @@ def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
 
 
 def test_hvdrayrun_runs_a_script_across_two_nodes_with_address_auto(two_node_cluster, tmp_path):
-    env, _, _ = two_node_cluster
+    env, _, _, _ = two_node_cluster
     script = tmp_path / "where.py"
     script.write_text(
         "import torch\nimport hvdray.torch as hvd\nhvd.init()\n"
