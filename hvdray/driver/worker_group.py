@@ -62,10 +62,18 @@ def failure_error(
     aftermath: str = "the other workers were stopped",
 ) -> BaseException:
     """The error to raise for a worker whose call failed with ``exc``: a lost worker becomes a
-    :class:`WorkerLostError` naming its rank; the user's exception comes back as itself with a note
-    saying where it was raised (on the exception and on Ray's copy of it, which Tune reads)."""
+    :class:`WorkerLostError` naming its rank; the user's exception comes back as an instance of its
+    own class whose ``str()`` starts with the rank (``"rank 1 of 2: bad batch"``), followed by the
+    worker's traceback, plus a note saying what happened to the others (on the exception and on Ray's
+    copy of it, which Tune reads)."""
+    if size is not None:
+        where = f"rank {rank} of {size}"
+    else:
+        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
+    if worker_id is not None:
+        where += f" (worker {worker_id})"
     if isinstance(exc, (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError)):
-        who = f"the worker of rank {rank} (of {size})"
+        who = f"the worker of {where}" if size is None else f"the worker of rank {rank} (of {size})"
         if isinstance(exc, ray.exceptions.OutOfMemoryError):
             first_lines = " ".join(str(exc).strip().splitlines()[:2])
             lost = WorkerLostError(f"{who} was killed because its node ran out of memory "
@@ -74,17 +82,16 @@ def failure_error(
             lost = WorkerLostError(f"{who} died: {exc}")
         lost.__cause__ = exc
         return lost
-    if size is not None:
-        where = f"rank {rank} of {size}"
-    else:
-        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
-    if worker_id is not None:
-        where += f" (worker {worker_id})"
     note = f"hvdray: raised on {where}; {aftermath}"
     error = exc
     if isinstance(exc, ray.exceptions.RayTaskError):
         _add_note(exc.cause, note)
+        # an instance of both RayTaskError and the user's class; its str() is the worker's traceback
         error = exc.as_instanceof_cause()
+        headline = f"{where}: {exc.cause}\n\n{error}"
+    else:
+        headline = f"{where}: {exc}"
+    error = _with_headline(error, headline)
     _add_note(error, note)
     return error
 
@@ -94,6 +101,36 @@ def _is_consequence(exc: BaseException) -> bool:
     (PeerFinishedError) or a ring broken by a dead one (HorovodInternalError)."""
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
     return isinstance(cause, (PeerFinishedError, HorovodInternalError))
+
+
+def _with_headline(error: BaseException, headline: str) -> BaseException:
+    """A copy of ``error`` of a subclass of its own class (so ``except ValueError`` still catches it)
+    whose ``str()`` is ``headline``. The copy is made without calling the class's ``__init__`` (a
+    user's exception may take other arguments than its ``args``); a class that cannot be subclassed or
+    copied leaves ``error`` as it is (its note still names the rank)."""
+    base = type(error)
+    try:
+        cls = type(base.__name__, (base,), {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__str__": lambda self: headline,
+            "__reduce__": lambda self: (_restore, (type(self), self.args, dict(self.__dict__))),
+        })
+        copy = _restore(cls, error.args, getattr(error, "__dict__", {}))
+    except Exception:  # noqa: BLE001 - final classes, exotic __new__ signatures: keep the original
+        return error
+    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
+    copy.__suppress_context__ = error.__suppress_context__
+    return copy.with_traceback(error.__traceback__)
+
+
+def _restore(cls: type, args: tuple, state: dict[str, Any]) -> BaseException:
+    """Build an exception of ``cls`` from its ``args`` and attributes without running ``__init__``
+    (also how such a copy is unpickled, e.g. when a Tune trial's actor reports it)."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -158,8 +158,40 @@ def test_worker_exception_raises_promptly_with_rank_and_executor_recovers(make_e
         ex.run(fail_on_rank_one)
     assert time.monotonic() - started < 10
     assert any("rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
+    assert str(info.value).startswith("rank 1 of 2: 'bad batch 17'\n"), str(info.value)
     assert "fail_on_rank_one" in str(info.value)  # the worker's traceback comes along
     assert ex.run(_rank_and_size) == [(r, 2, r, 2, 0, 1) for r in range(2)]
+
+
+def test_str_of_a_workers_error_names_its_rank_for_builtin_and_custom_exceptions(make_executor):
+    ex = make_executor(num_workers=2)
+
+    class QuotaError(Exception):  # a user's exception whose __init__ is not (message)
+        def __init__(self, user, limit):
+            super().__init__(user, limit)
+            self.user, self.limit = user, limit
+
+        def __str__(self):
+            return f"{self.user} is over the quota of {self.limit}"
+
+    def fail_on(rank, error):
+        import hvdray.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == rank:
+            raise error
+
+    for rank, error in [(1, ValueError("bad value")), (0, ZeroDivisionError("division by zero")),
+                        (1, QuotaError("ana", 3))]:
+        with pytest.raises(type(error)) as info:
+            ex.run(fail_on, args=[rank, error])
+        assert str(info.value).startswith(f"rank {rank} of 2: {error}\n"), str(info.value)
+        assert "fail_on" in str(info.value)  # the worker's traceback
+    assert (info.value.user, info.value.limit) == ("ana", 3)
+    try:
+        ex.run(fail_on, args=[0, ValueError("caught as itself")])
+    except ValueError as caught:  # what a user writes
+        assert "rank 0 of 2: caught as itself" in str(caught)
 
 
 def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):
