@@ -126,11 +126,18 @@ def two_node_cluster():
 def test_the_cluster_refuses_a_client_without_the_token(two_node_cluster):
     """Authentication is really on: without the token (or with a wrong one) the job API and the GCS say no."""
     _, dashboard, gcs, stranger = two_node_cluster
-    for env in (stranger, dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)):
-        listed = _run([RAY, "job", "list", f"--address={dashboard}"], env, timeout=120, check=False)
-        assert listed.returncode != 0, listed.stdout + listed.stderr
-        assert "401" in listed.stdout + listed.stderr or "403" in listed.stdout + listed.stderr or \
-            "auth" in (listed.stdout + listed.stderr).lower(), listed.stdout + listed.stderr
+    _assert_refused(stranger, dashboard, "Authentication required")
+    _assert_refused(dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32), dashboard,
+                    "Authentication failed")
+    joined = _run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], stranger, timeout=120,
+                  check=False)
+    assert joined.returncode != 0, joined.stdout + joined.stderr
+
+
+def _assert_refused(env: dict[str, str], dashboard: str, why: str) -> None:
+    """Ray's job API turns the client away (401 without a token, 403 with a wrong one)."""
+    listed = _run([RAY, "job", "list", f"--address={dashboard}"], env, timeout=120, check=False)
+    assert listed.returncode != 0 and why in listed.stdout + listed.stderr, listed.stdout + listed.stderr
 
 
 def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
@@ -259,24 +266,30 @@ def _local_test_config(user: str, key: Path, ray_tmpdir: Path, path: Path) -> Pa
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
     config["auth"] = {"ssh_user": user, "ssh_private_key": str(key)}
     config["min_workers"] = config["max_workers"] = 0
-    config["file_mounts"] = {"~/hvdray": str(ROOT)}
-    # This machine's environment already has hvdray (the real set-up would pip install it): check it.
-    config["setup_commands"] = ['python -c "import hvdray, ray, torch; print(\'hvdray\', hvdray.__version__)"']
+    assert config["file_mounts"].pop("~/hvdray") == "."
+    config["file_mounts"]["~/hvdray"] = str(ROOT)  # the token's mount stays as it is
+    # This machine's environment already has hvdray (the real set-up would pip install it): check it;
+    # the config's token-authentication set-up runs as it is.
+    config["setup_commands"] = [c for c in config["setup_commands"] if "RAY_AUTH_MODE" in c] + [
+        'python -c "import hvdray, ray, torch; print(\'hvdray\', hvdray.__version__)"']
     config["head_start_ray_commands"] = [
         f"ray start --head --node-ip-address=127.0.0.1 --port={gcs} --num-cpus=2 --temp-dir={ray_tmpdir}/ray "
-        f"--dashboard-port={dashboard} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
+        f"--include-dashboard=true --dashboard-port={dashboard} --ray-client-server-port={client} "
+        f"--dashboard-agent-listen-port={agent} "
         "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"
     ]
     path.write_text(yaml.safe_dump(config))
-    return path
+    return path, f"http://127.0.0.1:{dashboard}"
 
 
 @pytest.mark.timeout(900)
 def test_ray_up_submit_down_with_the_local_provider_config_over_ssh(ssh_to_localhost, tmp_path):
     user, key, ray_tmpdir = ssh_to_localhost
-    config = _local_test_config(user, key, ray_tmpdir, tmp_path / "cluster.yaml")
-    env = _ray_env(Path(tempfile.mkdtemp(prefix="hvr-cli-")))  # the launcher's own state files
+    config, dashboard = _local_test_config(user, key, ray_tmpdir, tmp_path / "cluster.yaml")
+    launcher = Path(tempfile.mkdtemp(prefix="hvr-cli-"))  # the launcher's own state files and HOME
+    env = _node_env(_ray_env(launcher), launcher / "home")
     try:
+        _run([RAY, "get-auth-token", "--generate"], env, timeout=120)  # the configs' first step
         up = _run([RAY, "up", "-y", "--no-config-cache", str(config)], env, timeout=400, check=False, cwd=ROOT)
         assert up.returncode == 0, up.stdout + up.stderr
         assert "hvdray 0.1.0" in up.stdout + up.stderr
@@ -286,6 +299,7 @@ def test_ray_up_submit_down_with_the_local_provider_config_over_ssh(ssh_to_local
         output = submit.stdout + submit.stderr
         assert submit.returncode == 0, output
         assert "trained on 2 workers" in output and "test accuracy" in output, output
+        _assert_refused(_node_env(env, tmp_path / "stranger"), dashboard, "Authentication required")
     finally:
         down = _run([RAY, "down", "-y", str(config)], env, timeout=300, check=False, cwd=ROOT)
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
