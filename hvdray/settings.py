@@ -122,6 +122,10 @@ class Settings(BaseModel):
         "nodes, shared memory again. None (\"auto\"): on when the job spans several nodes with the same number "
         "(> 1) of ranks each and shm_transport is on.",
     )
+    payload_warning_mb: float = Field(
+        100.0, ge=0, description="Warn (once per executor and argument) when a function, argument or "
+        "executable argument sent to every worker pickles to more than this many MiB; 0 turns it off.",
+    )
     shm_buffer_mb: float = Field(
         32.0, ge=1, le=4096, description="Shared memory per node and job in MiB; larger messages go through it in "
         "several rounds.",
