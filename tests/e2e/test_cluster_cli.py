@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import socket
 import stat
@@ -167,6 +168,40 @@ def test_hvdrayrun_runs_a_script_across_two_nodes_with_address_auto(two_node_clu
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank {rank} of 2 on 2 nodes, sum 2" in result.stdout, result.stdout
+
+
+# -- examples and an unrelated running cluster --------------------------------------------------------
+@pytest.fixture
+def unrelated_cluster():
+    """A Ray head started with `ray start` that `ray.init(address="auto")` would find (the same RAY_TMPDIR
+    and HOME as the example below); yields the example's environment and the head's GCS address."""
+    tmp = Path(tempfile.mkdtemp(prefix="hvr-u-"))
+    env = _node_env(_ray_env(tmp), tmp / "home")
+    gcs, client, agent = _free_ports(3)
+    try:
+        _run([RAY, "get-auth-token", "--generate"], env, timeout=120)
+        _run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+              f"--temp-dir={tmp / 'ray'}", "--include-dashboard=false", f"--ray-client-server-port={client}",
+              f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats"], env, timeout=180)
+        yield env, f"127.0.0.1:{gcs}"
+    finally:
+        _kill(_processes_using(str(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_elastic_example_joins_a_running_cluster_only_when_asked(unrelated_cluster):
+    env, gcs = unrelated_cluster
+    example = [sys.executable, str(ROOT / "examples" / "elastic_digits.py"), "--min-workers", "1",
+               "--max-workers", "2", "--epochs", "2", "--min-accuracy", "0"]
+    alone = _run(example, env, timeout=300, check=False)
+    output = alone.stdout + alone.stderr
+    assert alone.returncode == 0, output
+    assert "Started a local Ray instance" in output and "Connecting to existing Ray cluster" not in output, output
+    asked = _run([*example, "--address", "auto"], env, timeout=300, check=False)  # the check above can fail
+    output = asked.stdout + asked.stderr
+    assert asked.returncode == 0, output
+    port = gcs.rsplit(":", 1)[1]  # Ray names the node by its own IP, not the 127.0.0.1 it was given
+    assert re.search(rf"Connecting to existing Ray cluster at address: [\d.]+:{port}\b", output), output
 
 
 # -- ray up / ray submit / ray down over ssh --------------------------------------------------------
