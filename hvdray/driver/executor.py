@@ -165,7 +165,8 @@ class RayExecutor:
         """A new worker group with its own coordinator; if it cannot start, it stops what it started."""
         self._group = WorkerGroup(self._id, self.settings, self._start_coordinator(), self._runtime_env(),
                                   elastic=False, owns_coordinator=True)
-        self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable)
+        self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable,
+                                self._placement.check_feasible)
 
     def shutdown(self) -> None:
         """Kill the workers and the coordinator and release the placement group; safe to call twice."""

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 Callback = Callable[[dict[str, Any]], None]
 _LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
+_FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 
 
 class WorkerLostError(RuntimeError):
@@ -303,18 +304,23 @@ class WorkerGroup:
     def start_fixed(
         self, actor_options: Callable[[int], dict[str, Any]], num_workers: int,
         executable: tuple[Optional[type], Sequence[Any], dict[str, Any]],
+        still_feasible: Callable[[], None] = lambda: None,
     ) -> None:
         """Start ``num_workers`` ranks (``actor_options(i)`` places worker ``i``), give them ranks and
-        build ``executable`` on each. If any step fails the group stops, and what it started with it."""
+        build ``executable`` on each. If any step fails the group stops, and what it started with it.
+        ``still_feasible`` raises if the placement can no longer be granted (a node died): called about
+        every second while workers wait for their bundles, so such a start fails at once."""
         timeout = self._settings.placement_group_timeout_s
         try:
             for index in range(num_workers):
                 self.launch(str(index), actor_options(index))
             while self._starting:
                 earliest = min(start.deadline for start in self._starting.values())
-                _, failed = self.poll_starts(timeout=max(earliest - time.monotonic(), 0.0))
+                _, failed = self.poll_starts(timeout=min(max(earliest - time.monotonic(), 0.0), _FEASIBLE_CHECK_S))
                 if failed:
                     raise failed[0].error
+                if self._starting:
+                    still_feasible()
             workers = [self.workers[str(index)] for index in range(num_workers)]
             epoch, infos, gpus = ray.get(self.coordinator.assign.remote([w.slot for w in workers]), timeout=timeout)
             ray.get(
