@@ -26,6 +26,7 @@ from hvdray.driver.arguments import (
     check_executor_arguments,
     check_start_arguments,
 )
+from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
 from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
@@ -142,7 +143,7 @@ class RayExecutor:
                             + call_pieces(executable_args, executable_kwargs, prefix="executable_"), stacklevel=3)
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
-            ray.init()
+            init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
         if self._limits is not None:
             self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
             self._state = "started"

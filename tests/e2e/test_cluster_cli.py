@@ -189,7 +189,7 @@ def unrelated_cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_the_elastic_example_joins_a_running_cluster_only_when_asked(unrelated_cluster):
+def test_the_elastic_example_and_a_bare_executor_join_a_running_cluster_only_when_asked(unrelated_cluster):
     env, gcs = unrelated_cluster
     example = [sys.executable, str(ROOT / "examples" / "elastic_digits.py"), "--min-workers", "1",
                "--max-workers", "2", "--epochs", "2", "--min-accuracy", "0"]
@@ -202,6 +202,14 @@ def test_the_elastic_example_joins_a_running_cluster_only_when_asked(unrelated_c
     assert asked.returncode == 0, output
     port = gcs.rsplit(":", 1)[1]  # Ray names the node by its own IP, not the 127.0.0.1 it was given
     assert re.search(rf"Connecting to existing Ray cluster at address: [\d.]+:{port}\b", output), output
+    # an executor started without ray.init() starts its own local Ray too, as horovod.ray users expect
+    script = ("from hvdray import RayExecutor\n"
+              "with RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=1) as ex:\n"
+              "    print('ran', ex.run(lambda: 7))\n")
+    bare = _run([sys.executable, "-c", script], env, timeout=300, check=False)
+    output = bare.stdout + bare.stderr
+    assert bare.returncode == 0 and "ran [7]" in output, output
+    assert "Started a local Ray instance" in output and "Connecting to existing Ray cluster" not in output, output
 
 
 # -- ray up / ray submit / ray down over ssh --------------------------------------------------------
