@@ -37,26 +37,32 @@ stop_timeline = session.stop_timeline
 
 
 def rank() -> int:
+    """This worker's rank in the job: 0 .. size() - 1, contiguous per node."""
     return session.rank_info("hvd.rank()").rank
 
 
 def size() -> int:
+    """The number of workers in the job (in an elastic job: in the current membership epoch)."""
     return session.rank_info("hvd.size()").size
 
 
 def local_rank() -> int:
+    """This worker's rank among the workers on its node (Ray node id)."""
     return session.rank_info("hvd.local_rank()").local_rank
 
 
 def local_size() -> int:
+    """The number of workers on this worker's node."""
     return session.rank_info("hvd.local_size()").local_size
 
 
 def cross_rank() -> int:
+    """This worker's node's rank among the nodes (Horovod's cross rank: workers of one local rank)."""
     return session.rank_info("hvd.cross_rank()").cross_rank
 
 
 def cross_size() -> int:
+    """The number of nodes with a worker of this worker's local rank (Horovod's cross size)."""
     return session.rank_info("hvd.cross_size()").cross_size
 
 
