@@ -236,8 +236,7 @@ def grouped_allreduce_async(
 ) -> OpHandle:
     """Allreduce a list of tensors as one group, submitted together (and so negotiated and fused
     together where they fit); the result is a list."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ValueError("tensors must be a non-empty list of tensors")
+    _check_group(tensors)
     op = resolve_op(op)
     pre, post = 1.0, 1.0
     for i, t in enumerate(tensors):  # all checked before any is submitted
@@ -270,12 +269,39 @@ def allgather_async(
     tensor: torch.Tensor, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
 ) -> OpHandle:
     """Concatenate every rank's ``tensor`` along dim 0; the first dimensions may differ."""
-    check_tensor(tensor, name=name)
-    if tensor.dim() == 0:
-        raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+    _check_allgather(tensor, name)
     engine, _ = resolve(process_set, "allgather")
     name = check_name(name, "allgather", engine)
     return OpHandle([_submit(engine, _desc(OpKind.ALLGATHER, name, tensor), tensor, None)], _first)
+
+
+def _check_allgather(tensor: Any, name: Optional[str], argument: str = "tensor") -> None:
+    check_tensor(tensor, argument, name=name)
+    if tensor.dim() == 0:
+        raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> OpHandle:
+    """Allgather each of ``tensors``, submitted together (negotiated as one group); the result is a list."""
+    _check_group(tensors)
+    for i, t in enumerate(tensors):
+        _check_allgather(t, None, f"tensors[{i}]")
+    engine, _ = resolve(process_set, "grouped_allgather")
+    base = check_name(name, "grouped_allgather", engine)
+    return _submit_group(engine, [(_desc(OpKind.ALLGATHER, f"{base}.{i}", t), t) for i, t in enumerate(tensors)])
+
+
+def _check_group(tensors: Any) -> None:
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+
+
+def _submit_group(engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]]) -> OpHandle:
+    requests = [Request(desc, tensor, None, Handle(desc.name)) for desc, tensor in ops]
+    engine.submit_many(requests)
+    return OpHandle([r.handle for r in requests], list)
 
 
 def broadcast_async(
@@ -336,18 +362,45 @@ def reducescatter_async(
 ) -> OpHandle:
     """Reduce across ranks and give each rank its slice of dim 0 (the first ranks get any extra row)."""
     op = resolve_op(op)
-    check_tensor(tensor, name=name)
+    pre, post = _check_reducescatter(tensor, name, op, prescale_factor, postscale_factor)
+    engine, _ = resolve(process_set, "reducescatter")
+    name = check_name(name, "reducescatter", engine)
+    desc = _desc(OpKind.REDUCESCATTER, name, tensor, reduce_op=op, prescale=pre, postscale=post)
+    return OpHandle([_submit(engine, desc, tensor, None)], _first)
+
+
+def _check_reducescatter(
+    tensor: Any, name: Optional[str], op: ReduceOp, prescale_factor: Any, postscale_factor: Any,
+    argument: str = "tensor",
+) -> tuple[float, float]:
+    check_tensor(tensor, argument, name=name)
     if tensor.dim() == 0:
         raise ValueError(f"{_label(name)} is a scalar; reducescatter needs at least one dimension")
     if op in (Product, Adasum) or tensor.dtype == torch.bool:
         label = f"reducescatter {name!r}" if name else "reducescatter"
         raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
-    pre = check_scale(prescale_factor, "prescale_factor", tensor)
-    post = check_scale(postscale_factor, "postscale_factor", tensor)
-    engine, _ = resolve(process_set, "reducescatter")
-    name = check_name(name, "reducescatter", engine)
-    desc = _desc(OpKind.REDUCESCATTER, name, tensor, reduce_op=op, prescale=pre, postscale=post)
-    return OpHandle([_submit(engine, desc, tensor, None)], _first)
+    return check_scale(prescale_factor, "prescale_factor", tensor), check_scale(postscale_factor, "postscale_factor", tensor)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> OpHandle:
+    """Reducescatter each of ``tensors``, submitted together (negotiated as one group); the result is a list."""
+    _check_group(tensors)
+    op = resolve_op(op)
+    scales = [_check_reducescatter(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
+              for i, t in enumerate(tensors)]
+    engine, _ = resolve(process_set, "grouped_reducescatter")
+    base = check_name(name, "grouped_reducescatter", engine)
+    return _submit_group(engine, [
+        (_desc(OpKind.REDUCESCATTER, f"{base}.{i}", t, reduce_op=op, prescale=pre, postscale=post), t)
+        for i, (t, (pre, post)) in enumerate(zip(tensors, scales))
+    ])
 
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
