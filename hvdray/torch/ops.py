@@ -174,7 +174,7 @@ class _Allgather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the average of the ranks' gradients, this rank's rows
         ps = ctx.ps
         averaged = synchronize(_c.allreduce_async(grad.contiguous(), None, Average, process_set=ps))
-        return _own_rows(averaged, [ctx.rows], ps)[0], None, None
+        return _own_rows([averaged], [ctx.rows], ps)[0], None, None
 
 
 def _own_rows(gathered: Sequence[torch.Tensor], rows: Sequence[int], ps: ProcessSet) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
 from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
-from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
+from hvdray.collective.process_sets import ProcessSet, check_registered, global_process_set
 
 
 class _DistributedMixin:
@@ -72,7 +72,12 @@ class _DistributedMixin:
         self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any, Optional[int]]] = {}
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
-        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
+        # a rank outside the process set reduces nothing: its step() applies its own gradients (Horovod's)
+        self._hvd_member = process_set is global_process_set or process_set.included()
+        self._hvd_hooks = (
+            [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
+            if self._hvd_member else []
+        )
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         key = id(p)
@@ -127,6 +132,9 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (submitting any a hook did not) and write results to ``.grad``."""
+        if not self._hvd_member:
+            self._hvd_synchronized = True
+            return
         for p in self._hvd_params:
             if id(p) not in self._hvd_handles:
                 group = self._hvd_group_of.get(id(p))
@@ -245,7 +253,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
     group_spec = resolve_groups(groups, num_groups)
     if process_set is not global_process_set:
-        resolve(process_set, "DistributedOptimizer")  # registered, and this rank a member
+        check_registered(process_set)  # a rank outside the set is fine: it reduces nothing
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
