@@ -79,10 +79,15 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
         ) from None
 
 
-def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = None) -> torch.Tensor:
-    """A CPU, dense torch tensor of a dtype Gloo can reduce, or a TypeError/ValueError naming it."""
+def check_tensor(
+    tensor: Any, argument: str = "tensor", name: Optional[str] = None, any_dtype: bool = False
+) -> torch.Tensor:
+    """A CPU, dense torch tensor of a dtype Gloo can reduce (``any_dtype``: of any dtype, for the ops that
+    only move data), or a TypeError/ValueError naming it."""
     if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _GLOO_DTYPE_SET and not tensor.is_sparse:
         return tensor  # the common case, checked without building any message
+    if any_dtype and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.layout is torch.strided:
+        return tensor
     label = f"{argument} {name!r}" if name else argument
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -90,10 +95,10 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
         raise ValueError(
             f"{label} is on {tensor.device}; hvdray's Gloo engine reduces CPU tensors (move it with .cpu())"
         )
-    if tensor.dtype not in GLOO_DTYPES:
-        supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
-        raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
-    raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+    supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
+    raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
 
 
 _GLOO_DTYPE_SET = frozenset(GLOO_DTYPES)
@@ -136,15 +141,39 @@ def check_allreduce_args(
 
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
-    """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
+    """A scale factor as a float; a bool tensor takes none but 1.0 (integer tensors: see :func:`scale_integers`)."""
     if type(value) in _PLAIN and value == 1.0:  # the common case (types first: a tensor's == is no bool)
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
     value = float(value)
-    if value != 1.0 and not tensor.is_floating_point():
-        raise ValueError(f"{argument}={value} needs a floating-point tensor, got {tensor.dtype}")
+    if value != 1.0 and tensor.dtype == torch.bool:
+        raise ValueError(f"{argument}={value} cannot scale a bool tensor")
     return value
+
+
+def scale_integers(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Horovod's scaling of an integer tensor: multiplied in float64, truncated back to its dtype (a new tensor)."""
+    return (tensor.to(torch.float64) * factor).to(tensor.dtype)
+
+
+def _integer_scales(tensor: torch.Tensor, pre: float, post: float) -> tuple[torch.Tensor, float, float, float]:
+    """``(input, pre, post, integer postscale)``: an integer tensor's scaling taken out of the engine's hands
+    (prescaled here, postscaled on the result by :func:`_postscaled`); other tensors pass through."""
+    if (pre == 1.0 and post == 1.0) or tensor.is_floating_point():
+        return tensor, pre, post, 1.0
+    return (scale_integers(tensor, pre) if pre != 1.0 else tensor), 1.0, 1.0, post
+
+
+def _postscaled(convert: Callable[[list[Any]], Any], factors: list[float]) -> Callable[[list[Any]], Any]:
+    """``convert`` after each integer result with a factor other than 1.0 is scaled in place."""
+    def scaled(results: list[Any]) -> Any:
+        for result, factor in zip(results, factors):
+            if factor != 1.0:
+                result.copy_(scale_integers(result, factor))
+        return convert(results)
+
+    return scaled
 
 
 def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
@@ -190,6 +219,11 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
+    if pre != 1.0 or post != 1.0:
+        source, pre, post, int_post = _integer_scales(tensor, pre, post)
+        if int_post != 1.0 or source is not tensor:
+            request = _allreduce_requests(source, name, op, pre, post, output)[0]
+            return OpHandle([engine.submit(request)], _postscaled(_first, [int_post]))
     requests = _allreduce_requests(tensor, name, op, pre, post, output)
     if len(requests) == 1:
         return OpHandle([engine.submit(requests[0])], _first)
@@ -245,14 +279,17 @@ def grouped_allreduce_async(
     base = check_name(name, "grouped_allreduce", engine)
     requests: list[Request] = []
     parts = []  # requests per tensor: 1, or 2 with a NaN mask
+    int_posts = []
     for i, t in enumerate(tensors):
-        mine = _allreduce_requests(t, f"{base}.{i}", op, pre, post, t if inplace else None)
+        source, t_pre, t_post, int_post = _integer_scales(t, pre, post)
+        mine = _allreduce_requests(source, f"{base}.{i}", op, t_pre, t_post, t if inplace else None)
         requests += mine
         parts.append(len(mine))
+        int_posts.append(int_post)
     engine.submit_many(requests)
     handles = [r.handle for r in requests]
     if len(requests) == len(tensors):
-        return OpHandle(handles, list)
+        return OpHandle(handles, list if all(f == 1.0 for f in int_posts) else _postscaled(list, int_posts))
     return OpHandle(handles, functools.partial(_grouped_propagate_nan, parts))
 
 
@@ -276,7 +313,7 @@ def allgather_async(
 
 
 def _check_allgather(tensor: Any, name: Optional[str], argument: str = "tensor") -> None:
-    check_tensor(tensor, argument, name=name)
+    check_tensor(tensor, argument, name=name, any_dtype=True)
     if tensor.dim() == 0:
         raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
 
@@ -298,10 +335,12 @@ def _check_group(tensors: Any) -> None:
         raise ValueError("tensors must be a non-empty list of tensors")
 
 
-def _submit_group(engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]]) -> OpHandle:
+def _submit_group(
+    engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]], convert: Callable[[list[Any]], Any] = list
+) -> OpHandle:
     requests = [Request(desc, tensor, None, Handle(desc.name)) for desc, tensor in ops]
     engine.submit_many(requests)
-    return OpHandle([r.handle for r in requests], list)
+    return OpHandle([r.handle for r in requests], convert)
 
 
 def broadcast_async(
@@ -312,7 +351,7 @@ def broadcast_async(
     process_set: Optional[ProcessSet] = None,
 ) -> OpHandle:
     """Send root's ``tensor`` to every rank (into ``tensor`` itself when ``inplace``); ``root_rank`` is global."""
-    check_tensor(tensor, name=name)
+    check_tensor(tensor, name=name, any_dtype=True)
     engine, ps = resolve(process_set, "broadcast")
     root = check_root(root_rank, ps)
     name = check_name(name, "broadcast", engine)
@@ -324,7 +363,7 @@ def alltoall_async(
     tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
 ) -> OpHandle:
     """Scatter slices of dim 0 to every rank and gather theirs; result: ``(output, received_splits)``."""
-    check_tensor(tensor, name=name)
+    check_tensor(tensor, name=name, any_dtype=True)
     engine, ps = resolve(process_set, "alltoall")
     size = ps.size()
     label = f"alltoall {name!r}" if name else "alltoall"
@@ -365,8 +404,9 @@ def reducescatter_async(
     pre, post = _check_reducescatter(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "reducescatter")
     name = check_name(name, "reducescatter", engine)
-    desc = _desc(OpKind.REDUCESCATTER, name, tensor, reduce_op=op, prescale=pre, postscale=post)
-    return OpHandle([_submit(engine, desc, tensor, None)], _first)
+    source, pre, post, int_post = _integer_scales(tensor, pre, post)
+    desc = _desc(OpKind.REDUCESCATTER, name, source, reduce_op=op, prescale=pre, postscale=post)
+    return OpHandle([_submit(engine, desc, source, None)], _postscaled(_first, [int_post]) if int_post != 1.0 else _first)
 
 
 def _check_reducescatter(
@@ -397,10 +437,12 @@ def grouped_reducescatter_async(
               for i, t in enumerate(tensors)]
     engine, _ = resolve(process_set, "grouped_reducescatter")
     base = check_name(name, "grouped_reducescatter", engine)
+    scaled = [_integer_scales(t, pre, post) for t, (pre, post) in zip(tensors, scales)]
+    int_posts = [int_post for *_, int_post in scaled]
     return _submit_group(engine, [
         (_desc(OpKind.REDUCESCATTER, f"{base}.{i}", t, reduce_op=op, prescale=pre, postscale=post), t)
-        for i, (t, (pre, post)) in enumerate(zip(tensors, scales))
-    ])
+        for i, (t, pre, post, _) in enumerate(scaled)
+    ], list if all(f == 1.0 for f in int_posts) else _postscaled(list, int_posts))
 
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:

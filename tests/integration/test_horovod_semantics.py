@@ -155,3 +155,52 @@ def test_distributed_optimizer_on_a_set_steps_locally_outside_it(pair):
     (w0, g0), (w1, g1) = pair.run(_optimizer_on_a_process_set)
     assert w0 == pytest.approx(1 - 2 * 0.1 * 1.0) and g0 == pytest.approx([w0])  # reduced within {0}: its own
     assert w1 == pytest.approx(1 - 2 * 0.1 * 2.0) and g1 == pytest.approx([w1])  # outside: a local step
+
+
+def _dtypes_and_integer_scaling():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, out = hvd.rank(), {}
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.complex64, torch.float8_e4m3fn):
+        x = torch.full((r + 1, 2), r + 1).to(dtype)           # uneven rows: 1 on rank 0, 2 on rank 1
+        gathered = hvd.allgather(x)
+        b = torch.tensor(7 + r).to(dtype)                    # 0-dim, in place
+        hvd.broadcast_(b, root_rank=1)
+        received, splits = hvd.alltoall((torch.arange(3.0) + 10 * r).to(dtype), splits=[1, 2] if r == 0 else [2, 1])
+        as_float = lambda t: t.to(torch.float32).tolist() if not t.is_complex() else t.real.tolist()  # noqa: E731
+        out[str(dtype)] = (gathered.dtype == dtype, as_float(gathered), as_float(b), as_float(received), splits.tolist())
+    t = torch.tensor([10, -7, 3], dtype=torch.int32) * (r + 1)   # rank 0: [10, -7, 3], rank 1: [20, -14, 6]
+    out["prescale"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5).tolist()
+    out["postscale"] = hvd.allreduce(t, op=hvd.Sum, postscale_factor=0.3).tolist()
+    inplace = t.clone()
+    hvd.allreduce_(inplace, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3)
+    out["inplace"] = inplace.tolist()
+    out["grouped"] = [g.tolist() for g in hvd.grouped_allreduce([t, t.long()], op=hvd.Sum, prescale_factor=0.5)]
+    out["reducescatter"] = hvd.reducescatter(torch.tensor([5, 7, -9, 11]) * (r + 1), op=hvd.Sum,
+                                             postscale_factor=0.5).tolist()
+    return out
+
+
+def test_every_dtype_moves_and_integer_tensors_scale_as_horovod_scales_them(pair):
+    """int16, uint16, uint32, complex and float8 in allgather, broadcast and alltoall (Gloo cannot move them:
+    they travel as bytes); scale factors on integer tensors apply in float64 and truncate, as in Horovod."""
+    import torch
+
+    results = pair.run(_dtypes_and_integer_scaling)
+    for r, out in enumerate(results):
+        for dtype in ("torch.int16", "torch.uint16", "torch.uint32", "torch.complex64", "torch.float8_e4m3fn"):
+            same_dtype, gathered, b, received, splits = out[dtype]
+            assert same_dtype and gathered == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]] and b == 8.0, dtype
+            # rank 0 sends [0] to itself and [1, 2] to rank 1; rank 1 sends [10, 11] to rank 0 and [12] to itself
+            assert (received, splits) == (([0.0, 10.0, 11.0], [1, 2]) if r == 0 else ([1.0, 2.0, 12.0], [2, 1])), dtype
+        trunc = lambda v: [int(x) for x in (torch.tensor(v, dtype=torch.float64)).tolist()]  # noqa: E731
+        assert out["prescale"] == [5 + 10, -3 + -7, 1 + 3]                 # trunc(x * 0.5) on each rank, then summed
+        assert out["postscale"] == trunc([30 * 0.3, -21 * 0.3, 9 * 0.3])   # summed, then trunc(sum * 0.3)
+        assert out["inplace"] == [(5 + 10) * 3, (-3 + -7) * 3, (1 + 3) * 3]
+        assert out["grouped"] == [[15, -10, 4]] * 2
+        # [15, 21, -27, 33] summed; rank 0 keeps rows 0-1, rank 1 rows 2-3; trunc(x * 0.5)
+        assert out["reducescatter"] == ([7, 10] if r == 0 else [-13, 16])
