@@ -445,6 +445,33 @@ def grouped_reducescatter_async(
     ], list if all(f == 1.0 for f in int_posts) else _postscaled(list, int_posts))
 
 
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average, process_set: Optional[ProcessSet] = None
+) -> OpHandle:
+    """Reduce a sparse COO tensor as Horovod does: every rank's indices and values are allgathered, so the
+    result holds every rank's entries (``coalesce()`` sums duplicates); Average divides the values by the size."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo or not tensor.is_cpu:
+        raise ValueError(f"{_label(name)} must be a sparse COO CPU tensor (tensor.to_sparse()), got "
+                         f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    op = resolve_op(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    values, indices = tensor._values().contiguous(), tensor._indices().t().contiguous()
+    check_tensor(values, "tensor values", name=name)
+    engine, ps = resolve(process_set, "sparse_allreduce")
+    base = check_name(name, "sparse_allreduce", engine)
+    convert = functools.partial(_sparse_result, tuple(tensor.shape), ps.size() if op is Average else 1)
+    return _submit_group(engine, [
+        (_desc(OpKind.ALLGATHER, f"{base}.values", values), values),
+        (_desc(OpKind.ALLGATHER, f"{base}.indices", indices), indices),
+    ], convert)
+
+
+def _sparse_result(shape: tuple[int, ...], divisor: int, results: list[torch.Tensor]) -> torch.Tensor:
+    values, indices = results
+    return torch.sparse_coo_tensor(indices.t(), values / divisor if divisor != 1 else values, shape)
+
+
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Return once every rank (of ``process_set``) has reached this barrier."""
     engine, _ = resolve(process_set, "barrier")

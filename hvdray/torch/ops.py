@@ -31,7 +31,9 @@ from hvdray.collective.process_sets import ProcessSet, global_process_set
 from hvdray.collective.surface import Form
 
 #: every op of the surface in each of its forms, the reduce ops and the handle functions
-__all__ = [*surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize"]
+__all__ = [
+    *surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize", "sparse_allreduce_async",
+]
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -379,6 +381,15 @@ def grouped_reducescatter(
         name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set, *[t for t, _ in packed]
     )
     return [compression.decompress(t, cctx) for t, (_, cctx) in zip(out, packed)]
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Reduce a sparse tensor by allgathering every rank's indices and values (Horovod's); returns a handle
+    whose ``synchronize`` gives the sparse result."""
+    return _c.sparse_allreduce_async(tensor, name, op, process_set)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -96,21 +96,29 @@ class _DistributedMixin:
                 if self._hvd_group_ready[group] == len(self._hvd_groups[group]):
                     self._hvd_submit_group(group)
 
-    def _hvd_wire(self, p: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``p``'s gradient as it travels (compressed, contiguous), and what decompressing it needs."""
+    def _hvd_wire(self, p: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, Any]:
+        """``p``'s gradient as it travels (compressed, contiguous, dense), and what decompressing it needs."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
+        grad = p.grad
+        if grad.is_sparse:
+            if grouped and not self._hvd_sparse_as_dense:
                 raise ValueError(
-                    f"gradient of {self._hvd_names[id(p)]!r} is sparse; pass sparse_as_dense=True to "
-                    "DistributedOptimizer to reduce it as a dense tensor"
+                    f"gradient of {self._hvd_names[id(p)]!r} is sparse and in a group; pass sparse_as_dense=True to "
+                    "DistributedOptimizer, or leave the parameter out of groups"
                 )
-            p.grad = p.grad.to_dense()
-        wire, ctx = self._hvd_compression.compress(p.grad)
+            grad = grad.to_dense()  # reduced dense, made sparse again in synchronize() (Horovod's sparse_as_dense)
+        wire, ctx = self._hvd_compression.compress(grad)
         return (wire if wire.is_contiguous() else wire.contiguous()), ctx
 
     def _hvd_submit(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
+            if self._hvd_op == _c.Adasum:
+                raise ValueError(f"gradient of {self._hvd_names[id(p)]!r} is sparse; op=hvd.Adasum needs dense "
+                                 "gradients (pass sparse_as_dense=True)")
+            handle = _c.sparse_allreduce_async(p.grad, self._hvd_names[id(p)], self._hvd_op, self._hvd_process_set)
+            self._hvd_handles[id(p)] = (None, handle, None, None)  # every rank's entries, allgathered
+            return
         wire, ctx = self._hvd_wire(p)
         pre, post = self._hvd_scale
         handle = _c.allreduce_async(
@@ -120,7 +128,7 @@ class _DistributedMixin:
 
     def _hvd_submit_group(self, group: int) -> None:
         params = self._hvd_groups[group]
-        wires, ctxs = zip(*(self._hvd_wire(p) for p in params))
+        wires, ctxs = zip(*(self._hvd_wire(p, grouped=True) for p in params))
         pre, post = self._hvd_scale
         handle = _c.grouped_allreduce_async(
             list(wires), f"grouped.{self._hvd_names[id(params[0])]}", self._hvd_op, pre, post, inplace=True,
@@ -153,9 +161,13 @@ class _DistributedMixin:
                     if results is None:
                         results = grouped[id(handle)] = _c.synchronize(handle)
                     reduced = results[index]
-                grad = by_id[key].grad
-                if reduced is not grad:
-                    grad.copy_(self._hvd_compression.decompress(reduced, ctx))
+                p = by_id[key]
+                if wire is None:  # a sparse gradient, reduced sparse
+                    p.grad = reduced
+                elif p.grad.is_sparse:  # sparse_as_dense: sparse again for the update, as in Horovod
+                    p.grad = self._hvd_compression.decompress(reduced, ctx).to_sparse()
+                elif reduced is not p.grad:
+                    p.grad.copy_(self._hvd_compression.decompress(reduced, ctx))
         finally:
             self._hvd_reset_step()
         self._hvd_synchronized = True

@@ -204,3 +204,40 @@ def test_every_dtype_moves_and_integer_tensors_scale_as_horovod_scales_them(pair
         assert out["grouped"] == [[15, -10, 4]] * 2
         # [15, 21, -27, 33] summed; rank 0 keeps rows 0-1, rank 1 rows 2-3; trunc(x * 0.5)
         assert out["reducescatter"] == ([7, 10] if r == 0 else [-13, 16])
+
+
+def _sparse_gradients():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, out = hvd.rank(), {}
+    local = torch.sparse_coo_tensor([[r, 3]], [1.0 + r, 10.0], (4,))  # rank 0: {0: 1, 3: 10}, rank 1: {1: 2, 3: 10}
+    out["sum"] = hvd.synchronize(hvd.sparse_allreduce_async(local, "s", hvd.Sum)).to_dense().tolist()
+    out["average"] = hvd.synchronize(hvd.sparse_allreduce_async(local, name="a", op=hvd.Average)).to_dense().tolist()
+    for dense in (False, True):
+        emb = torch.nn.Embedding(4, 1, sparse=True)
+        torch.nn.init.zeros_(emb.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), sparse_as_dense=dense,
+                                       named_parameters=emb.named_parameters())
+        emb(torch.tensor([r, 3])).sum().backward()            # gradient 1 at rows r and 3
+        opt.synchronize()
+        out[f"grad_is_sparse_{dense}"] = emb.weight.grad.is_sparse
+        with opt.skip_synchronize():
+            opt.step()
+        out[f"weights_{dense}"] = emb.weight.flatten().tolist()
+    return out
+
+
+def test_sparse_gradients_reduce_as_horovod_reduces_them(pair):
+    """sparse_allreduce_async allgathers every rank's entries (Average divides by the size); the optimizer
+    reduces sparse gradients that way, or with sparse_as_dense densely, leaving .grad sparse for the update."""
+    for out in pair.run(_sparse_gradients):
+        assert out["sum"] == [1.0, 2.0, 0.0, 20.0]
+        assert out["average"] == [0.5, 1.0, 0.0, 10.0]
+        for dense in (False, True):
+            assert out[f"grad_is_sparse_{dense}"]
+            # averaged gradient: 1/2 at rows 0 and 1, (1 + 1)/2 at row 3; SGD with lr 1
+            assert out[f"weights_{dense}"] == [-0.5, -0.5, 0.0, -1.0]
