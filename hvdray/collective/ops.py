@@ -45,6 +45,15 @@ class OpHandle:
         return self._convert([p.wait() for p in self._parts])
 
 
+class CallableHandle(OpHandle):
+    """A handle that is also Horovod's callable form (``sparse_allreduce_async(...)()`` returns the result)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return self.result()
+
+
 def poll(handle: OpHandle) -> bool:
     """True once the op behind ``handle`` has finished (successfully or not)."""
     _check_handle(handle)
@@ -336,11 +345,12 @@ def _check_group(tensors: Any) -> None:
 
 
 def _submit_group(
-    engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]], convert: Callable[[list[Any]], Any] = list
+    engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]], convert: Callable[[list[Any]], Any] = list,
+    handle_type: type[OpHandle] = OpHandle,
 ) -> OpHandle:
     requests = [Request(desc, tensor, None, Handle(desc.name)) for desc, tensor in ops]
     engine.submit_many(requests)
-    return OpHandle([r.handle for r in requests], convert)
+    return handle_type([r.handle for r in requests], convert)
 
 
 def broadcast_async(
@@ -449,7 +459,8 @@ def sparse_allreduce_async(
     tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average, process_set: Optional[ProcessSet] = None
 ) -> OpHandle:
     """Reduce a sparse COO tensor as Horovod does: every rank's indices and values are allgathered, so the
-    result holds every rank's entries (``coalesce()`` sums duplicates); Average divides the values by the size."""
+    result holds every rank's entries (``coalesce()`` sums duplicates); Average divides the values by the size.
+    The handle is also callable, as Horovod's is."""
     if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo or not tensor.is_cpu:
         raise ValueError(f"{_label(name)} must be a sparse COO CPU tensor (tensor.to_sparse()), got "
                          f"{getattr(tensor, 'layout', type(tensor).__name__)}")
@@ -464,7 +475,7 @@ def sparse_allreduce_async(
     return _submit_group(engine, [
         (_desc(OpKind.ALLGATHER, f"{base}.values", values), values),
         (_desc(OpKind.ALLGATHER, f"{base}.indices", indices), indices),
-    ], convert)
+    ], convert, CallableHandle)
 
 
 def _sparse_result(shape: tuple[int, ...], divisor: int, results: list[torch.Tensor]) -> torch.Tensor:

@@ -216,7 +216,7 @@ def _sparse_gradients():
     r, out = hvd.rank(), {}
     local = torch.sparse_coo_tensor([[r, 3]], [1.0 + r, 10.0], (4,))  # rank 0: {0: 1, 3: 10}, rank 1: {1: 2, 3: 10}
     out["sum"] = hvd.synchronize(hvd.sparse_allreduce_async(local, "s", hvd.Sum)).to_dense().tolist()
-    out["average"] = hvd.synchronize(hvd.sparse_allreduce_async(local, name="a", op=hvd.Average)).to_dense().tolist()
+    out["average"] = hvd.sparse_allreduce_async(local, name="a", op=hvd.Average)().to_dense().tolist()  # callable
     for dense in (False, True):
         emb = torch.nn.Embedding(4, 1, sparse=True)
         torch.nn.init.zeros_(emb.weight)
