@@ -150,7 +150,7 @@ def check_allreduce_args(
 
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
-    """A scale factor as a float; a bool tensor takes none but 1.0 (integer tensors: see :func:`scale_integers`)."""
+    """A scale factor as a float; a bool tensor takes none but 1.0 (integer tensors: see :func:`scale_as_horovod`)."""
     if type(value) in _PLAIN and value == 1.0:  # the common case (types first: a tensor's == is no bool)
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -161,25 +161,32 @@ def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
     return value
 
 
-def scale_integers(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """Horovod's scaling of an integer tensor: multiplied in float64, truncated back to its dtype (a new tensor)."""
-    return (tensor.to(torch.float64) * factor).to(tensor.dtype)
+#: where Horovod scales a tensor of a dtype in another: integers in float64 (truncated back), 16-bit floats in
+#: float32 on the CPU (rounded back once)
+_SCALED_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
-def _integer_scales(tensor: torch.Tensor, pre: float, post: float) -> tuple[torch.Tensor, float, float, float]:
-    """``(input, pre, post, integer postscale)``: an integer tensor's scaling taken out of the engine's hands
-    (prescaled here, postscaled on the result by :func:`_postscaled`); other tensors pass through."""
-    if (pre == 1.0 and post == 1.0) or tensor.is_floating_point():
+def scale_as_horovod(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` computed as Horovod computes it (see ``_SCALED_IN``), as a new tensor of its dtype."""
+    wide = _SCALED_IN.get(tensor.dtype, torch.float64)
+    return (tensor.to(wide) * factor).to(tensor.dtype)
+
+
+def _outside_engine_scales(tensor: torch.Tensor, pre: float, post: float) -> tuple[torch.Tensor, float, float, float]:
+    """``(input, pre, post, postscale left)``: an integer or 16-bit float tensor's scaling taken out of the
+    engine's hands (prescaled here, postscaled on the result by :func:`_postscaled`), so that it is computed
+    as Horovod computes it; other tensors pass through."""
+    if (pre == 1.0 and post == 1.0) or (tensor.is_floating_point() and tensor.dtype not in _SCALED_IN):
         return tensor, pre, post, 1.0
-    return (scale_integers(tensor, pre) if pre != 1.0 else tensor), 1.0, 1.0, post
+    return (scale_as_horovod(tensor, pre) if pre != 1.0 else tensor), 1.0, 1.0, post
 
 
 def _postscaled(convert: Callable[[list[Any]], Any], factors: list[float]) -> Callable[[list[Any]], Any]:
-    """``convert`` after each integer result with a factor other than 1.0 is scaled in place."""
+    """``convert`` after each result with a factor other than 1.0 is scaled in place, as Horovod scales it."""
     def scaled(results: list[Any]) -> Any:
         for result, factor in zip(results, factors):
             if factor != 1.0:
-                result.copy_(scale_integers(result, factor))
+                result.copy_(scale_as_horovod(result, factor))
         return convert(results)
 
     return scaled
@@ -229,10 +236,10 @@ def allreduce_async(
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
     if pre != 1.0 or post != 1.0:
-        source, pre, post, int_post = _integer_scales(tensor, pre, post)
-        if int_post != 1.0 or source is not tensor:
+        source, pre, post, late_post = _outside_engine_scales(tensor, pre, post)
+        if late_post != 1.0 or source is not tensor:
             request = _allreduce_requests(source, name, op, pre, post, output)[0]
-            return OpHandle([engine.submit(request)], _postscaled(_first, [int_post]))
+            return OpHandle([engine.submit(request)], _postscaled(_first, [late_post]))
     requests = _allreduce_requests(tensor, name, op, pre, post, output)
     if len(requests) == 1:
         return OpHandle([engine.submit(requests[0])], _first)
@@ -288,17 +295,17 @@ def grouped_allreduce_async(
     base = check_name(name, "grouped_allreduce", engine)
     requests: list[Request] = []
     parts = []  # requests per tensor: 1, or 2 with a NaN mask
-    int_posts = []
+    late_posts = []
     for i, t in enumerate(tensors):
-        source, t_pre, t_post, int_post = _integer_scales(t, pre, post)
+        source, t_pre, t_post, late_post = _outside_engine_scales(t, pre, post)
         mine = _allreduce_requests(source, f"{base}.{i}", op, t_pre, t_post, t if inplace else None)
         requests += mine
         parts.append(len(mine))
-        int_posts.append(int_post)
+        late_posts.append(late_post)
     engine.submit_many(requests)
     handles = [r.handle for r in requests]
     if len(requests) == len(tensors):
-        return OpHandle(handles, list if all(f == 1.0 for f in int_posts) else _postscaled(list, int_posts))
+        return OpHandle(handles, list if all(f == 1.0 for f in late_posts) else _postscaled(list, late_posts))
     return OpHandle(handles, functools.partial(_grouped_propagate_nan, parts))
 
 
@@ -414,9 +421,9 @@ def reducescatter_async(
     pre, post = _check_reducescatter(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "reducescatter")
     name = check_name(name, "reducescatter", engine)
-    source, pre, post, int_post = _integer_scales(tensor, pre, post)
+    source, pre, post, late_post = _outside_engine_scales(tensor, pre, post)
     desc = _desc(OpKind.REDUCESCATTER, name, source, reduce_op=op, prescale=pre, postscale=post)
-    return OpHandle([_submit(engine, desc, source, None)], _postscaled(_first, [int_post]) if int_post != 1.0 else _first)
+    return OpHandle([_submit(engine, desc, source, None)], _postscaled(_first, [late_post]) if late_post != 1.0 else _first)
 
 
 def _check_reducescatter(
@@ -447,12 +454,12 @@ def grouped_reducescatter_async(
               for i, t in enumerate(tensors)]
     engine, _ = resolve(process_set, "grouped_reducescatter")
     base = check_name(name, "grouped_reducescatter", engine)
-    scaled = [_integer_scales(t, pre, post) for t, (pre, post) in zip(tensors, scales)]
-    int_posts = [int_post for *_, int_post in scaled]
+    scaled = [_outside_engine_scales(t, pre, post) for t, (pre, post) in zip(tensors, scales)]
+    late_posts = [late_post for *_, late_post in scaled]
     return _submit_group(engine, [
         (_desc(OpKind.REDUCESCATTER, f"{base}.{i}", t, reduce_op=op, prescale=pre, postscale=post), t)
         for i, (t, pre, post, _) in enumerate(scaled)
-    ], list if all(f == 1.0 for f in int_posts) else _postscaled(list, int_posts))
+    ], list if all(f == 1.0 for f in late_posts) else _postscaled(list, late_posts))
 
 
 def sparse_allreduce_async(

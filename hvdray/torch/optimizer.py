@@ -79,6 +79,12 @@ class _DistributedMixin:
             if self._hvd_member else []
         )
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's (private, but read by its users' tests) map of each parameter to its reduction name."""
+        return {p: self._hvd_names[id(p)].removeprefix("allreduce.") for group in self.param_groups
+                for p in group["params"]}
+
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         key = id(p)
         if key in self._hvd_handles or self._hvd_delay[key] <= 0:
@@ -195,8 +201,8 @@ class _DistributedMixin:
     def step(self, closure: Any = None) -> Any:
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
-                warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without skip_synchronize(): "
+                warnings.warn(  # starts with Horovod's wording, which callers match on
+                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(): "
                     "gradients are reduced again. Wrap step() in `with optimizer.skip_synchronize():`.",
                     stacklevel=2,
                 )
