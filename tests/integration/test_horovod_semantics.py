@@ -182,12 +182,15 @@ def _dtypes_and_integer_scaling():
     out["grouped"] = [g.tolist() for g in hvd.grouped_allreduce([t, t.long()], op=hvd.Sum, prescale_factor=0.5)]
     out["reducescatter"] = hvd.reducescatter(torch.tensor([5, 7, -9, 11]) * (r + 1), op=hvd.Sum,
                                              postscale_factor=0.5).tolist()
+    half = torch.tensor([24.9, -36.1, 6.13], dtype=torch.float16) * (r + 1)
+    out["half"] = hvd.allreduce(half, op=hvd.Sum, postscale_factor=0.3717).tolist()
     return out
 
 
 def test_every_dtype_moves_and_integer_tensors_scale_as_horovod_scales_them(pair):
     """int16, uint16, uint32, complex and float8 in allgather, broadcast and alltoall (Gloo cannot move them:
-    they travel as bytes); scale factors on integer tensors apply in float64 and truncate, as in Horovod."""
+    they travel as bytes); scale factors on integer tensors apply in float64 and truncate, on 16-bit floats in
+    float32, as in Horovod."""
     import torch
 
     results = pair.run(_dtypes_and_integer_scaling)
@@ -204,6 +207,9 @@ def test_every_dtype_moves_and_integer_tensors_scale_as_horovod_scales_them(pair
         assert out["grouped"] == [[15, -10, 4]] * 2
         # [15, 21, -27, 33] summed; rank 0 keeps rows 0-1, rank 1 rows 2-3; trunc(x * 0.5)
         assert out["reducescatter"] == ([7, 10] if r == 0 else [-13, 16])
+        # 16-bit floats: the sum (exact here), then scaled in float32 and rounded to float16 once
+        half = torch.tensor([24.9, -36.1, 6.13], dtype=torch.float16)
+        assert out["half"] == ((half + half * 2).float() * 0.3717).half().tolist()
 
 
 def _sparse_gradients():
