@@ -69,8 +69,8 @@ class Settings(BaseModel):
         "on the same path, resumes from the newest commit there.",
     )
     stall_check: bool = Field(
-        True, description="False turns the stall inspector off: no stall warnings and no stall shutdown "
-        "(Horovod's HOROVOD_STALL_CHECK_DISABLE=1).",
+        True, description="False turns the stall inspector off: no stall warnings, no stall shutdown and no "
+        "deadlock detection (Horovod's HOROVOD_STALL_CHECK_DISABLE=1).",
     )
     timeline_filename: Optional[str] = Field(
         None,
