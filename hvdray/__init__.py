@@ -8,6 +8,7 @@ coordinator actor, a Tune trial's driver) do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -25,6 +26,12 @@ _PUBLIC = {
 }
 
 __all__ = [*sorted(_PUBLIC), "ray_logger", "__version__"]
+
+if os.environ.get("HVDRAY_HOROVOD_ALIAS"):  # opt-in: `import horovod.torch` gets hvdray.torch (hvdray/alias.py)
+    from hvdray import alias as _alias
+
+    if _alias.enabled_by_environment():
+        _alias.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,18 +1,20 @@
 """One validated settings model for every hvdray knob.
 
 Values come, in order of precedence, from explicit arguments, then ``HVDRAY_<FIELD>`` environment
-variables (read on the driver when the settings are created), then the documented defaults.
+variables, then Horovod's ``HOROVOD_*`` knobs that mean the same (see :mod:`hvdray.environment`), then
+the documented defaults. The environment is read where the settings are created: on the driver.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ENV_PREFIX = "HVDRAY_"
+from hvdray import environment
+
+ENV_PREFIX = environment.HVDRAY_PREFIX
 #: Fields that hold Python objects: they have no environment variable.
 OBJECT_FIELDS = frozenset({"discovery"})
 
@@ -65,6 +67,10 @@ class Settings(BaseModel):
         description="Elastic jobs: rank 0 writes each commit() of the elastic state here (a local directory or a "
         "pyarrow filesystem URI such as s3://bucket/run); a job whose workers all died, or a new job started "
         "on the same path, resumes from the newest commit there.",
+    )
+    stall_check: bool = Field(
+        True, description="False turns the stall inspector off: no stall warnings, no stall shutdown and no "
+        "deadlock detection (Horovod's HOROVOD_STALL_CHECK_DISABLE=1).",
     )
     timeline_filename: Optional[str] = Field(
         None,
@@ -142,14 +148,13 @@ class Settings(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for name in cls.model_fields:
-            env_name = ENV_PREFIX + name.upper()
-            if name not in data and name not in OBJECT_FIELDS and env_name in os.environ:
-                raw = os.environ[env_name]
-                data[name] = [s for s in raw.split(",") if s] if name == "nics" else raw
-        alias = ENV_PREFIX + "TIMELINE"  # Horovod's HOROVOD_TIMELINE, spelled the hvdray way
-        if "timeline_filename" not in data and alias in os.environ:
-            data["timeline_filename"] = os.environ[alias]
+        fields = [name for name in cls.model_fields if name not in OBJECT_FIELDS]
+        environment.report_unknown(fields)
+        try:
+            for name, variable in environment.sources(fields, given=data).items():
+                data[name] = environment.read(variable, name)
+        except environment.EnvironmentValueError as exc:
+            raise ValueError(str(exc)) from None
         return data
 
     @model_validator(mode="after")
@@ -178,23 +183,20 @@ def make_settings(**kwargs: Any) -> Settings:
     try:
         return Settings(**kwargs)
     except ValidationError as exc:
-        from_env = {
-            name for name in Settings.model_fields
-            if name not in kwargs and name not in OBJECT_FIELDS and ENV_PREFIX + name.upper() in os.environ
-        }
+        from_env = environment.sources([n for n in Settings.model_fields if n not in OBJECT_FIELDS], given=kwargs)
         raise ValueError(_describe(exc, from_env)) from None
 
 
-def _describe(exc: ValidationError, from_env: set[str]) -> str:
+def _describe(exc: ValidationError, from_env: dict[str, str]) -> str:
     parts = []
     for err in exc.errors():
         if not err["loc"]:  # a rule across fields: name the environment variables of the fields it names
-            env = [ENV_PREFIX + f.upper() for f in sorted(from_env) if re.search(rf"\b{f}\b", err["msg"])]
+            env = [from_env[f] for f in sorted(from_env) if re.search(rf"\b{f}\b", err["msg"])]
             source = f" ({', '.join(env)} from the environment)" if env else ""
-            parts.append(f"settings: {err['msg']}{source}")
+            parts.append(f"settings: {err['msg'].removeprefix('Value error, ')}{source}")
             continue
         where = ".".join(str(p) for p in err["loc"])
         field = str(err["loc"][0])
-        source = f" (from the environment variable {ENV_PREFIX + field.upper()})" if field in from_env else ""
+        source = f" (from the environment variable {from_env[field]})" if field in from_env else ""
         parts.append(f"{where}{source}: {err['msg']} (got {err.get('input')!r})")
     return "invalid settings: " + "; ".join(parts)

@@ -1,11 +1,12 @@
 """Job facts every frontend shares: ``init``, rank and size, process sets, the timeline, and what this
-build can do. ``__all__`` is the list; each frontend re-exports it as it is (``from ... import *``)."""
+build can do (build.py). ``__all__`` is the list; each frontend re-exports it as it is (``from ... import *``)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from hvdray.collective import session
+from hvdray.collective import build, session
+from hvdray.collective.build import *  # noqa: F401,F403 - Horovod's build queries (gloo_built ...)
 from hvdray.collective import process_sets as process_sets_module
 from hvdray.collective.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
@@ -14,7 +15,7 @@ __all__ = [
     "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "start_timeline", "stop_timeline",
-    "gloo_enabled", "gloo_built", "mpi_enabled", "mpi_built", "mpi_threads_supported", "nccl_built",
+    *build.__all__,
 ]
 
 
@@ -71,26 +72,3 @@ def is_homogeneous() -> bool:
     info = session.rank_info("hvd.is_homogeneous()")
     return info.local_size * info.cross_size == info.size
 
-
-def gloo_enabled() -> bool:
-    return True
-
-
-def gloo_built() -> bool:
-    return True
-
-
-def mpi_enabled() -> bool:
-    return False
-
-
-def mpi_built() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def nccl_built() -> bool:
-    return False

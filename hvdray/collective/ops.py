@@ -45,6 +45,15 @@ class OpHandle:
         return self._convert([p.wait() for p in self._parts])
 
 
+class CallableHandle(OpHandle):
+    """A handle that is also Horovod's callable form (``sparse_allreduce_async(...)()`` returns the result)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return self.result()
+
+
 def poll(handle: OpHandle) -> bool:
     """True once the op behind ``handle`` has finished (successfully or not)."""
     _check_handle(handle)
@@ -79,10 +88,15 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool] = None) -> Reduce
         ) from None
 
 
-def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = None) -> torch.Tensor:
-    """A CPU, dense torch tensor of a dtype Gloo can reduce, or a TypeError/ValueError naming it."""
+def check_tensor(
+    tensor: Any, argument: str = "tensor", name: Optional[str] = None, any_dtype: bool = False
+) -> torch.Tensor:
+    """A CPU, dense torch tensor of a dtype Gloo can reduce (``any_dtype``: of any dtype, for the ops that
+    only move data), or a TypeError/ValueError naming it."""
     if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _GLOO_DTYPE_SET and not tensor.is_sparse:
         return tensor  # the common case, checked without building any message
+    if any_dtype and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.layout is torch.strided:
+        return tensor
     label = f"{argument} {name!r}" if name else argument
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -90,10 +104,10 @@ def check_tensor(tensor: Any, argument: str = "tensor", name: Optional[str] = No
         raise ValueError(
             f"{label} is on {tensor.device}; hvdray's Gloo engine reduces CPU tensors (move it with .cpu())"
         )
-    if tensor.dtype not in GLOO_DTYPES:
-        supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
-        raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
-    raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{label} is sparse; pass a dense tensor (tensor.to_dense())")
+    supported = ", ".join(str(d).replace("torch.", "") for d in GLOO_DTYPES)
+    raise ValueError(f"{label} has dtype {tensor.dtype}, which Gloo cannot reduce; supported: {supported}")
 
 
 _GLOO_DTYPE_SET = frozenset(GLOO_DTYPES)
@@ -136,15 +150,46 @@ def check_allreduce_args(
 
 
 def check_scale(value: Any, argument: str, tensor: torch.Tensor) -> float:
-    """A scale factor as a float; anything but 1.0 needs a floating-point tensor."""
+    """A scale factor as a float; a bool tensor takes none but 1.0 (integer tensors: see :func:`scale_as_horovod`)."""
     if type(value) in _PLAIN and value == 1.0:  # the common case (types first: a tensor's == is no bool)
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument} must be a number, got {type(value).__name__}")
     value = float(value)
-    if value != 1.0 and not tensor.is_floating_point():
-        raise ValueError(f"{argument}={value} needs a floating-point tensor, got {tensor.dtype}")
+    if value != 1.0 and tensor.dtype == torch.bool:
+        raise ValueError(f"{argument}={value} cannot scale a bool tensor")
     return value
+
+
+#: where Horovod scales a tensor of a dtype in another: integers in float64 (truncated back), 16-bit floats in
+#: float32 on the CPU (rounded back once)
+_SCALED_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def scale_as_horovod(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` computed as Horovod computes it (see ``_SCALED_IN``), as a new tensor of its dtype."""
+    wide = _SCALED_IN.get(tensor.dtype, torch.float64)
+    return (tensor.to(wide) * factor).to(tensor.dtype)
+
+
+def _outside_engine_scales(tensor: torch.Tensor, pre: float, post: float) -> tuple[torch.Tensor, float, float, float]:
+    """``(input, pre, post, postscale left)``: an integer or 16-bit float tensor's scaling taken out of the
+    engine's hands (prescaled here, postscaled on the result by :func:`_postscaled`), so that it is computed
+    as Horovod computes it; other tensors pass through."""
+    if (pre == 1.0 and post == 1.0) or (tensor.is_floating_point() and tensor.dtype not in _SCALED_IN):
+        return tensor, pre, post, 1.0
+    return (scale_as_horovod(tensor, pre) if pre != 1.0 else tensor), 1.0, 1.0, post
+
+
+def _postscaled(convert: Callable[[list[Any]], Any], factors: list[float]) -> Callable[[list[Any]], Any]:
+    """``convert`` after each result with a factor other than 1.0 is scaled in place, as Horovod scales it."""
+    def scaled(results: list[Any]) -> Any:
+        for result, factor in zip(results, factors):
+            if factor != 1.0:
+                result.copy_(scale_as_horovod(result, factor))
+        return convert(results)
+
+    return scaled
 
 
 def check_root(root_rank: Any, process_set: Optional[ProcessSet] = None) -> int:
@@ -190,6 +235,11 @@ def allreduce_async(
     pre, post = check_allreduce_args(tensor, name, op, prescale_factor, postscale_factor)
     engine, _ = resolve(process_set, "allreduce")
     name = check_name(name, "allreduce", engine)
+    if pre != 1.0 or post != 1.0:
+        source, pre, post, late_post = _outside_engine_scales(tensor, pre, post)
+        if late_post != 1.0 or source is not tensor:
+            request = _allreduce_requests(source, name, op, pre, post, output)[0]
+            return OpHandle([engine.submit(request)], _postscaled(_first, [late_post]))
     requests = _allreduce_requests(tensor, name, op, pre, post, output)
     if len(requests) == 1:
         return OpHandle([engine.submit(requests[0])], _first)
@@ -236,8 +286,7 @@ def grouped_allreduce_async(
 ) -> OpHandle:
     """Allreduce a list of tensors as one group, submitted together (and so negotiated and fused
     together where they fit); the result is a list."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ValueError("tensors must be a non-empty list of tensors")
+    _check_group(tensors)
     op = resolve_op(op)
     pre, post = 1.0, 1.0
     for i, t in enumerate(tensors):  # all checked before any is submitted
@@ -246,14 +295,17 @@ def grouped_allreduce_async(
     base = check_name(name, "grouped_allreduce", engine)
     requests: list[Request] = []
     parts = []  # requests per tensor: 1, or 2 with a NaN mask
+    late_posts = []
     for i, t in enumerate(tensors):
-        mine = _allreduce_requests(t, f"{base}.{i}", op, pre, post, t if inplace else None)
+        source, t_pre, t_post, late_post = _outside_engine_scales(t, pre, post)
+        mine = _allreduce_requests(source, f"{base}.{i}", op, t_pre, t_post, t if inplace else None)
         requests += mine
         parts.append(len(mine))
+        late_posts.append(late_post)
     engine.submit_many(requests)
     handles = [r.handle for r in requests]
     if len(requests) == len(tensors):
-        return OpHandle(handles, list)
+        return OpHandle(handles, list if all(f == 1.0 for f in late_posts) else _postscaled(list, late_posts))
     return OpHandle(handles, functools.partial(_grouped_propagate_nan, parts))
 
 
@@ -270,12 +322,42 @@ def allgather_async(
     tensor: torch.Tensor, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
 ) -> OpHandle:
     """Concatenate every rank's ``tensor`` along dim 0; the first dimensions may differ."""
-    check_tensor(tensor, name=name)
-    if tensor.dim() == 0:
-        raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+    _check_allgather(tensor, name)
     engine, _ = resolve(process_set, "allgather")
     name = check_name(name, "allgather", engine)
     return OpHandle([_submit(engine, _desc(OpKind.ALLGATHER, name, tensor), tensor, None)], _first)
+
+
+def _check_allgather(tensor: Any, name: Optional[str], argument: str = "tensor") -> None:
+    check_tensor(tensor, argument, name=name, any_dtype=True)
+    if tensor.dim() == 0:
+        raise ValueError(f"{_label(name)} is a scalar; allgather needs at least one dimension (use .reshape(1))")
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> OpHandle:
+    """Allgather each of ``tensors``, submitted together (negotiated as one group); the result is a list."""
+    _check_group(tensors)
+    for i, t in enumerate(tensors):
+        _check_allgather(t, None, f"tensors[{i}]")
+    engine, _ = resolve(process_set, "grouped_allgather")
+    base = check_name(name, "grouped_allgather", engine)
+    return _submit_group(engine, [(_desc(OpKind.ALLGATHER, f"{base}.{i}", t), t) for i, t in enumerate(tensors)])
+
+
+def _check_group(tensors: Any) -> None:
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+
+
+def _submit_group(
+    engine: Engine, ops: list[tuple[OpDesc, torch.Tensor]], convert: Callable[[list[Any]], Any] = list,
+    handle_type: type[OpHandle] = OpHandle,
+) -> OpHandle:
+    requests = [Request(desc, tensor, None, Handle(desc.name)) for desc, tensor in ops]
+    engine.submit_many(requests)
+    return handle_type([r.handle for r in requests], convert)
 
 
 def broadcast_async(
@@ -286,7 +368,7 @@ def broadcast_async(
     process_set: Optional[ProcessSet] = None,
 ) -> OpHandle:
     """Send root's ``tensor`` to every rank (into ``tensor`` itself when ``inplace``); ``root_rank`` is global."""
-    check_tensor(tensor, name=name)
+    check_tensor(tensor, name=name, any_dtype=True)
     engine, ps = resolve(process_set, "broadcast")
     root = check_root(root_rank, ps)
     name = check_name(name, "broadcast", engine)
@@ -298,7 +380,7 @@ def alltoall_async(
     tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
 ) -> OpHandle:
     """Scatter slices of dim 0 to every rank and gather theirs; result: ``(output, received_splits)``."""
-    check_tensor(tensor, name=name)
+    check_tensor(tensor, name=name, any_dtype=True)
     engine, ps = resolve(process_set, "alltoall")
     size = ps.size()
     label = f"alltoall {name!r}" if name else "alltoall"
@@ -336,18 +418,76 @@ def reducescatter_async(
 ) -> OpHandle:
     """Reduce across ranks and give each rank its slice of dim 0 (the first ranks get any extra row)."""
     op = resolve_op(op)
-    check_tensor(tensor, name=name)
+    pre, post = _check_reducescatter(tensor, name, op, prescale_factor, postscale_factor)
+    engine, _ = resolve(process_set, "reducescatter")
+    name = check_name(name, "reducescatter", engine)
+    source, pre, post, late_post = _outside_engine_scales(tensor, pre, post)
+    desc = _desc(OpKind.REDUCESCATTER, name, source, reduce_op=op, prescale=pre, postscale=post)
+    return OpHandle([_submit(engine, desc, source, None)], _postscaled(_first, [late_post]) if late_post != 1.0 else _first)
+
+
+def _check_reducescatter(
+    tensor: Any, name: Optional[str], op: ReduceOp, prescale_factor: Any, postscale_factor: Any,
+    argument: str = "tensor",
+) -> tuple[float, float]:
+    check_tensor(tensor, argument, name=name)
     if tensor.dim() == 0:
         raise ValueError(f"{_label(name)} is a scalar; reducescatter needs at least one dimension")
     if op in (Product, Adasum) or tensor.dtype == torch.bool:
         label = f"reducescatter {name!r}" if name else "reducescatter"
         raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
-    pre = check_scale(prescale_factor, "prescale_factor", tensor)
-    post = check_scale(postscale_factor, "postscale_factor", tensor)
-    engine, _ = resolve(process_set, "reducescatter")
-    name = check_name(name, "reducescatter", engine)
-    desc = _desc(OpKind.REDUCESCATTER, name, tensor, reduce_op=op, prescale=pre, postscale=post)
-    return OpHandle([_submit(engine, desc, tensor, None)], _first)
+    return check_scale(prescale_factor, "prescale_factor", tensor), check_scale(postscale_factor, "postscale_factor", tensor)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> OpHandle:
+    """Reducescatter each of ``tensors``, submitted together (negotiated as one group); the result is a list."""
+    _check_group(tensors)
+    op = resolve_op(op)
+    scales = [_check_reducescatter(t, None, op, prescale_factor, postscale_factor, f"tensors[{i}]")
+              for i, t in enumerate(tensors)]
+    engine, _ = resolve(process_set, "grouped_reducescatter")
+    base = check_name(name, "grouped_reducescatter", engine)
+    scaled = [_outside_engine_scales(t, pre, post) for t, (pre, post) in zip(tensors, scales)]
+    late_posts = [late_post for *_, late_post in scaled]
+    return _submit_group(engine, [
+        (_desc(OpKind.REDUCESCATTER, f"{base}.{i}", t, reduce_op=op, prescale=pre, postscale=post), t)
+        for i, (t, pre, post, _) in enumerate(scaled)
+    ], list if all(f == 1.0 for f in late_posts) else _postscaled(list, late_posts))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average, process_set: Optional[ProcessSet] = None
+) -> OpHandle:
+    """Reduce a sparse COO tensor as Horovod does: every rank's indices and values are allgathered, so the
+    result holds every rank's entries (``coalesce()`` sums duplicates); Average divides the values by the size.
+    The handle is also callable, as Horovod's is."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo or not tensor.is_cpu:
+        raise ValueError(f"{_label(name)} must be a sparse COO CPU tensor (tensor.to_sparse()), got "
+                         f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    op = resolve_op(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
+    values, indices = tensor._values().contiguous(), tensor._indices().t().contiguous()
+    check_tensor(values, "tensor values", name=name)
+    engine, ps = resolve(process_set, "sparse_allreduce")
+    base = check_name(name, "sparse_allreduce", engine)
+    convert = functools.partial(_sparse_result, tuple(tensor.shape), ps.size() if op is Average else 1)
+    return _submit_group(engine, [
+        (_desc(OpKind.ALLGATHER, f"{base}.values", values), values),
+        (_desc(OpKind.ALLGATHER, f"{base}.indices", indices), indices),
+    ], convert, CallableHandle)
+
+
+def _sparse_result(shape: tuple[int, ...], divisor: int, results: list[torch.Tensor]) -> torch.Tensor:
+    values, indices = results
+    return torch.sparse_coo_tensor(indices.t(), values / divisor if divisor != 1 else values, shape)
 
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:

@@ -90,6 +90,16 @@ def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
     """
     if process_set is None or process_set is global_process_set:
         return session.engine(what), global_process_set
+    check_registered(process_set)
+    set_id = process_set.process_set_id
+    me = session.rank_info(what).rank
+    if me not in process_set.ranks:
+        raise ValueError(f"{what}: rank {me} is not a member of process_set {process_set!r}")
+    return session.engine(what, set_id), process_set
+
+
+def check_registered(process_set: Any) -> None:
+    """``process_set`` is a registered ProcessSet (this rank need not be a member), or an error naming it."""
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     set_id = process_set.process_set_id
@@ -98,10 +108,6 @@ def resolve(process_set: Any, what: str) -> tuple[Engine, ProcessSet]:
             f"process_set {process_set!r} is not registered; pass it to hvd.init(process_sets=[...]) or "
             "hvd.add_process_set() on every rank first"
         )
-    me = session.rank_info(what).rank
-    if me not in process_set.ranks:
-        raise ValueError(f"{what}: rank {me} is not a member of process_set {process_set!r}")
-    return session.engine(what, set_id), process_set
 
 
 def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:

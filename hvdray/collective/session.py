@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 import time
 from typing import Optional, Protocol
@@ -207,8 +208,8 @@ class Session:
             cycle_time_s=settings.cycle_time_ms / 1000.0,
             idle_cycle_time_s=settings.idle_cycle_time_ms / 1000.0,
             fusion_threshold_bytes=int(settings.fusion_threshold_mb * 1024 * 1024),
-            stall_warning_s=settings.stall_warning_s,
-            stall_shutdown_s=settings.stall_shutdown_s,
+            stall_warning_s=settings.stall_warning_s if settings.stall_check else math.inf,
+            stall_shutdown_s=settings.stall_shutdown_s if settings.stall_check else 0.0,
             cache_capacity=settings.cache_capacity,
             tuner=tuner,
             call=self.call,

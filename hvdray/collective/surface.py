@@ -68,12 +68,17 @@ OPS: dict[str, OpSpec] = {
         OpSpec("allgather", BLOCKING_AND_ASYNC),
         OpSpec("alltoall", BLOCKING_AND_ASYNC),
         OpSpec("reducescatter", BLOCKING_AND_ASYNC),
+        OpSpec("grouped_allgather", BLOCKING_AND_ASYNC),
+        OpSpec("grouped_reducescatter", BLOCKING_AND_ASYNC),
         OpSpec("barrier", BLOCKING_ONLY),
         OpSpec("join", BLOCKING_ONLY),
         OpSpec("broadcast_object", BLOCKING_ONLY),
         OpSpec("allgather_object", BLOCKING_ONLY),
     )
 }
+
+#: ops the TensorFlow frontend does not offer yet (issue #21)
+NOT_IN_TENSORFLOW = ("grouped_allgather", "grouped_reducescatter")
 
 #: Horovod's names of the reduce ops (``hvd.Average`` ...), as every frontend exports them.
 REDUCE_OPS: tuple[str, ...] = tuple(op.name.title() for op in ReduceOp)

@@ -1,7 +1,7 @@
 """The worker side of ``hvdrayrun``: run a script as ``__main__`` and stream its output to the driver.
 
 The script runs inside the worker actor process (so its ``hvd.init()`` joins the executor's job), with
-``sys.argv`` set, its directory first on ``sys.path`` and the driver's working directory as its own.
+the ``horovod`` import alias on (unless a real Horovod is installed there), ``sys.argv`` set, its directory first on ``sys.path`` and the driver's working directory as its own.
 Its ``sys.stdout``/``sys.stderr`` go line by line through the ``ray_logger`` channel to the driver.
 """
 
@@ -18,7 +18,7 @@ import threading
 import traceback
 from typing import Iterator, Optional, Sequence
 
-from hvdray import ray_logger
+from hvdray import alias, ray_logger
 
 STREAM_KEY = "hvdrayrun_stream"  # records carrying this key are script output, not user metrics
 
@@ -32,6 +32,7 @@ class ScriptSpec:
     source: Optional[str] = None
     module: Optional[str] = None
     cwd: Optional[str] = None
+    horovod_alias: bool = True  # `import horovod.torch` gets hvdray.torch (hvdray/alias.py)
 
 
 class ScriptFailed(Exception):
@@ -107,14 +108,17 @@ def _as_main(spec: ScriptSpec, path: Optional[str]) -> Iterator[None]:
     """argv, sys.path, cwd and stdout/stderr as the script expects them; all restored afterwards."""
     argv, path_entries, cwd, stdout, stderr = sys.argv, list(sys.path), os.getcwd(), sys.stdout, sys.stderr
     out, err = _LineStream("stdout"), _LineStream("stderr")
+    sys.stdout, sys.stderr = out, err  # first, so that a warning of the alias reaches the driver
+    aliased = spec.horovod_alias and not alias.is_installed() and alias.install()
     sys.argv = [path or spec.module or "", *spec.args]
     if spec.cwd and os.path.isdir(spec.cwd):
         os.chdir(spec.cwd)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)) if path else os.getcwd())
-    sys.stdout, sys.stderr = out, err
     try:
         yield
     finally:
+        if aliased:
+            alias.uninstall()
         out.close()
         err.close()
         sys.argv, sys.path[:], sys.stdout, sys.stderr = argv, path_entries, stdout, stderr

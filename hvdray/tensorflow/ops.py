@@ -25,7 +25,10 @@ from hvdray.tensorflow import bridge
 from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
 
 #: every op of the surface in its blocking form (the only one a TensorFlow graph can hold), and the reduce ops
-__all__ = [*surface.names(surface.BLOCKING_ONLY), *surface.REDUCE_OPS, "ReduceOp"]
+__all__ = [
+    *surface.names(surface.BLOCKING_ONLY, [op for op in surface.OPS if op not in surface.NOT_IN_TENSORFLOW]),
+    *surface.REDUCE_OPS, "ReduceOp",
+]
 
 
 # -- argument checks -----------------------------------------------------------------------------

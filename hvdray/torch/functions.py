@@ -8,6 +8,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective import ops as _c
+from hvdray.torch.optimizer import _DistributedMixin
 
 Params = Union[dict[str, Any], Iterable[Any]]
 
@@ -39,11 +40,17 @@ def broadcast_parameters(params: Params, root_rank: int) -> None:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Optional[Any] = None) -> None:
     """Make every rank's optimizer state (buffers and hyper-parameters) equal to root's.
 
-    Root's ``state_dict`` layout is sent as a small object; its tensors follow as in-place broadcasts.
-    ``model`` is accepted for Horovod compatibility and not needed.
+    As in Horovod, an optimizer without state yet is given it first: every trainable parameter gets a zero
+    gradient (left in ``.grad``; sparse for ``SparseAdam``, and for ``SGD`` on the sparse embeddings of
+    ``model``) and the wrapped optimizer takes one local step. Root's ``state_dict`` layout is then sent as
+    a small object; its tensors follow as in-place broadcasts.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("optimizer: cannot broadcast torch.optim.LBFGS state (its state is not a tensor state_dict)")
+    if not optimizer.state:
+        _initialize_state(optimizer, model)
     is_root = session.rank_info("broadcast_optimizer_state").rank == root_rank
     tensors: list[torch.Tensor] = []
     layout = _replace_tensors(optimizer.state_dict(), tensors) if is_root else None
@@ -58,6 +65,27 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         _c.synchronize(handle)
     if not is_root:
         optimizer.load_state_dict(state)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer, model: Optional[Any]) -> None:
+    """Horovod's state initialisation: zero gradients and one step of the wrapped optimizer, locally (a
+    DistributedOptimizer's own step would reduce, and wait for ranks that do not call this)."""
+    sparse = {
+        id(p) for m in (model.modules() if model is not None else ())
+        if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()
+    }
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse
+                ):
+                    p.grad = p.grad.to_sparse()
+    if isinstance(optimizer, _DistributedMixin):
+        super(_DistributedMixin, optimizer).step()
+    else:
+        optimizer.step()
 
 
 class _TensorSlot:

@@ -31,7 +31,9 @@ from hvdray.collective.process_sets import ProcessSet, global_process_set
 from hvdray.collective.surface import Form
 
 #: every op of the surface in each of its forms, the reduce ops and the handle functions
-__all__ = [*surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize"]
+__all__ = [
+    *surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize", "sparse_allreduce_async",
+]
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -171,12 +173,17 @@ class _Allgather(torch.autograd.Function):
         return synchronize(handle)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the average of the ranks' gradients, this rank's rows
         ps = ctx.ps
-        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum, process_set=ps))
-        rows = synchronize(_c.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64), process_set=ps))
-        offset = int(rows[: ps.rank()].sum().item())
-        return summed.narrow(0, offset, ctx.rows), None, None
+        averaged = synchronize(_c.allreduce_async(grad.contiguous(), None, Average, process_set=ps))
+        return _own_rows([averaged], [ctx.rows], ps)[0], None, None
+
+
+def _own_rows(gathered: Sequence[torch.Tensor], rows: Sequence[int], ps: ProcessSet) -> list[torch.Tensor]:
+    """This rank's slice of dim 0 of each allgathered ``gathered`` tensor, whose part here had ``rows`` rows."""
+    counts = synchronize(_c.allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=ps))
+    offsets = counts[: ps.rank()].sum(dim=0).tolist()
+    return [g.narrow(0, int(offset), n) for g, offset, n in zip(gathered, offsets, rows)]
 
 
 def allgather(
@@ -186,7 +193,30 @@ def allgather(
     return _Allgather.apply(tensor, name, process_set)
 
 
-broadcast_async = _c.broadcast_async  # the collective's own: it takes inplace= as well
+grouped_allgather_async = _c.grouped_allgather_async
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], ps: Any, *tensors: torch.Tensor):
+        handle = _c.grouped_allgather_async(list(tensors), name, ps)
+        ctx.rows, ctx.ps = [t.shape[0] for t in tensors], ps
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):  # as allgather's, for each tensor of the group
+        contiguous = [g.contiguous() for g in grads]
+        averaged = synchronize(_c.grouped_allreduce_async(contiguous, None, Average, process_set=ctx.ps))
+        return (None, None, *_own_rows(averaged, ctx.rows, ctx.ps))
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> list[torch.Tensor]:
+    """Allgather each of ``tensors`` (negotiated together); differentiable."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 def _broadcast_form(form: Form) -> Callable[..., Any]:
@@ -202,7 +232,9 @@ def _broadcast_form(form: Form) -> Callable[..., Any]:
     return broadcast
 
 
-broadcast_, broadcast_async_ = surface.forms("broadcast", _broadcast_form, Form.INPLACE, Form.INPLACE_ASYNC)
+broadcast_async, broadcast_, broadcast_async_ = surface.forms(
+    "broadcast", _broadcast_form, Form.ASYNC, Form.INPLACE, Form.INPLACE_ASYNC
+)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -212,11 +244,11 @@ class _Broadcast(torch.autograd.Function):
         return synchronize(_c.broadcast_async(tensor, root_rank, name, process_set=ps))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        summed = synchronize(_c.allreduce_async(grad.contiguous(), None, Sum, process_set=ctx.ps))
+    def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the ranks' average on the root, zeros elsewhere
+        averaged = synchronize(_c.allreduce_async(grad.contiguous(), None, Average, process_set=ctx.ps))
         if rank() != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None, None
+            averaged.zero_()
+        return averaged, None, None, None
 
 
 def broadcast(
@@ -254,20 +286,51 @@ def alltoall(
     return (output, received) if splits is not None else output
 
 
-reducescatter_async = _c.reducescatter_async
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Any:
+    """Reduce across ranks, then keep this rank's slice of dim 0. Returns a handle; ``synchronize(handle)``
+    returns the result."""
+    return _c.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set=process_set)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Any:
+    """Reducescatter each of ``tensors`` (negotiated together). Returns a handle; ``synchronize(handle)``
+    returns the list of results."""
+    return _c.grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor, process_set=process_set)
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
         handle = _c.reducescatter_async(tensor, name, op, pre, post, process_set=ps)
-        ctx.scale, ctx.ps = pre * post / (ps.size() if op == Average else 1), ps
+        ctx.args = (op, pre, post, ps)
         return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        gathered = synchronize(_c.allgather_async(grad.contiguous(), process_set=ctx.ps))
-        return gathered * ctx.scale, None, None, None, None, None
+        scale = _reducescatter_grad_scale(*ctx.args)
+        gathered = synchronize(_c.allgather_async(grad.contiguous(), process_set=ctx.args[3]))
+        return gathered * scale, None, None, None, None, None
+
+
+def _reducescatter_grad_scale(op: ReduceOp, pre: float, post: float, ps: ProcessSet) -> float:
+    """Horovod's factor on a reducescatter's incoming gradient: size for Sum, 1 for Average, times the scales."""
+    if op not in (Average, Sum):
+        raise RuntimeError(f"reducescatter with op={op.name.lower()} has no gradient; use Sum or Average")
+    return (ps.size() if op == Sum else 1.0) * pre * post
 
 
 def reducescatter(
@@ -284,6 +347,49 @@ def reducescatter(
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
+        handle = _c.grouped_reducescatter_async(list(tensors), name, op, pre, post, process_set=ps)
+        ctx.args = (op, pre, post, ps)
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        scale = _reducescatter_grad_scale(*ctx.args)
+        contiguous = [g.contiguous() for g in grads]
+        gathered = synchronize(_c.grouped_allgather_async(contiguous, process_set=ctx.args[3]))
+        return (None, None, None, None, None, *[g * scale for g in gathered])
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter each of ``tensors`` (negotiated together); differentiable for Sum and Average."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list of tensors")
+    packed = [compression.compress(t) for t in tensors]
+    out = _GroupedReducescatter.apply(
+        name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set, *[t for t, _ in packed]
+    )
+    return [compression.decompress(t, cctx) for t, (_, cctx) in zip(out, packed)]
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Reduce a sparse tensor by allgathering every rank's indices and values (Horovod's); returns a handle
+    whose ``synchronize`` gives the sparse result."""
+    return _c.sparse_allreduce_async(tensor, name, op, process_set)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

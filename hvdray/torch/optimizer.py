@@ -17,7 +17,7 @@ import torch
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
 from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
-from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
+from hvdray.collective.process_sets import ProcessSet, check_registered, global_process_set
 
 
 class _DistributedMixin:
@@ -72,7 +72,18 @@ class _DistributedMixin:
         self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any, Optional[int]]] = {}
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
-        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
+        # a rank outside the process set reduces nothing: its step() applies its own gradients (Horovod's)
+        self._hvd_member = process_set is global_process_set or process_set.included()
+        self._hvd_hooks = (
+            [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in self._hvd_params]
+            if self._hvd_member else []
+        )
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's (private, but read by its users' tests) map of each parameter to its reduction name."""
+        return {p: self._hvd_names[id(p)].removeprefix("allreduce.") for group in self.param_groups
+                for p in group["params"]}
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         key = id(p)
@@ -91,21 +102,29 @@ class _DistributedMixin:
                 if self._hvd_group_ready[group] == len(self._hvd_groups[group]):
                     self._hvd_submit_group(group)
 
-    def _hvd_wire(self, p: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``p``'s gradient as it travels (compressed, contiguous), and what decompressing it needs."""
+    def _hvd_wire(self, p: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, Any]:
+        """``p``'s gradient as it travels (compressed, contiguous, dense), and what decompressing it needs."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
+        grad = p.grad
+        if grad.is_sparse:
+            if grouped and not self._hvd_sparse_as_dense:
                 raise ValueError(
-                    f"gradient of {self._hvd_names[id(p)]!r} is sparse; pass sparse_as_dense=True to "
-                    "DistributedOptimizer to reduce it as a dense tensor"
+                    f"gradient of {self._hvd_names[id(p)]!r} is sparse and in a group; pass sparse_as_dense=True to "
+                    "DistributedOptimizer, or leave the parameter out of groups"
                 )
-            p.grad = p.grad.to_dense()
-        wire, ctx = self._hvd_compression.compress(p.grad)
+            grad = grad.to_dense()  # reduced dense, made sparse again in synchronize() (Horovod's sparse_as_dense)
+        wire, ctx = self._hvd_compression.compress(grad)
         return (wire if wire.is_contiguous() else wire.contiguous()), ctx
 
     def _hvd_submit(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
+            if self._hvd_op == _c.Adasum:
+                raise ValueError(f"gradient of {self._hvd_names[id(p)]!r} is sparse; op=hvd.Adasum needs dense "
+                                 "gradients (pass sparse_as_dense=True)")
+            handle = _c.sparse_allreduce_async(p.grad, self._hvd_names[id(p)], self._hvd_op, self._hvd_process_set)
+            self._hvd_handles[id(p)] = (None, handle, None, None)  # every rank's entries, allgathered
+            return
         wire, ctx = self._hvd_wire(p)
         pre, post = self._hvd_scale
         handle = _c.allreduce_async(
@@ -115,7 +134,7 @@ class _DistributedMixin:
 
     def _hvd_submit_group(self, group: int) -> None:
         params = self._hvd_groups[group]
-        wires, ctxs = zip(*(self._hvd_wire(p) for p in params))
+        wires, ctxs = zip(*(self._hvd_wire(p, grouped=True) for p in params))
         pre, post = self._hvd_scale
         handle = _c.grouped_allreduce_async(
             list(wires), f"grouped.{self._hvd_names[id(params[0])]}", self._hvd_op, pre, post, inplace=True,
@@ -127,6 +146,9 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (submitting any a hook did not) and write results to ``.grad``."""
+        if not self._hvd_member:
+            self._hvd_synchronized = True
+            return
         for p in self._hvd_params:
             if id(p) not in self._hvd_handles:
                 group = self._hvd_group_of.get(id(p))
@@ -145,9 +167,13 @@ class _DistributedMixin:
                     if results is None:
                         results = grouped[id(handle)] = _c.synchronize(handle)
                     reduced = results[index]
-                grad = by_id[key].grad
-                if reduced is not grad:
-                    grad.copy_(self._hvd_compression.decompress(reduced, ctx))
+                p = by_id[key]
+                if wire is None:  # a sparse gradient, reduced sparse
+                    p.grad = reduced
+                elif p.grad.is_sparse:  # sparse_as_dense: sparse again for the update, as in Horovod
+                    p.grad = self._hvd_compression.decompress(reduced, ctx).to_sparse()
+                elif reduced is not p.grad:
+                    p.grad.copy_(self._hvd_compression.decompress(reduced, ctx))
         finally:
             self._hvd_reset_step()
         self._hvd_synchronized = True
@@ -175,8 +201,8 @@ class _DistributedMixin:
     def step(self, closure: Any = None) -> Any:
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
-                warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without skip_synchronize(): "
+                warnings.warn(  # starts with Horovod's wording, which callers match on
+                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(): "
                     "gradients are reduced again. Wrap step() in `with optimizer.skip_synchronize():`.",
                     stacklevel=2,
                 )
@@ -245,7 +271,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise TypeError(f"compression must be one of hvd.Compression.*, got {compression!r}")
     group_spec = resolve_groups(groups, num_groups)
     if process_set is not global_process_set:
-        resolve(process_set, "DistributedOptimizer")  # registered, and this rank a member
+        check_registered(process_set)  # a rank outside the set is fine: it reduces nothing
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:

@@ -267,7 +267,7 @@ BAD_CALLS = {
     "tensor-sparse": ("tensor", lambda hvd, t: hvd.allreduce(t.to_sparse(), name="bad")),
     "op-unknown": ("op", lambda hvd, t: hvd.allreduce(t, name="bad", op="median")),
     "op-bool-average": ("bool", lambda hvd, t: hvd.allreduce(t > 0, name="bad", op=hvd.Average)),
-    "prescale-int": ("prescale_factor", lambda hvd, t: hvd.allreduce(t.long(), name="bad", prescale_factor=0.5)),
+    "prescale-bool": ("prescale_factor", lambda hvd, t: hvd.allreduce(t > 0, name="bad", op=hvd.Max, prescale_factor=0.5)),
     "prescale-str": ("prescale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", prescale_factor="2")),
     "prescale-tensor": ("prescale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", prescale_factor=t)),
     "postscale-tensor": ("postscale_factor", lambda hvd, t: hvd.allreduce(t, name="bad", postscale_factor=t)),

@@ -702,10 +702,12 @@ def test_autograd_matches_the_math(ex):
     ar_sum = sum(w("g.ars", k, (4,)) for k in range(size))
     grp = [sum(w(f"g.grp.{i}", k, shape) for k in range(size)) for i, shape in enumerate([(2,), (3,)])]
     total = size * (size + 1) // 2
-    ag_w = sum(w("g.ag", k, (total, 2)) for k in range(size))
-    bc_w = sum(w("g.bc", k, (4,)) for k in range(size))
+    # Horovod's gradients: allgather's and broadcast's average the ranks' (broadcast's on the root only);
+    # reducescatter(Average)'s gathers them unscaled (Sum's would be times size)
+    ag_w = sum(w("g.ag", k, (total, 2)) for k in range(size)) / size
+    bc_w = sum(w("g.bc", k, (4,)) for k in range(size)) / size
     rs_rows = _rows(2 * size + 1, size)
-    rs_grad = np.concatenate([w("g.rs", k, (rs_rows[k], 2)) for k in range(size)]) / size
+    rs_grad = np.concatenate([w("g.rs", k, (rs_rows[k], 2)) for k in range(size)])
     splits = [_splits(r, size) for r in range(size)]
     recv = [[splits[j][r] for j in range(size)] for r in range(size)]
     for rank, grads in enumerate(results):

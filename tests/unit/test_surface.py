@@ -53,8 +53,14 @@ def test_the_torch_frontend_offers_every_form_with_one_signature_per_op():
     ]
     assert list(inspect.signature(hvd.broadcast_async_).parameters) == ["tensor", "root_rank", "name", "process_set"]
     assert sorted(torch_ops.__all__) == sorted(
-        [*surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize"]
+        [*surface.names(surface.ALL_FORMS), *surface.REDUCE_OPS, "ReduceOp", "poll", "synchronize",
+         "sparse_allreduce_async"]
     )
+    # Horovod's argument order, for callers that pass process_set positionally
+    assert list(inspect.signature(hvd.broadcast_async).parameters) == ["tensor", "root_rank", "name", "process_set"]
+    assert list(inspect.signature(hvd.reducescatter_async).parameters) == [
+        "tensor", "name", "op", "process_set", "prescale_factor", "postscale_factor",
+    ]
 
 
 def test_the_torch_forms_reduce_in_place_or_into_a_new_tensor():
@@ -76,4 +82,5 @@ def test_the_torch_forms_reduce_in_place_or_into_a_new_tensor():
 
 def test_the_tensorflow_frontend_offers_the_blocking_forms():
     tf_ops = pytest.importorskip("hvdray.tensorflow.ops")
-    assert sorted(tf_ops.__all__) == sorted([*surface.names([Form.BLOCKING]), *surface.REDUCE_OPS, "ReduceOp"])
+    offered = [op for op in surface.OPS if op not in surface.NOT_IN_TENSORFLOW]
+    assert sorted(tf_ops.__all__) == sorted([*surface.names([Form.BLOCKING], offered), *surface.REDUCE_OPS, "ReduceOp"])

@@ -113,7 +113,8 @@ class Executor:
             self.tick_bytes += action.flat.numel() * action.flat.element_size()
             self._stats.fused_tensors += len(requests)
             done = [(req.output, view) for req, view in zip(requests, views) if req is not None]
-            torch._foreach_copy_([out for out, _ in done], [view for _, view in done])
+            if done:  # a joined rank has no output to copy into
+                torch._foreach_copy_([out for out, _ in done], [view for _, view in done])
         present = [req for req in requests if req is not None]
         if timeline is not None:
             t_done = time.perf_counter()

@@ -192,17 +192,23 @@ class Communicator:
         self._fused.run_tensors(inputs, outputs, TRANSPORT_OPS[op], finish, shapes)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Equal-shaped allgather; returns one tensor per rank."""
+        """Equal-shaped allgather; returns one tensor per rank (any dtype: see :func:`as_bytes`)."""
+        if tensor.dtype not in _GLOO_DTYPE_SET:
+            return [from_bytes(part, tensor.dtype) for part in self.allgather(as_bytes(tensor))]
         return first_serving(self._allgathers, tensor).run(tensor)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        """Every rank's ``tensor`` becomes rank ``root``'s, in place."""
+        """Every rank's contiguous ``tensor`` becomes rank ``root``'s, in place (any dtype)."""
+        if tensor.dtype not in _GLOO_DTYPE_SET:
+            tensor = as_bytes(tensor)
         first_serving(self._broadcasts, tensor, root).run(tensor, root)
 
     def alltoall(
         self, output: torch.Tensor, tensor: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
     ) -> None:
-        """Rank r sends ``input_splits[q]`` rows of ``tensor`` to each rank q, into ``output`` (Gloo)."""
+        """Rank r sends ``input_splits[q]`` rows of ``tensor`` to each rank q, into ``output`` (Gloo; any dtype)."""
+        if tensor.dtype not in _GLOO_DTYPE_SET:
+            output, tensor = as_bytes(output), as_bytes(tensor)
         self._pg.alltoall_base(output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()).wait()
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> None:
@@ -210,3 +216,18 @@ class Communicator:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = GLOO_OPS[op]
         self._pg._reduce_scatter_base(output, tensor, opts).wait()
+
+
+_GLOO_DTYPE_SET = frozenset(gloo.GLOO_DTYPES)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of a dtype Gloo cannot move (int16, uint16, complex ...) as uint8, one more
+    dimension holding each element's bytes: dim 0 (rows) stays, so allgather, broadcast and alltoall move
+    it as they would the tensor itself. A view: writing it writes the tensor."""
+    return tensor.unsqueeze(-1).view(torch.uint8)
+
+
+def from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`as_bytes`."""
+    return data.view(dtype).squeeze(-1)

@@ -1,0 +1,249 @@
+"""Horovod's semantics where a script depends on them, each checked against a hand computation on 2 real
+workers: join with DistributedOptimizer on uneven data, the gradients of the collectives,
+broadcast_optimizer_state's initialisation, and DistributedOptimizer on a process set."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def pair(make_executor):
+    from hvdray import RayExecutor
+
+    return make_executor(settings=RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60),
+                         num_workers=2)
+
+
+def _uneven_batches():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    model = torch.nn.Linear(2, 1)  # weight and bias: a fused batch of two gradients
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    for b in range(3 if hvd.rank() == 0 else 5):
+        opt.zero_grad()
+        model(torch.full((1, 2), float(hvd.rank() + 1 + b))).sum().backward()  # gradient: x, and 1 for the bias
+        opt.step()
+    last = hvd.join()
+    return model.weight.flatten().tolist(), model.bias.item(), last
+
+
+def test_join_lets_a_rank_with_fewer_batches_contribute_zeros(pair):
+    """Rank 0 has 3 batches, rank 1 has 5. Steps 0-2 average both ranks' gradients; steps 3-4 average rank 1's
+    with rank 0's zeros (divided by the size, 2), as Horovod does."""
+    (w0, b0, last0), (w1, b1, last1) = pair.run(_uneven_batches)
+    # steps 0-2: mean of x = ((1 + b) + (2 + b)) / 2 = 1.5, 2.5, 3.5; bias gradient 1
+    assert w0 == pytest.approx([1 - 0.1 * (1.5 + 2.5 + 3.5)] * 2) and b0 == pytest.approx(1 - 0.1 * 3)
+    # steps 3-4 on rank 1 alone: x = 5, 6 halved; bias gradient 1/2
+    assert w1 == pytest.approx([w0[0] - 0.1 * (2.5 + 3.0)] * 2) and b1 == pytest.approx(b0 - 0.1 * 1.0)
+    assert last0 == last1 == 1
+
+
+def _collective_gradients():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, out = hvd.rank(), {}
+    scale = float(r + 1)  # each rank sends back a different gradient: 1 on rank 0, 2 on rank 1
+
+    x = torch.ones(r + 1, 2, requires_grad=True)         # 1 row on rank 0, 2 on rank 1
+    hvd.allgather(x).backward(torch.full((3, 2), scale))
+    out["allgather"] = x.grad.tolist()
+
+    xs = [torch.ones(r + 1, requires_grad=True), torch.ones(2, requires_grad=True)]
+    gathered = hvd.grouped_allgather(xs)
+    torch.autograd.backward(gathered, [torch.full((3,), scale), torch.full((4,), 2 * scale)])
+    out["grouped_allgather"] = [t.grad.tolist() for t in xs]
+
+    x = torch.ones(2, requires_grad=True)
+    hvd.broadcast(x, root_rank=1).backward(torch.full((2,), scale))
+    out["broadcast"] = x.grad.tolist()
+
+    for op, pre in (("sum", 1.0), ("average", 1.0), ("sum", 0.5)):
+        x = torch.ones(4, requires_grad=True)
+        hvd.reducescatter(x, op=hvd.Sum if op == "sum" else hvd.Average, prescale_factor=pre).backward(
+            torch.full((2,), scale))
+        out[f"reducescatter_{op}_{pre}"] = x.grad.tolist()
+
+    xs = [torch.ones(4, requires_grad=True), torch.ones(2, 3, requires_grad=True)]
+    torch.autograd.backward(hvd.grouped_reducescatter(xs, op=hvd.Sum), [torch.full((2,), scale), torch.full((1, 3), scale)])
+    out["grouped_reducescatter"] = [t.grad.tolist() for t in xs]
+    return out
+
+
+def test_collective_gradients_are_horovods(pair):
+    """allgather and broadcast: the ranks' gradients averaged (Horovod's HorovodAllgather/HorovodBroadcast
+    backward), broadcast's only on the root; reducescatter: the gathered gradient times size for Sum, 1 for
+    Average, times the scale factors."""
+    results = pair.run(_collective_gradients)
+    mean = (1.0 + 2.0) / 2
+    for r, out in enumerate(results):
+        assert out["allgather"] == [[mean, mean]] * (r + 1)
+        assert out["grouped_allgather"] == [[mean] * (r + 1), [2 * mean] * 2]
+        assert out["broadcast"] == ([mean] * 2 if r == 1 else [0.0, 0.0])
+        # rank 0's output rows got gradient 1, rank 1's got 2; allgathered: [1, 1, 2, 2]
+        assert out["reducescatter_sum_1.0"] == [2.0, 2.0, 4.0, 4.0]
+        assert out["reducescatter_average_1.0"] == [1.0, 1.0, 2.0, 2.0]
+        assert out["reducescatter_sum_0.5"] == [1.0, 1.0, 2.0, 2.0]
+        assert out["grouped_reducescatter"] == [[2.0, 2.0, 4.0, 4.0], [[2.0] * 3, [4.0] * 3]]
+
+
+def _optimizer_state():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    grads = [p.grad.tolist() if p.grad is not None else None for p in model.parameters()]
+    state = opt.state_dict()["state"]
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # Adam's step on zeros moves nothing
+    lbfgs = None
+    try:
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+    except ValueError as exc:
+        lbfgs = str(exc)
+    return grads, sorted(state[0]), state[0]["step"].item(), unchanged, lbfgs
+
+
+def test_broadcast_optimizer_state_initialises_state_leaving_zero_gradients(pair):
+    for grads, keys, step, unchanged, lbfgs in pair.run(_optimizer_state):
+        assert grads == [[[0.0, 0.0, 0.0]], [0.0]]
+        assert keys == ["exp_avg", "exp_avg_sq", "step"] and step == 1.0 and unchanged
+        assert lbfgs == "optimizer: cannot broadcast torch.optim.LBFGS state (its state is not a tensor state_dict)"
+
+
+def _optimizer_on_a_process_set():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    first, second = hvd.add_process_set([0]), hvd.add_process_set([1])
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    # every rank wraps with the set of rank 0 only, as Horovod's test_optimizer_process_sets does
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=first)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.tensor([[float(hvd.rank() + 1)]])).sum().backward()
+        opt.step()
+    mine = first if hvd.rank() == 0 else second
+    gathered = hvd.allgather(model.weight.detach().reshape(1), process_set=mine).tolist()
+    hvd.remove_process_set(second)
+    hvd.remove_process_set(first)
+    return model.weight.item(), gathered
+
+
+def test_distributed_optimizer_on_a_set_steps_locally_outside_it(pair):
+    (w0, g0), (w1, g1) = pair.run(_optimizer_on_a_process_set)
+    assert w0 == pytest.approx(1 - 2 * 0.1 * 1.0) and g0 == pytest.approx([w0])  # reduced within {0}: its own
+    assert w1 == pytest.approx(1 - 2 * 0.1 * 2.0) and g1 == pytest.approx([w1])  # outside: a local step
+
+
+def _dtypes_and_integer_scaling():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, out = hvd.rank(), {}
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.complex64, torch.float8_e4m3fn):
+        x = torch.full((r + 1, 2), r + 1).to(dtype)           # uneven rows: 1 on rank 0, 2 on rank 1
+        gathered = hvd.allgather(x)
+        b = torch.tensor(7 + r).to(dtype)                    # 0-dim, in place
+        hvd.broadcast_(b, root_rank=1)
+        received, splits = hvd.alltoall((torch.arange(3.0) + 10 * r).to(dtype), splits=[1, 2] if r == 0 else [2, 1])
+        as_float = lambda t: t.to(torch.float32).tolist() if not t.is_complex() else t.real.tolist()  # noqa: E731
+        out[str(dtype)] = (gathered.dtype == dtype, as_float(gathered), as_float(b), as_float(received), splits.tolist())
+    t = torch.tensor([10, -7, 3], dtype=torch.int32) * (r + 1)   # rank 0: [10, -7, 3], rank 1: [20, -14, 6]
+    out["prescale"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5).tolist()
+    out["postscale"] = hvd.allreduce(t, op=hvd.Sum, postscale_factor=0.3).tolist()
+    inplace = t.clone()
+    hvd.allreduce_(inplace, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3)
+    out["inplace"] = inplace.tolist()
+    out["grouped"] = [g.tolist() for g in hvd.grouped_allreduce([t, t.long()], op=hvd.Sum, prescale_factor=0.5)]
+    out["reducescatter"] = hvd.reducescatter(torch.tensor([5, 7, -9, 11]) * (r + 1), op=hvd.Sum,
+                                             postscale_factor=0.5).tolist()
+    half = torch.tensor([24.9, -36.1, 6.13], dtype=torch.float16) * (r + 1)
+    out["half"] = hvd.allreduce(half, op=hvd.Sum, postscale_factor=0.3717).tolist()
+    return out
+
+
+def test_every_dtype_moves_and_integer_tensors_scale_as_horovod_scales_them(pair):
+    """int16, uint16, uint32, complex and float8 in allgather, broadcast and alltoall (Gloo cannot move them:
+    they travel as bytes); scale factors on integer tensors apply in float64 and truncate, on 16-bit floats in
+    float32, as in Horovod."""
+    import torch
+
+    results = pair.run(_dtypes_and_integer_scaling)
+    for r, out in enumerate(results):
+        for dtype in ("torch.int16", "torch.uint16", "torch.uint32", "torch.complex64", "torch.float8_e4m3fn"):
+            same_dtype, gathered, b, received, splits = out[dtype]
+            assert same_dtype and gathered == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]] and b == 8.0, dtype
+            # rank 0 sends [0] to itself and [1, 2] to rank 1; rank 1 sends [10, 11] to rank 0 and [12] to itself
+            assert (received, splits) == (([0.0, 10.0, 11.0], [1, 2]) if r == 0 else ([1.0, 2.0, 12.0], [2, 1])), dtype
+        trunc = lambda v: [int(x) for x in (torch.tensor(v, dtype=torch.float64)).tolist()]  # noqa: E731
+        assert out["prescale"] == [5 + 10, -3 + -7, 1 + 3]                 # trunc(x * 0.5) on each rank, then summed
+        assert out["postscale"] == trunc([30 * 0.3, -21 * 0.3, 9 * 0.3])   # summed, then trunc(sum * 0.3)
+        assert out["inplace"] == [(5 + 10) * 3, (-3 + -7) * 3, (1 + 3) * 3]
+        assert out["grouped"] == [[15, -10, 4]] * 2
+        # [15, 21, -27, 33] summed; rank 0 keeps rows 0-1, rank 1 rows 2-3; trunc(x * 0.5)
+        assert out["reducescatter"] == ([7, 10] if r == 0 else [-13, 16])
+        # 16-bit floats: the sum (exact here), then scaled in float32 and rounded to float16 once
+        half = torch.tensor([24.9, -36.1, 6.13], dtype=torch.float16)
+        assert out["half"] == ((half + half * 2).float() * 0.3717).half().tolist()
+
+
+def _sparse_gradients():
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, out = hvd.rank(), {}
+    local = torch.sparse_coo_tensor([[r, 3]], [1.0 + r, 10.0], (4,))  # rank 0: {0: 1, 3: 10}, rank 1: {1: 2, 3: 10}
+    out["sum"] = hvd.synchronize(hvd.sparse_allreduce_async(local, "s", hvd.Sum)).to_dense().tolist()
+    out["average"] = hvd.sparse_allreduce_async(local, name="a", op=hvd.Average)().to_dense().tolist()  # callable
+    for dense in (False, True):
+        emb = torch.nn.Embedding(4, 1, sparse=True)
+        torch.nn.init.zeros_(emb.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), sparse_as_dense=dense,
+                                       named_parameters=emb.named_parameters())
+        emb(torch.tensor([r, 3])).sum().backward()            # gradient 1 at rows r and 3
+        opt.synchronize()
+        out[f"grad_is_sparse_{dense}"] = emb.weight.grad.is_sparse
+        with opt.skip_synchronize():
+            opt.step()
+        out[f"weights_{dense}"] = emb.weight.flatten().tolist()
+    return out
+
+
+def test_sparse_gradients_reduce_as_horovod_reduces_them(pair):
+    """sparse_allreduce_async allgathers every rank's entries (Average divides by the size); the optimizer
+    reduces sparse gradients that way, or with sparse_as_dense densely, leaving .grad sparse for the update."""
+    for out in pair.run(_sparse_gradients):
+        assert out["sum"] == [1.0, 2.0, 0.0, 20.0]
+        assert out["average"] == [0.5, 1.0, 0.0, 10.0]
+        for dense in (False, True):
+            assert out[f"grad_is_sparse_{dense}"]
+            # averaged gradient: 1/2 at rows 0 and 1, (1 + 1)/2 at row 3; SGD with lr 1
+            assert out[f"weights_{dense}"] == [-0.5, -0.5, 0.0, -1.0]
