@@ -16,6 +16,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective import ops as _c
+from hvdray.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ class State(abc.ABC):
         """Save the state in memory (a failure rolls back to here), then check for host updates."""
         self.save()
         self._commits += 1
+        faults.reached("commit")
         self.check_host_updates()
+        faults.reached("after_commit")
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if the driver announced new hosts."""
@@ -65,6 +68,7 @@ class State(abc.ABC):
 
     def sync(self) -> None:
         """Make every rank's state equal to that of the rank with the most recent commit."""
+        faults.reached("sync")
         counts = _c.synchronize(
             _c.allgather_async(torch.tensor([self._commits], dtype=torch.int64), name="hvdray.elastic.commits")
         ).tolist()
