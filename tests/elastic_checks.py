@@ -52,7 +52,7 @@ def use_nodes(cluster: Cluster, count: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
-        leftovers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "Worker"]
+        leftovers = [a for a in list_actors(address=cluster.address, filters=[("state", "=", "ALIVE")]) if a.class_name == "Worker"]
         if alive == wanted and not leftovers:
             return
         time.sleep(0.2)
@@ -65,10 +65,10 @@ def remove_node_of(cluster: Cluster, node_id: str) -> None:
 
 
 def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
-              hold: Optional[tuple[int, int, float]] = None) -> dict[str, Any]:
+              hold: Optional[tuple] = None) -> dict[str, Any]:
     """A small elastic job. ``die=(epoch, rank, marker)``: that rank exits mid-epoch once.
-    ``hold=(epoch, size, seconds)``: before that epoch, commit (without training) until the job has
-    ``size`` workers, so a joining node is waited for instead of raced."""
+    ``hold=(epoch, size, seconds[, stop_file])``: before that epoch, commit (without training) until the
+    job has ``size`` workers (or ``stop_file`` exists), so a joining node is waited for instead of raced."""
     import os
     import time
 
@@ -95,7 +95,9 @@ def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
         while state.epoch < epochs:
             if hold is not None and state.epoch == hold[0]:
                 deadline = time.monotonic() + hold[2]
-                while hvd.size() < hold[1] and time.monotonic() < deadline:
+                stop_file = hold[3] if len(hold) > 3 else None
+                while hvd.size() < hold[1] and time.monotonic() < deadline \
+                        and not (stop_file and os.path.exists(stop_file)):
                     time.sleep(0.2)
                     state.commit()  # raises HostsUpdatedInterrupt once the new worker is ready
             for batch in range(4):

@@ -91,6 +91,42 @@ def test_worker_death_shrinks_the_job_and_runs_reset_callbacks(ray_local, tmp_pa
     assert time.monotonic() - started < 90
 
 
+def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
+    """A member died while epoch 1 formed: the driver abandons it, and a survivor waiting in its
+    rendezvous gets HorovodInternalError at once (not after timeout_s); nobody is handed that epoch
+    any more, and the next epoch is joined as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hvdray.collective.errors import HorovodInternalError
+    from hvdray.collective.topology import WorkerSlot
+    from hvdray.driver.coordinator import start_job_coordinator
+    from hvdray.worker.rendezvous import CoordinatorStore
+
+    job = start_job_coordinator("hvdray-test-abandon-coordinator")
+    client = job.client
+    try:
+        slots = [WorkerSlot(node_id="n", hostname="h", ip="127.0.0.1", gpu_ids=()) for _ in range(2)]
+        epoch, _, _ = ray.get(client.assign.remote(slots, ["survivor", "dead"]))
+        store = CoordinatorStore(client, f"e{epoch}/gen1/", timeout_s=60)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(store.get, "rank_1")  # the dead member's key never comes
+            time.sleep(1.0)
+            assert not waiting.done()
+            asked = time.monotonic()
+            ray.get(client.abandon.remote(epoch))
+            with pytest.raises(HorovodInternalError, match="is over"):
+                waiting.result(timeout=30)
+            assert time.monotonic() - asked < 5
+        with pytest.raises(HorovodInternalError):  # new waits on the abandoned epoch end at once too
+            store.wait(["rank_1"])
+        assert ray.get(client.await_membership.remote("survivor", 0, 0.5)) == ("wait", None)
+        epoch_2, infos, _ = ray.get(client.assign.remote(slots[:1], ["survivor"]))
+        status, member = ray.get(client.await_membership.remote("survivor", epoch, 5.0))
+        assert (status, member[0], member[1].size) == ("member", epoch_2, 1)
+    finally:
+        job.kill()
+
+
 def _fails_on_rank_1():
     import hvdray.torch as hvd
 

@@ -81,7 +81,7 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
     else:  # a node joins after the first commit; the fault hits the epoch formed with it
         env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=2)
         recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
-        kwargs = {"hold": (1, 3, 120.0)}
+        kwargs = {"hold": (1, 3, 120.0, str(tmp_path / "fired"))}  # the fault may take the third node
     watcher = faults.watch(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
                            lambda: cluster.add_node(num_cpus=1))
     try:
