@@ -6,29 +6,32 @@ of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exact
 (the first to claim ``<dir>/fired``) acts:
 
 - ``exit``: its process ends at once (``os._exit``), as a crash would;
-- ``remove_node``: it writes ``<dir>/fired`` (its node id, pid, rank, epoch) and blocks; the test removes
-  that node (``Cluster.remove_node``), which ends the process;
-- ``join``: it writes ``<dir>/fired`` and blocks until the test, having added a node, creates
-  ``<dir>/released``.
+- ``remove_node``: it writes ``<dir>/fired`` (its node id, pid, rank, epoch), sends that as a record to
+  the run's callbacks and blocks; the test removes that node (``Cluster.remove_node``), which ends the
+  process;
+- ``join``: the same, but the test adds a node and then creates ``<dir>/released``, which lets it go on.
 
-:func:`watch` runs that test side in a thread. The points, in the order an elastic worker meets them:
+:class:`Responder` is that test side, a callback of ``executor.run``. The points, in the order an elastic worker meets them:
 ``epoch_forming`` (it was given a rank in a new epoch, before its rendezvous), ``rendezvous`` (its first
 key written), ``init`` (its ring is up, ``hvd.init()`` or the reset has not returned), ``sync`` (the
 state sync at the start of each try), ``step`` (the test's own training step calls :func:`reached`),
 ``commit`` (the state saved, the commit's allreduce not yet done) and ``after_commit``.
 
 This module imports neither Ray nor torch; it costs one dictionary lookup per point when inactive.
+Test-only: never arm it in a real job.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from typing import Any, Callable, Optional
 
+from hvdray import ray_logger
+
 ENV = "HVDRAY_TEST_FAULTS"
+EVENT = "hvdray_test_fault"  # the record a blocked worker sends to the run's callbacks
 POINTS = ("epoch_forming", "rendezvous", "init", "sync", "step", "commit", "after_commit")
 ACTIONS = ("exit", "remove_node", "join")
 _BLOCK_LIMIT_S = 300.0  # a blocked worker whose test never answers ends itself rather than hang
@@ -74,6 +77,7 @@ def reached(point: str) -> None:
     _write_atomically(fired, json.dumps(info))
     if spec["action"] == "exit":
         os._exit(1)
+    ray_logger.log({"event": EVENT, **info})  # the test's Responder acts on it in the driver
     released = os.path.join(spec["dir"], "released")
     deadline = time.monotonic() + _BLOCK_LIMIT_S
     while not os.path.exists(released):
@@ -97,45 +101,30 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-class Watcher:
-    """The test's side of a plan: waits for the worker to fire and does what the action asks of the test."""
+class Responder:
+    """The test's side of a plan, passed to ``executor.run(fn, callbacks=[responder])``: when the blocked
+    worker's record arrives it removes that worker's node or adds one (in the driver's thread, where
+    ``ray.cluster_utils.Cluster`` must be called), then releases the worker."""
 
     def __init__(self, directory: str, remove_node: Callable[[str], None], add_node: Callable[[], None]) -> None:
         self.directory = directory
-        self.fired: Optional[dict[str, Any]] = None
-        self.error: Optional[BaseException] = None
         self._remove_node, self._add_node = remove_node, add_node
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="hvdray-fault-watcher", daemon=True)
-        self._thread.start()
 
-    def _watch(self) -> None:
-        path = os.path.join(self.directory, "fired")
-        while not self._stop.is_set() and not os.path.exists(path):
-            time.sleep(0.05)
-        if self._stop.is_set():
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record.get("event") != EVENT:
             return
-        with open(path) as f:
-            self.fired = json.load(f)
         try:
-            if self.fired["action"] == "remove_node":
-                self._remove_node(self.fired["node_id"])
-            elif self.fired["action"] == "join":
+            if record["action"] == "remove_node":
+                self._remove_node(record["node_id"])
+            else:
                 self._add_node()
-        except BaseException as exc:  # noqa: BLE001 - reported by stop()
-            self.error = exc
         finally:
             _write_atomically(os.path.join(self.directory, "released"), "")
 
-    def stop(self) -> Optional[dict[str, Any]]:
-        """Stop watching; what fired (None if nothing did). Re-raises an error of the test's action."""
-        self._stop.set()
-        self._thread.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-        return self.fired
-
-
-def watch(directory: str, remove_node: Callable[[str], None], add_node: Callable[[], None]) -> Watcher:
-    """Start the test's side of a plan in a thread (see :class:`Watcher`)."""
-    return Watcher(directory, remove_node, add_node)
+    def fired(self) -> Optional[dict[str, Any]]:
+        """What fired: point, action, rank, epoch, node id and pid (None if nothing did)."""
+        path = os.path.join(self.directory, "fired")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)

@@ -82,14 +82,12 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
         env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=2)
         recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
         kwargs = {"hold": (1, 3, 120.0, str(tmp_path / "fired"))}  # the fault may take the third node
-    watcher = faults.watch(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
-                           lambda: cluster.add_node(num_cpus=1))
-    try:
-        with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
-            ex.start(extra_env_vars=env)
-            results = ex.run(train_job, args=[EPOCHS], kwargs=kwargs, callbacks=[recorder])
-    finally:
-        fired = watcher.stop()
+    responder = faults.Responder(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
+                                 lambda: cluster.add_node(num_cpus=1))
+    with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
+        ex.start(extra_env_vars=env)
+        results = ex.run(train_job, args=[EPOCHS], kwargs=kwargs, callbacks=[recorder, responder])
+    fired = responder.fired()
     elapsed = time.monotonic() - started
     assert fired is not None and (fired["point"], fired["action"]) == (point, action), fired
     assert fired["rank"] == 1 and fired["epoch"] >= (1 if joining else 2), fired
