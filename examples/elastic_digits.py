@@ -1,8 +1,9 @@
 """Elastic training on scikit-learn's bundled digits data: the job follows the Ray cluster's size.
 
 Workers come and go with the cluster's nodes (between ``--min-workers`` and ``--max-workers``); a lost
-worker rolls the others back to the last commit and training goes on. Joins a running Ray cluster
-when there is one (``ray.init(address="auto")``), else starts a local one. ``--kill-worker-at-epoch``
+worker rolls the others back to the last commit and training goes on. Starts an embedded local Ray by
+default; joins a cluster only when asked (``--address auto``, or under ``ray job submit``, which sets
+``RAY_ADDRESS``). ``--kill-worker-at-epoch``
 makes one worker exit mid-epoch once, to watch a recovery. Prints per-epoch progress and exits
 non-zero if training fails or the final accuracy is below ``--min-accuracy``.
 
@@ -16,11 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
-import ray
-
-from hvdray import RayExecutor, ray_logger
+from hvdray import RayExecutor, init_ray, ray_logger
 
 
 def train(epochs: int, lr: float, batch_size: int, seed: int, kill_at_epoch: int, kill_marker: str) -> dict:
@@ -94,17 +92,6 @@ def train(epochs: int, lr: float, batch_size: int, seed: int, kill_at_epoch: int
     return {"rank": hvd.rank(), "size": hvd.size(), "history": history}
 
 
-def connect(address: Optional[str], num_cpus: int) -> None:
-    """Join the given cluster, or a running one, or start a local instance."""
-    if address:
-        ray.init(address=address, **({"num_cpus": num_cpus, "include_dashboard": False} if address == "local" else {}))
-        return
-    try:
-        ray.init(address="auto")
-    except ConnectionError:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-workers", type=int, default=1)
@@ -119,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cooldown", type=float, nargs=2, default=(2.0, 10.0),
                         help="seconds a failed node is left out (first failure, longest)")
     parser.add_argument("--address", default=None,
-                        help="Ray address; default: a running cluster if there is one, else 'local'")
+                        help="Ray address ('auto' for a running cluster; default $RAY_ADDRESS, else a local Ray)")
     args = parser.parse_args(argv)
 
-    connect(args.address, max(4, int(args.max_workers * args.cpus_per_worker)))
+    init_ray(args.address, num_cpus=max(4, int(args.max_workers * args.cpus_per_worker)))
 
     def show(record: dict) -> None:
         if record.get("event") == "elastic":

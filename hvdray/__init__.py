@@ -16,6 +16,7 @@ _PUBLIC = {
     "ElasticJobError": "hvdray.driver.controller",
     "ElasticRayExecutor": "hvdray.driver.executor",
     "MetricsHistory": "hvdray.driver.callbacks",
+    "PeerFinishedError": "hvdray.collective.errors",
     "ProgressBar": "hvdray.driver.callbacks",
     "RayExecutor": "hvdray.driver.executor",
     "Settings": "hvdray.settings",

@@ -56,7 +56,15 @@ class Settings(BaseModel):
         60.0, gt=0, description="A tensor submitted on some ranks but not all for this long logs a warning."
     )
     stall_shutdown_s: float = Field(
-        0.0, ge=0, description="If > 0, such a stall turns into an error on every rank after this many seconds."
+        1800.0, ge=0,
+        description="Such a stall turns into an error naming the missing ranks on the waiting ranks after this "
+        "many seconds (the default is torch.distributed's default collective timeout); 0 never.",
+    )
+    storage_path: Optional[str] = Field(
+        None,
+        description="Elastic jobs: rank 0 writes each commit() of the elastic state here (a local directory or a "
+        "pyarrow filesystem URI such as s3://bucket/run); a job whose workers all died, or a new job started "
+        "on the same path, resumes from the newest commit there.",
     )
     timeline_filename: Optional[str] = Field(
         None,
@@ -114,6 +122,10 @@ class Settings(BaseModel):
         "nodes, shared memory again. None (\"auto\"): on when the job spans several nodes with the same number "
         "(> 1) of ranks each and shm_transport is on.",
     )
+    payload_warning_mb: float = Field(
+        100.0, ge=0, description="Warn (once per executor and argument) when a function, argument or "
+        "executable argument sent to every worker pickles to more than this many MiB; 0 turns it off.",
+    )
     shm_buffer_mb: float = Field(
         32.0, ge=1, le=4096, description="Shared memory per node and job in MiB; larger messages go through it in "
         "several rounds.",
@@ -142,6 +154,8 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Settings":
+        if "stall_shutdown_s" not in self.model_fields_set and self.stall_shutdown_s < self.stall_warning_s:
+            self.stall_shutdown_s = self.stall_warning_s  # the default bound never comes before the warning
         if self.stall_shutdown_s and self.stall_shutdown_s < self.stall_warning_s:
             raise ValueError(
                 f"stall_shutdown_s ({self.stall_shutdown_s}) must be 0 (off) or >= stall_warning_s "

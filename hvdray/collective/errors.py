@@ -18,3 +18,9 @@ class TensorMismatchError(HvdrayError, ValueError):
 
 class HorovodInternalError(HvdrayError):
     """The ring broke: a peer died, timed out or shut down. Elastic training catches this to reset."""
+
+
+class PeerFinishedError(HvdrayError):
+    """An op can never complete: a rank it waits for has left the function it ran in (returned from it or
+    raised) without submitting the op. A program error (ranks disagree on the collectives they call), not a
+    broken ring: elastic training does not reset on it."""

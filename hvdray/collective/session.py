@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from typing import Optional, Protocol
 
 from hvdray.collective.autotune import Autotuner, TunedParams
@@ -71,6 +72,7 @@ class Session:
         self.generation_epoch = -1
         self.timeline: Optional[Timeline] = None
         self.process_sets = ProcessSetRegistry()
+        self.call = 0  # the executor call whose function this worker runs now (0: none)
 
     # -- the job --------------------------------------------------------------------------------
     def current_job(self) -> JobConfig:
@@ -157,6 +159,29 @@ class Session:
             job.rank_info = None
         self.init()
 
+    # -- executor calls ---------------------------------------------------------------------------
+    def begin_call(self, call: int) -> None:
+        """The worker starts the function of executor call ``call`` (numbered by the driver, the same on
+        every rank); engines started during it learn it too."""
+        with self.lock:
+            self.call = call
+            running = self.engines()
+        for started in running:
+            started.begin_call(call)
+
+    def end_call(self, how: str, timeout_s: float) -> None:
+        """The function of the current call has ``how`` ("returned" or "raised"): tell every rank, so that
+        ops of this call they wait for and this rank never submitted fail at once naming it. Waits (at
+        most ``timeout_s``) until the news has gone out, so that it reaches the peers before the driver
+        starts its next call."""
+        handles = [h for h in (e.finish_call(how) for e in self.engines()) if h is not None]
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            try:
+                handle.wait(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - the engine stopped meanwhile: nobody is left to tell
+                log.debug("hvdray: could not announce the end of call %d: %s", self.call, exc)
+
     # -- engines --------------------------------------------------------------------------------
     def _store_prefix(self) -> str:
         """Rendezvous keys of this init: the membership epoch, then a generation counted within it."""
@@ -202,6 +227,7 @@ class Session:
             stall_shutdown_s=settings.stall_shutdown_s,
             cache_capacity=settings.cache_capacity,
             tuner=tuner,
+            call=self.call,
         )
         started.timeline = self.timeline
         return started
@@ -295,6 +321,16 @@ def configure(job: Optional[JobConfig]) -> None:
 def init() -> None:
     """Join the configured job (or start a size-1 one); see :meth:`Session.init`."""
     _session.init()
+
+
+def begin_call(call: int) -> None:
+    """The worker starts the function of executor call ``call``; see :meth:`Session.begin_call`."""
+    _session.begin_call(call)
+
+
+def end_call(how: str) -> None:
+    """The function of the current call returned or raised; see :meth:`Session.end_call`."""
+    _session.end_call(how, _session.current_job().settings.timeout_s)
 
 
 def shutdown() -> None:

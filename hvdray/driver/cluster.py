@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kwargs: Any) -> None:
-    """Connect to ``address`` (or ``$RAY_ADDRESS``) if either is set, else start a local Ray instance.
+    """Connect to ``address`` (or ``$RAY_ADDRESS``) if either is set, else (or for ``"local"``) start a
+    new local Ray instance, never one found running on this machine.
 
     ``num_cpus`` only sizes a local instance (a cluster has its own resources); ``kwargs`` go to
     ``ray.init``. Does nothing if Ray is already initialised in this process.
@@ -24,7 +25,7 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kw
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address and address != "local":
         ray.init(address=address, **kwargs)
         log.info("connected to the Ray cluster at %s", address)
         return

@@ -141,6 +141,7 @@ class ElasticDriver:
     ) -> list[Any]:
         """Drive the job until every member of the last epoch returned; results in rank order."""
         self._call = (fn, list(args), dict(kwargs))
+        self._group.begin_call()  # every worker of this run, started now or later, runs this one call
         self._callbacks = list(callbacks)
         self._report(None, DriverState.STARTING, "job started")
         try:

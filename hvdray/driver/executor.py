@@ -26,9 +26,11 @@ from hvdray.driver.arguments import (
     check_executor_arguments,
     check_start_arguments,
 )
+from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
 from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
+from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
 from hvdray.driver.worker_group import Callback, GroupState, WorkerGroup, WorkerLostError, actor_name
@@ -116,6 +118,7 @@ class RayExecutor:
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> shut down
         self._id = uuid.uuid4().hex[:8]
+        self._payload = PayloadGuard(settings.payload_warning_mb)
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
 
@@ -136,9 +139,11 @@ class RayExecutor:
         if self._limits is not None and executable_cls is not None:
             raise ValueError("executable_cls is not supported by elastic executors: workers come and go; use run()")
         self._executable = (executable_cls, list(executable_args or ()), dict(executable_kwargs or {}))
+        self._payload.check("start()", self.num_workers, None, [("executable_cls", executable_cls)]
+                            + call_pieces(executable_args, executable_kwargs, prefix="executable_"), stacklevel=3)
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
-            ray.init()
+            init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
         if self._limits is not None:
             self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
             self._state = "started"
@@ -161,7 +166,8 @@ class RayExecutor:
         """A new worker group with its own coordinator; if it cannot start, it stops what it started."""
         self._group = WorkerGroup(self._id, self.settings, self._start_coordinator(), self._runtime_env(),
                                   elastic=False, owns_coordinator=True)
-        self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable)
+        self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable,
+                                self._placement.check_feasible)
 
     def shutdown(self) -> None:
         """Kill the workers and the coordinator and release the placement group; safe to call twice."""
@@ -221,7 +227,7 @@ class RayExecutor:
         check_callbacks(callbacks)
         if self._limits is not None:
             return self._run_elastic(fn, args, kwargs, callbacks)
-        return self._gather(self.run_remote(fn, args, kwargs), callbacks)
+        return self._gather(self._send_run(fn, args, kwargs, "run()"), callbacks)
 
     def _run_elastic(
         self,
@@ -231,6 +237,7 @@ class RayExecutor:
         callbacks: Optional[Sequence[Callback]],
     ) -> list[Any]:
         check_callable(fn)
+        self._payload.check("run()", self.num_workers, fn, call_pieces(args, kwargs))
         self._ensure_started()
         assert self._limits is not None and self._coordinator is not None
         # the workers wait for their epochs up to elastic_timeout; discovery stays with the driver
@@ -270,19 +277,37 @@ class RayExecutor:
         kwargs: Optional[dict[str, Any]] = None,
     ) -> list[ray.ObjectRef]:
         """Like ``run`` but returns the ObjectRefs (rank order) without waiting."""
+        return self._send_run(fn, args, kwargs, "run_remote()")
+
+    def _send_run(
+        self, fn: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[dict[str, Any]], what: str
+    ) -> list[ray.ObjectRef]:
         check_call_arguments(fn, args, kwargs)
-        return [w.run.remote(fn, list(args or ()), dict(kwargs or {})) for w in self._ready_workers()]
+        workers = self._ready_workers()
+        self._payload.check(what, len(workers), fn, call_pieces(args, kwargs))  # the caller's caller: the user
+        call = self._group_call()
+        return [w.run.remote(fn, list(args or ()), dict(kwargs or {}), call) for w in workers]
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[Sequence[Callback]] = None) -> list[Any]:
         """Call ``fn(executable)`` on every worker's executable instance; results in rank order."""
         check_callable(fn)
         check_callbacks(callbacks)
-        return self._gather([w.execute.remote(fn) for w in self._ready_workers()], callbacks)
+        workers = self._ready_workers()
+        self._payload.check("execute()", len(workers), fn, stacklevel=3)
+        call = self._group_call()
+        return self._gather([w.execute.remote(fn, call) for w in workers], callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its result."""
         check_callable(fn)
-        return self._gather([self._ready_workers()[0].execute.remote(fn)], None)[0]
+        worker = self._ready_workers()[0]
+        self._payload.check("execute_single()", 1, fn, stacklevel=3)
+        return self._gather([worker.execute.remote(fn, self._group_call())], None)[0]
+
+    def _group_call(self) -> int:
+        group = self._group
+        assert group is not None, "the workers were started"
+        return group.begin_call()
 
     def _gather(self, calls: list[ray.ObjectRef], callbacks: Optional[Sequence[Callback]]) -> list[Any]:
         group = self._group

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 from ray.util.placement_group import (
@@ -16,6 +17,91 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
+
+#: Test-only: called with the placement group right after the cluster granted it, before any worker
+#: starts (the multi-node tests remove a node here, to hit that window every time).
+after_ready_hook: Optional[Callable[[PlacementGroup], None]] = None
+
+
+class PlacementInfeasibleError(TimeoutError):
+    """The cluster can never grant the workers' placement group as it is now: a bundle fits no node,
+    the bundles together exceed what the nodes hold, or STRICT_SPREAD asks for more nodes than there
+    are. A ``TimeoutError`` (what horovod.ray users catch), raised at once instead of after the timeout."""
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    """One alive Ray node: its id, address, total resources and those free now."""
+
+    node_id: str
+    address: str
+    total: dict[str, float]
+    free: dict[str, float]
+
+
+def cluster_nodes() -> list[NodeResources]:
+    """The alive Ray nodes (each raylet is one, also several on one host), from Ray's node table."""
+    free_by_node = _available_per_node()
+    return [
+        NodeResources(node["NodeID"], node.get("NodeManagerAddress", "?"), dict(node.get("Resources", {})),
+                      free_by_node.get(node["NodeID"], {}))
+        for node in ray.nodes() if node.get("Alive")
+    ]
+
+
+def _available_per_node() -> dict[str, dict[str, float]]:
+    """Free resources per node id (Ray's state helper; empty if it is unavailable: totals still show)."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return {node_id: dict(free) for node_id, free in available_resources_per_node().items()}
+    except Exception:  # noqa: BLE001 - a private helper of Ray's: the free column is a courtesy
+        return {}
+
+
+def _fits(node: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many copies of ``bundle`` fit in ``node``'s resources."""
+    counts = [math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0]
+    return min(counts) if counts else 1 << 30
+
+
+def infeasibility(bundles: Sequence[dict[str, float]], strategy: str, nodes: Sequence[NodeResources]) -> Optional[str]:
+    """Why ``bundles`` under ``strategy`` can never be placed on ``nodes``' total resources, or None
+    if they can (exact for bundles that are all alike, as the executor's are; otherwise only what
+    must hold for any layout is checked)."""
+    totals = [n.total for n in nodes]
+    for bundle in bundles:
+        if not any(_fits(t, bundle) for t in totals):
+            return f"no node has {bundle} for one bundle"
+    if strategy == "STRICT_SPREAD":
+        fitting = sum(1 for t in totals if all(_fits(t, b) for b in bundles))
+        if fitting < len(bundles):
+            return f"STRICT_SPREAD needs {len(bundles)} distinct nodes that each fit a bundle, and {fitting} do"
+    if strategy == "STRICT_PACK":
+        whole = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+        if not any(_fits(t, whole) for t in totals):
+            return f"STRICT_PACK needs one node with {whole}, and none has it"
+    if all(b == bundles[0] for b in bundles):
+        room = sum(_fits(t, bundles[0]) for t in totals)
+        if room < len(bundles):
+            return f"the nodes hold {room} bundle(s) of {bundles[0]} at most, {len(bundles)} are asked for"
+    else:
+        for key in {k for b in bundles for k in b}:
+            asked, held = sum(b.get(key, 0.0) for b in bundles), sum(t.get(key, 0.0) for t in totals)
+            if asked > held + 1e-9:
+                return f"the bundles need {asked:g} {key} and the nodes hold {held:g}"
+    return None
+
+
+def describe_nodes(nodes: Sequence[NodeResources], keys: Sequence[str]) -> str:
+    """One line per Ray node, by node id: total and free amounts of ``keys``."""
+    if not nodes:
+        return "  (no alive Ray node)"
+    lines = []
+    for node in nodes:
+        amounts = ", ".join(f"{k} {node.total.get(k, 0.0):g} total / {node.free.get(k, 0.0):g} free" for k in keys)
+        lines.append(f"  node {node.node_id} ({node.address}): {amounts}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -81,14 +167,39 @@ class Placement:
             plan.bundles, strategy=plan.strategy
         )
         if self._owned:
+            self.check_feasible()
             ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
             if not ready:
+                nodes = cluster_nodes()
                 self.release()
                 raise TimeoutError(
                     f"the cluster did not grant {plan.describe()} for {plan.num_workers} worker(s) within "
-                    f"placement_group_timeout_s={timeout_s} s; cluster total: {_resources(ray.cluster_resources())}, "
-                    f"free now: {_resources(ray.available_resources())}"
+                    f"placement_group_timeout_s={timeout_s} s (it could, once other jobs free their resources); "
+                    f"per Ray node:\n{describe_nodes(nodes, self._keys())}"
                 )
+            if after_ready_hook is not None:
+                after_ready_hook(self.group)
+
+    def _keys(self) -> list[str]:
+        return sorted({k for b in self.plan.bundles for k in b} | {"CPU"})
+
+    def check_feasible(self) -> None:
+        """Raise :class:`PlacementInfeasibleError` (and release the group) if the alive nodes can never
+        hold the group: at the start, and while workers start (a node may have died meanwhile)."""
+        if not self._owned or self.group is None:
+            return
+        nodes = cluster_nodes()
+        why = infeasibility(self.plan.bundles, self.plan.strategy, nodes)
+        if why is None:
+            return
+        self.release()
+        raise PlacementInfeasibleError(
+            f"the cluster can never grant {self.plan.describe()} for {self.plan.num_workers} worker(s): {why}. "
+            f"Requested per bundle: {self.plan.bundles[0]}; per Ray node (alive now):\n"
+            f"{describe_nodes(nodes, self._keys())}\n"
+            "Ask for fewer workers or resources per worker, or add nodes (an autoscaling cluster: start "
+            "them first; hvdray counts the nodes alive now)."
+        )
 
     def actor_options(self, worker_index: int) -> dict[str, Any]:
         """Ray actor options that put worker ``worker_index`` in its bundle with its share of resources."""
@@ -108,12 +219,6 @@ class Placement:
         if self._owned and self.group is not None:
             remove_placement_group(self.group)
             self.group = None
-
-
-def _resources(resources: dict[str, float]) -> str:
-    shown = {k: resources[k] for k in ("CPU", "GPU") if k in resources}
-    nodes = sum(1 for k in resources if k.startswith("node:") and not k.startswith("node:__internal"))
-    return f"{shown} on {nodes} node(s)"
 
 
 def worker_slots(free: dict[str, float], cpus_per_worker: float, gpus_per_worker: float) -> int:

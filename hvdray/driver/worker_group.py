@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
+from hvdray.collective.errors import HorovodInternalError, PeerFinishedError
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
 from hvdray.settings import Settings
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 #: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
 Callback = Callable[[dict[str, Any]], None]
 _LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
+_ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
+_FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
 
 
@@ -64,10 +67,18 @@ def failure_error(
     aftermath: str = "the other workers were stopped",
 ) -> BaseException:
     """The error to raise for a worker whose call failed with ``exc``: a lost worker becomes a
-    :class:`WorkerLostError` naming its rank; the user's exception comes back as itself with a note
-    saying where it was raised (on the exception and on Ray's copy of it, which Tune reads)."""
+    :class:`WorkerLostError` naming its rank; the user's exception comes back as an instance of its
+    own class whose ``str()`` starts with the rank (``"rank 1 of 2: bad batch"``), followed by the
+    worker's traceback, plus a note saying what happened to the others (on the exception and on Ray's
+    copy of it, which Tune reads)."""
+    if size is not None:
+        where = f"rank {rank} of {size}"
+    else:
+        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
+    if worker_id is not None:
+        where += f" (worker {worker_id})"
     if isinstance(exc, (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError)):
-        who = f"the worker of rank {rank} (of {size})"
+        who = f"the worker of {where}" if size is None else f"the worker of rank {rank} (of {size})"
         if isinstance(exc, ray.exceptions.OutOfMemoryError):
             first_lines = " ".join(str(exc).strip().splitlines()[:2])
             lost = WorkerLostError(f"{who} was killed because its node ran out of memory "
@@ -76,18 +87,54 @@ def failure_error(
             lost = WorkerLostError(f"{who} died: {exc}")
         lost.__cause__ = exc
         return lost
-    if size is not None:
-        where = f"rank {rank} of {size}"
-    else:
-        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
-    if worker_id is not None:
-        where += f" (worker {worker_id})"
     note = f"hvdray: raised on {where}; {aftermath}"
     error = exc
     if isinstance(exc, ray.exceptions.RayTaskError):
         _add_note(exc.cause, note)
+        # an instance of both RayTaskError and the user's class; its str() is the worker's traceback
         error = exc.as_instanceof_cause()
+        headline = f"{where}: {exc.cause}\n\n{error}"
+    else:
+        headline = f"{where}: {exc}"
+    error = _with_headline(error, headline)
     _add_note(error, note)
+    return error
+
+
+def _is_consequence(exc: BaseException) -> bool:
+    """True for a rank's error that another rank's failure caused: an op a leaving peer never submitted
+    (PeerFinishedError) or a ring broken by a dead one (HorovodInternalError)."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    return isinstance(cause, (PeerFinishedError, HorovodInternalError))
+
+
+def _with_headline(error: BaseException, headline: str) -> BaseException:
+    """A copy of ``error`` of a subclass of its own class (so ``except ValueError`` still catches it)
+    whose ``str()`` is ``headline``. The copy is made without calling the class's ``__init__`` (a
+    user's exception may take other arguments than its ``args``); a class that cannot be subclassed or
+    copied leaves ``error`` as it is (its note still names the rank)."""
+    base = type(error)
+    try:
+        cls = type(base.__name__, (base,), {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__str__": lambda self: headline,
+            "__reduce__": lambda self: (_restore, (type(self), self.args, dict(self.__dict__))),
+        })
+        copy = _restore(cls, error.args, getattr(error, "__dict__", {}))
+    except Exception:  # noqa: BLE001 - final classes, exotic __new__ signatures: keep the original
+        return error
+    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
+    copy.__suppress_context__ = error.__suppress_context__
+    return copy.with_traceback(error.__traceback__)
+
+
+def _restore(cls: type, args: tuple, state: dict[str, Any]) -> BaseException:
+    """Build an exception of ``cls`` from its ``args`` and attributes without running ``__init__``
+    (also how such a copy is unpickled, e.g. when a Tune trial's actor reports it)."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
     return error
 
 
@@ -180,6 +227,7 @@ class WorkerGroup:
         self._runtime_env = runtime_env
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
+        self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
 
@@ -262,18 +310,23 @@ class WorkerGroup:
     def start_fixed(
         self, actor_options: Callable[[int], dict[str, Any]], num_workers: int,
         executable: tuple[Optional[type], Sequence[Any], dict[str, Any]],
+        still_feasible: Callable[[], None] = lambda: None,
     ) -> None:
         """Start ``num_workers`` ranks (``actor_options(i)`` places worker ``i``), give them ranks and
-        build ``executable`` on each. If any step fails the group stops, and what it started with it."""
+        build ``executable`` on each. If any step fails the group stops, and what it started with it.
+        ``still_feasible`` raises if the placement can no longer be granted (a node died): called about
+        every second while workers wait for their bundles, so such a start fails at once."""
         timeout = self._settings.placement_group_timeout_s
         try:
             for index in range(num_workers):
                 self.launch(str(index), actor_options(index))
             while self._starting:
                 earliest = min(start.deadline for start in self._starting.values())
-                _, failed = self.poll_starts(timeout=max(earliest - time.monotonic(), 0.0))
+                _, failed = self.poll_starts(timeout=min(max(earliest - time.monotonic(), 0.0), _FEASIBLE_CHECK_S))
                 if failed:
                     raise failed[0].error
+                if self._starting:
+                    still_feasible()
             workers = [self.workers[str(index)] for index in range(num_workers)]
             epoch, infos, gpus = ray.get(self.coordinator.assign.remote([w.slot for w in workers]), timeout=timeout)
             ray.get(
@@ -298,9 +351,15 @@ class WorkerGroup:
         """Workers in the ring, in rank order."""
         return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
 
+    def begin_call(self) -> int:
+        """Number a new call of the user's functions on the workers (1, 2, ...: the same on every rank, so
+        that a rank leaving its function tells its peers which call's ops will never come)."""
+        self.call += 1
+        return self.call
+
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Start ``fn`` on ``worker``; :meth:`poll_runs` reports how it ends."""
-        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs))
+        """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
+        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs), self.call)
 
     def poll_runs(self) -> list[RunResult]:
         """Runs that ended since they were last looked at (never blocks); a returned value is kept on
@@ -330,15 +389,26 @@ class WorkerGroup:
         error is raised, naming the rank."""
         rank_of = {call: rank for rank, call in enumerate(calls)}
         pending = list(calls)
-        while pending:
+        failures: list[tuple[int, BaseException]] = []
+        grace_ends = None
+        while pending and (grace_ends is None or time.monotonic() < grace_ends):
             ended, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
             self.deliver_logs(callbacks)
             for call in ended:
                 try:
                     ray.get(call)
                 except BaseException as exc:  # noqa: BLE001 - re-raised with the rank attached
-                    self.stop()
-                    raise failure_error(exc, rank_of[call], len(calls))
+                    failures.append((rank_of[call], exc))
+            if failures and grace_ends is None:
+                if not all(_is_consequence(exc) for _, exc in failures):
+                    break
+                # a peer's failure shows up in the others first (an op fails, a ring breaks): give the rank
+                # that caused it a moment to report its own error, which says more
+                grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
+        if failures:
+            self.stop()
+            rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
+            raise failure_error(exc, rank, len(calls))
         self.deliver_logs(callbacks)
         return ray.get(calls)
 

@@ -1,8 +1,10 @@
 """Elastic state on the workers: what is committed, rolled back after a failure, and synced to new workers.
 
-``commit()`` saves a copy in memory and then checks, with every rank agreeing, whether the driver has
-announced new hosts; if so every rank raises :class:`HostsUpdatedInterrupt` at the same commit. After
-a reset, ``sync()`` copies the state from the rank holding the most recent commit (a survivor) to all.
+``commit()`` saves a copy in memory (and, with the ``storage_path`` setting, rank 0 writes it to
+storage: see storage.py) and then checks, with every rank agreeing, whether the driver has announced new
+hosts; if so every rank raises :class:`HostsUpdatedInterrupt` at the same commit. After a reset,
+``sync()`` copies the state from the rank holding the most recent commit (a survivor) to all; when no
+rank holds one (a new job, or every worker was lost) it is the newest commit in storage, if any.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective import ops as _c
+from hvdray.elastic.storage import CommitStorage
 from hvdray.testing import faults
 
 log = logging.getLogger(__name__)
@@ -50,9 +53,13 @@ class State(abc.ABC):
             cb()
 
     def commit(self) -> None:
-        """Save the state in memory (a failure rolls back to here), then check for host updates."""
+        """Save the state in memory (a failure rolls back to here) and, with ``storage_path``, in storage
+        (rank 0 writes it before it returns), then check for host updates."""
         self.save()
         self._commits += 1
+        storage = _storage()
+        if storage is not None and session.is_initialized() and session.rank_info("commit()").rank == 0:
+            storage.write(self._commits, self._saved_copy())
         faults.reached("commit")
         self.check_host_updates()
         faults.reached("after_commit")
@@ -72,14 +79,38 @@ class State(abc.ABC):
         counts = _c.synchronize(
             _c.allgather_async(torch.tensor([self._commits], dtype=torch.int64), name="hvdray.elastic.commits")
         ).tolist()
+        storage = _storage()
+        if max(counts) == 0 and storage is not None:  # no rank has committed: resume from storage, if it can
+            loaded = self._resume_from(storage) if session.rank_info("sync()").rank == 0 else 0
+            resumed = _c.broadcast_async(torch.tensor([loaded], dtype=torch.int64), 0, name="hvdray.elastic.resumed")
+            counts[0] = int(_c.synchronize(resumed).item())
         root = counts.index(max(counts))
         self._sync_from(root)
         self._commits = max(counts)
         self.save()
 
+    def _resume_from(self, storage: CommitStorage) -> int:
+        """Load the newest commit in storage into this rank's state; its number (0: none there)."""
+        newest = storage.latest()
+        if newest is None:
+            return 0
+        self._commits, saved = newest
+        self._load_copy(saved)
+        self.restore()
+        log.info("hvdray elastic: resumed from commit %d in %s", self._commits, storage.path)
+        return self._commits
+
     @abc.abstractmethod
     def save(self) -> None:
         """Keep an in-memory copy of the state."""
+
+    @abc.abstractmethod
+    def _saved_copy(self) -> dict[str, Any]:
+        """The copy ``save`` keeps, as one picklable dict (what storage holds)."""
+
+    @abc.abstractmethod
+    def _load_copy(self, saved: dict[str, Any]) -> None:
+        """Make ``saved`` (a ``_saved_copy`` read back) the copy that ``restore`` goes back to."""
 
     @abc.abstractmethod
     def restore(self) -> None:
@@ -111,7 +142,26 @@ class ObjectState(State):
         for name, value in self._saved_state.items():
             setattr(self, name, copy.deepcopy(value))
 
+    def _saved_copy(self) -> dict[str, Any]:
+        return {"objects": self._saved_state}
+
+    def _load_copy(self, saved: dict[str, Any]) -> None:
+        self._saved_state = dict(saved["objects"])
+
     def _sync_from(self, root_rank: int) -> None:
         current = {name: getattr(self, name) for name in self._saved_state}
         for name, value in _c.broadcast_object(current, root_rank, name="hvdray.elastic.objects").items():
             setattr(self, name, value)
+
+
+_storages: dict[str, CommitStorage] = {}
+
+
+def _storage() -> Optional[CommitStorage]:
+    """The job's commit storage (the ``storage_path`` setting), or None."""
+    path = session.settings().storage_path
+    if path is None:
+        return None
+    if path not in _storages:
+        _storages[path] = CommitStorage(path)
+    return _storages[path]

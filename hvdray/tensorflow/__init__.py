@@ -6,7 +6,7 @@ reach the same engine as ``hvdray.torch``'s through DLPack, sharing their memory
 
 from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
 from hvdray.collective.compression import Compression
-from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
+from hvdray.collective.errors import HorovodInternalError, NotInitializedError, PeerFinishedError, TensorMismatchError
 from hvdray.tensorflow import elastic
 from hvdray.tensorflow.functions import broadcast_variables
 from hvdray.tensorflow.gradients import DistributedGradientTape

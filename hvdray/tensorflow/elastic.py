@@ -63,6 +63,13 @@ class TensorFlowState(ObjectState):
                 var.assign(value)
         super().restore()
 
+    def _saved_copy(self) -> dict[str, Any]:
+        return {**super()._saved_copy(), "values": self._saved_values}
+
+    def _load_copy(self, saved: dict[str, Any]) -> None:
+        self._saved_values = list(saved["values"])
+        super()._load_copy(saved)
+
     def _sync_from(self, root_rank: int) -> None:
         broadcast_variables(self._tracked(), root_rank=root_rank, name="hvdray.elastic.variables")
         super()._sync_from(root_rank)

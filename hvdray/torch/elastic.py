@@ -128,6 +128,15 @@ class TorchState(ObjectState):
             self._samplers[name].load_state_dict(state)
         super().restore()
 
+    def _saved_copy(self) -> dict[str, Any]:
+        return {**super()._saved_copy(), "model": self._saved_model, "optimizer": self._saved_optimizer,
+                "samplers": self._saved_samplers}
+
+    def _load_copy(self, saved: dict[str, Any]) -> None:
+        self._saved_model, self._saved_optimizer = saved["model"], saved["optimizer"]
+        self._saved_samplers = dict(saved["samplers"])
+        super()._load_copy(saved)
+
     def _sync_from(self, root_rank: int) -> None:
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=root_rank)

@@ -6,9 +6,11 @@ import gc
 import logging
 import os
 import socket
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import ray
+from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
 
 from hvdray import ray_logger
 from hvdray.worker.membership import CoordinatorMembership, export_rank_env
@@ -23,6 +25,26 @@ class Worker:
         self._executable: Any = None
         self._coordinator: Any = None
         self._pending_logs: list[Any] = []
+        self._rank: Optional[int] = None
+        self._worker_id: Optional[str] = None
+
+    def __repr__(self) -> str:
+        """What Ray shows for this actor: the prefix of its log lines (``(rank 1 pid=...)``), error
+        tracebacks and the dashboard. Elastic workers add their id, since their rank changes."""
+        if self._worker_id is None:
+            return f"rank {self._rank}" if self._rank is not None else "hvdray worker"
+        if self._rank is None:
+            return f"worker {self._worker_id}"
+        return f"rank {self._rank}, worker {self._worker_id}"
+
+    def _took_rank(self, rank: Optional[int]) -> None:
+        """Remember the rank and have Ray prefix this process's next log lines with it: Ray reads the
+        actor's name from a marker line in its stdout/stderr, which it writes only at creation."""
+        self._rank = rank
+        for stream in (sys.__stdout__, sys.__stderr__):
+            if stream is not None:
+                stream.write(f"{LOG_PREFIX_ACTOR_NAME}{self!r}\n")
+                stream.flush()
 
     def slot(self) -> WorkerSlot:
         """Where this worker runs, for rank assignment."""
@@ -51,13 +73,15 @@ class Worker:
         from hvdray.collective import session
 
         self._coordinator = coordinator
+        self._worker_id = worker_id
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
         if rank_info is not None:
             export_rank_env(rank_info, tuple(node_gpu_ids))
         membership = None
         if worker_id is not None:
-            membership = CoordinatorMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s)
+            membership = _NamingMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s,
+                                           self._took_rank)
         session.configure(
             session.JobConfig(
                 rank_info=rank_info,
@@ -70,6 +94,7 @@ class Worker:
             )
         )
         ray_logger.set_sink(self._send_log)
+        self._took_rank(rank_info.rank if rank_info is not None else None)
         # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
         # cyclic collector's full passes, which otherwise scan it all (over 100 ms in a worker) in the
         # middle of some training step, once enough short-lived op objects have survived into gen 2.
@@ -92,14 +117,39 @@ class Worker:
     def start_executable(self, cls: Optional[type], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         self._executable = cls(*args, **kwargs) if cls is not None else None
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], call: int = 0) -> Any:
+        """Run ``fn(*args, **kwargs)`` as executor call ``call`` (numbered by the driver alike on every rank)."""
+        return self._call(call, fn, *args, **kwargs)
+
+    def execute(self, fn: Callable[[Any], Any], call: int = 0) -> Any:
+        """Run ``fn(executable)`` as executor call ``call``."""
+        return self._call(call, fn, self._executable)
+
+    def _call(self, call: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the user's function; when it returns or raises, every rank hears of it (see
+        ``session.end_call``), so that no peer waits forever for an op this rank will never submit."""
+        from hvdray.collective import session
+
+        session.begin_call(call)
+        how = "raised"
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            how = "returned"
+            return result
         finally:
+            session.end_call(how)
             self._flush_logs()
 
-    def execute(self, fn: Callable[[Any], Any]) -> Any:
-        try:
-            return fn(self._executable)
-        finally:
-            self._flush_logs()
+
+class _NamingMembership(CoordinatorMembership):
+    """An elastic worker's membership that renames the worker (its log prefix) at every new epoch."""
+
+    def __init__(self, coordinator: Any, worker_id: str, wait_limit_s: float,
+                 took_rank: Callable[[Optional[int]], None]) -> None:
+        super().__init__(coordinator, worker_id, wait_limit_s)
+        self._took_rank = took_rank
+
+    def next_epoch(self, left_epoch: int) -> tuple[int, RankInfo]:
+        epoch, info = super().next_epoch(left_epoch)
+        self._took_rank(info.rank)
+        return epoch, info

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import socket
 import stat
@@ -84,29 +85,65 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool = True
 
 
 # -- ray start + ray job submit -------------------------------------------------------------------
+def _node_env(base: dict[str, str], home: Path, **extra: str) -> dict[str, str]:
+    """One "machine" of the README's recipe: its own HOME (so ~/.ray/auth_token is its own) and no
+    authentication variables but those the recipe sets."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in base.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(HOME=str(home), **extra)
+    return env
+
+
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """A head and a second node, 1 CPU each, so a 2-worker job must span both nodes (shared by the tests below)."""
+    """The README's "Nodes you start yourself" recipe, with Ray's token authentication: a head and a
+    second node, 1 CPU each, so a 2-worker job must span both nodes (shared by the tests below).
+
+    Each node has its own HOME, so the second node and the submitter hold only the token the recipe
+    hands them (``RAY_AUTH_TOKEN``); the recipe's commands get private ports and a private temp dir.
+    Yields the submitter's environment, the dashboard URL, the GCS address and the bare environment."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-"))  # short: Ray's unix socket paths must stay < 108 chars
-    env = _ray_env(tmp)
+    base = _ray_env(tmp)
     gcs, dashboard, client, agent1, agent2 = _free_ports(5)
     try:
+        head = _node_env(base, tmp / "head", RAY_AUTH_MODE="token")
+        token = _run([RAY, "get-auth-token", "--generate"], head, timeout=120).stdout.strip().splitlines()[-1]
+        assert (tmp / "head" / ".ray" / "auth_token").read_text().strip() == token
         _run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=1",
               f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
               f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-              f"--dashboard-agent-listen-port={agent1}", "--disable-usage-stats"], env, timeout=180)
+              f"--dashboard-agent-listen-port={agent1}", "--disable-usage-stats"], head, timeout=180)
+        other = _node_env(base, tmp / "other", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         _run([RAY, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-              f"--dashboard-agent-listen-port={agent2}", "--disable-usage-stats"], env, timeout=180)
-        yield env, f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}"
+              f"--dashboard-agent-listen-port={agent2}", "--disable-usage-stats"], other, timeout=180)
+        submitter = _node_env(base, tmp / "submitter", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        yield submitter, f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", _node_env(base, tmp / "stranger")
     finally:
         _kill(_processes_using(str(tmp)))
         shutil.rmtree(tmp, ignore_errors=True)
         assert not _processes_using(str(tmp))
 
 
+def test_the_cluster_refuses_a_client_without_the_token(two_node_cluster):
+    """Authentication is really on: without the token (or with a wrong one) the job API and the GCS say no."""
+    _, dashboard, gcs, stranger = two_node_cluster
+    _assert_refused(stranger, dashboard, "Authentication required")
+    _assert_refused(dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32), dashboard,
+                    "Authentication failed")
+    joined = _run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], stranger, timeout=120,
+                  check=False)
+    assert joined.returncode != 0, joined.stdout + joined.stderr
+
+
+def _assert_refused(env: dict[str, str], dashboard: str, why: str) -> None:
+    """Ray's job API turns the client away (401 without a token, 403 with a wrong one)."""
+    listed = _run([RAY, "job", "list", f"--address={dashboard}"], env, timeout=120, check=False)
+    assert listed.returncode != 0 and why in listed.stdout + listed.stderr, listed.stdout + listed.stderr
+
+
 def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
-    env, dashboard, gcs = two_node_cluster
-    nodes = _run([sys.executable, "-c", "import ray; ray.init(address='auto'); "
+    env, dashboard, gcs, _ = two_node_cluster
+    nodes = _run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); "
                   "print(sum(n['Alive'] for n in ray.nodes()))"], env, timeout=120)
     assert nodes.stdout.strip().splitlines()[-1] == "2"
     submit = _run([RAY, "job", "submit", f"--address={dashboard}", f"--working-dir={ROOT / 'examples'}", "--",
@@ -119,7 +156,7 @@ def test_ray_job_submit_runs_the_example_across_two_nodes(two_node_cluster):
 
 
 def test_hvdrayrun_runs_a_script_across_two_nodes_with_address_auto(two_node_cluster, tmp_path):
-    env, _, _ = two_node_cluster
+    env, _, _, _ = two_node_cluster
     script = tmp_path / "where.py"
     script.write_text(
         "import torch\nimport hvdray.torch as hvd\nhvd.init()\n"
@@ -131,6 +168,48 @@ def test_hvdrayrun_runs_a_script_across_two_nodes_with_address_auto(two_node_clu
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank {rank} of 2 on 2 nodes, sum 2" in result.stdout, result.stdout
+
+
+# -- examples and an unrelated running cluster --------------------------------------------------------
+@pytest.fixture
+def unrelated_cluster():
+    """A Ray head started with `ray start` that `ray.init(address="auto")` would find (the same RAY_TMPDIR
+    and HOME as the example below); yields the example's environment and the head's GCS address."""
+    tmp = Path(tempfile.mkdtemp(prefix="hvr-u-"))
+    env = _node_env(_ray_env(tmp), tmp / "home")
+    gcs, client, agent = _free_ports(3)
+    try:
+        _run([RAY, "get-auth-token", "--generate"], env, timeout=120)
+        _run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+              f"--temp-dir={tmp / 'ray'}", "--include-dashboard=false", f"--ray-client-server-port={client}",
+              f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats"], env, timeout=180)
+        yield env, f"127.0.0.1:{gcs}"
+    finally:
+        _kill(_processes_using(str(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_elastic_example_and_a_bare_executor_join_a_running_cluster_only_when_asked(unrelated_cluster):
+    env, gcs = unrelated_cluster
+    example = [sys.executable, str(ROOT / "examples" / "elastic_digits.py"), "--min-workers", "1",
+               "--max-workers", "2", "--epochs", "2", "--min-accuracy", "0"]
+    alone = _run(example, env, timeout=300, check=False)
+    output = alone.stdout + alone.stderr
+    assert alone.returncode == 0, output
+    assert "Started a local Ray instance" in output and "Connecting to existing Ray cluster" not in output, output
+    asked = _run([*example, "--address", "auto"], env, timeout=300, check=False)  # the check above can fail
+    output = asked.stdout + asked.stderr
+    assert asked.returncode == 0, output
+    port = gcs.rsplit(":", 1)[1]  # Ray names the node by its own IP, not the 127.0.0.1 it was given
+    assert re.search(rf"Connecting to existing Ray cluster at address: [\d.]+:{port}\b", output), output
+    # an executor started without ray.init() starts its own local Ray too, as horovod.ray users expect
+    script = ("from hvdray import RayExecutor\n"
+              "with RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=1) as ex:\n"
+              "    print('ran', ex.run(lambda: 7))\n")
+    bare = _run([sys.executable, "-c", script], env, timeout=300, check=False)
+    output = bare.stdout + bare.stderr
+    assert bare.returncode == 0 and "ran [7]" in output, output
+    assert "Started a local Ray instance" in output and "Connecting to existing Ray cluster" not in output, output
 
 
 # -- ray up / ray submit / ray down over ssh --------------------------------------------------------
@@ -230,24 +309,30 @@ def _local_test_config(user: str, key: Path, ray_tmpdir: Path, path: Path) -> Pa
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
     config["auth"] = {"ssh_user": user, "ssh_private_key": str(key)}
     config["min_workers"] = config["max_workers"] = 0
-    config["file_mounts"] = {"~/hvdray": str(ROOT)}
-    # This machine's environment already has hvdray (the real set-up would pip install it): check it.
-    config["setup_commands"] = ['python -c "import hvdray, ray, torch; print(\'hvdray\', hvdray.__version__)"']
+    assert config["file_mounts"].pop("~/hvdray") == "."
+    config["file_mounts"]["~/hvdray"] = str(ROOT)  # the token's mount stays as it is
+    # This machine's environment already has hvdray (the real set-up would pip install it): check it;
+    # the config's token-authentication set-up runs as it is.
+    config["setup_commands"] = [c for c in config["setup_commands"] if "RAY_AUTH_MODE" in c] + [
+        'python -c "import hvdray, ray, torch; print(\'hvdray\', hvdray.__version__)"']
     config["head_start_ray_commands"] = [
         f"ray start --head --node-ip-address=127.0.0.1 --port={gcs} --num-cpus=2 --temp-dir={ray_tmpdir}/ray "
-        f"--dashboard-port={dashboard} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
+        f"--include-dashboard=true --dashboard-port={dashboard} --ray-client-server-port={client} "
+        f"--dashboard-agent-listen-port={agent} "
         "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"
     ]
     path.write_text(yaml.safe_dump(config))
-    return path
+    return path, f"http://127.0.0.1:{dashboard}"
 
 
 @pytest.mark.timeout(900)
 def test_ray_up_submit_down_with_the_local_provider_config_over_ssh(ssh_to_localhost, tmp_path):
     user, key, ray_tmpdir = ssh_to_localhost
-    config = _local_test_config(user, key, ray_tmpdir, tmp_path / "cluster.yaml")
-    env = _ray_env(Path(tempfile.mkdtemp(prefix="hvr-cli-")))  # the launcher's own state files
+    config, dashboard = _local_test_config(user, key, ray_tmpdir, tmp_path / "cluster.yaml")
+    launcher = Path(tempfile.mkdtemp(prefix="hvr-cli-"))  # the launcher's own state files and HOME
+    env = _node_env(_ray_env(launcher), launcher / "home")
     try:
+        _run([RAY, "get-auth-token", "--generate"], env, timeout=120)  # the configs' first step
         up = _run([RAY, "up", "-y", "--no-config-cache", str(config)], env, timeout=400, check=False, cwd=ROOT)
         assert up.returncode == 0, up.stdout + up.stderr
         assert "hvdray 0.1.0" in up.stdout + up.stderr
@@ -257,6 +342,7 @@ def test_ray_up_submit_down_with_the_local_provider_config_over_ssh(ssh_to_local
         output = submit.stdout + submit.stderr
         assert submit.returncode == 0, output
         assert "trained on 2 workers" in output and "test accuracy" in output, output
+        _assert_refused(_node_env(env, tmp_path / "stranger"), dashboard, "Authentication required")
     finally:
         down = _run([RAY, "down", "-y", str(config)], env, timeout=300, check=False, cwd=ROOT)
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -90,19 +91,49 @@ def test_num_hosts_layout_places_workers_per_host(make_executor):
     assert ex.run(_rank_and_size) == [(0, 2, 0, 2, 0, 1), (1, 2, 1, 2, 0, 1)]
 
 
-def test_infeasible_placement_times_out_with_what_was_asked(ray_local):
+@pytest.mark.parametrize(
+    "kwargs, asked, why",
+    [
+        (dict(num_workers=3, cpus_per_worker=2), "3 bundle(s) of {'CPU': 2}", "the nodes hold 2 bundle(s)"),
+        (dict(num_workers=1, cpus_per_worker=5), "1 bundle(s) of {'CPU': 5}", "no node has {'CPU': 5}"),
+        (dict(num_workers=1, use_gpu=True), "{'CPU': 1, 'GPU': 1}", "no node has {'CPU': 1, 'GPU': 1}"),
+        (dict(num_hosts=2, num_workers_per_host=1), "with strategy STRICT_SPREAD",
+         "STRICT_SPREAD needs 2 distinct nodes that each fit a bundle, and 1 do"),
+    ],
+)
+def test_infeasible_placement_fails_at_once_with_requested_and_available_per_node(ray_local, kwargs, asked, why):
+    from hvdray.driver.placement import PlacementInfeasibleError
+
     before = _live_placement_groups()
-    settings = RayExecutor.create_settings(placement_group_timeout_s=2)
-    ex = RayExecutor(settings, num_workers=3, cpus_per_worker=2)
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=60), **kwargs)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:  # what horovod.ray users catch
+        ex.start()
+    assert time.monotonic() - started < 5  # not placement_group_timeout_s
+    assert isinstance(info.value, PlacementInfeasibleError)
+    message = str(info.value)
+    assert asked in message and why in message, message
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    assert re.search(rf"node {node['NodeID']} \(\S+\): CPU 4 total / [\d.]+ free", message), message
+    assert _live_placement_groups() == before
+    ex.shutdown()
+
+
+def test_a_feasible_placement_the_cluster_is_too_busy_for_still_waits_for_the_timeout(ray_local):
+    busy = placement_group([{"CPU": 3}])  # another job holds 3 of the 4 CPUs
+    ray.get(busy.ready())
+    before = _live_placement_groups()
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=2)
     started = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         ex.start()
-    assert time.monotonic() - started < 10
+    assert 2 <= time.monotonic() - started < 10
     message = str(info.value)
-    assert "'CPU': 2" in message and "3 bundle" in message and "placement_group_timeout_s=2" in message
-    assert "cluster total" in message and "'CPU': 4.0" in message
+    assert "2 bundle(s) of {'CPU': 1}" in message and "placement_group_timeout_s=2" in message, message
+    assert "CPU 4 total / 1 free" in message, message
     assert _live_placement_groups() == before
     ex.shutdown()
+    remove_placement_group(busy)
 
 
 def test_existing_placement_group_is_reused(ray_local):
@@ -158,8 +189,40 @@ def test_worker_exception_raises_promptly_with_rank_and_executor_recovers(make_e
         ex.run(fail_on_rank_one)
     assert time.monotonic() - started < 10
     assert any("rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
+    assert str(info.value).startswith("rank 1 of 2: 'bad batch 17'\n"), str(info.value)
     assert "fail_on_rank_one" in str(info.value)  # the worker's traceback comes along
     assert ex.run(_rank_and_size) == [(r, 2, r, 2, 0, 1) for r in range(2)]
+
+
+def test_str_of_a_workers_error_names_its_rank_for_builtin_and_custom_exceptions(make_executor):
+    ex = make_executor(num_workers=2)
+
+    class QuotaError(Exception):  # a user's exception whose __init__ is not (message)
+        def __init__(self, user, limit):
+            super().__init__(user, limit)
+            self.user, self.limit = user, limit
+
+        def __str__(self):
+            return f"{self.user} is over the quota of {self.limit}"
+
+    def fail_on(rank, error):
+        import hvdray.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == rank:
+            raise error
+
+    for rank, error in [(1, ValueError("bad value")), (0, ZeroDivisionError("division by zero")),
+                        (1, QuotaError("ana", 3))]:
+        with pytest.raises(type(error)) as info:
+            ex.run(fail_on, args=[rank, error])
+        assert str(info.value).startswith(f"rank {rank} of 2: {error}\n"), str(info.value)
+        assert "fail_on" in str(info.value)  # the worker's traceback
+    assert (info.value.user, info.value.limit) == ("ana", 3)
+    try:
+        ex.run(fail_on, args=[0, ValueError("caught as itself")])
+    except ValueError as caught:  # what a user writes
+        assert "rank 0 of 2: caught as itself" in str(caught)
 
 
 def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):

@@ -137,6 +137,7 @@ def test_a_worker_error_fails_the_trial_with_its_rank(ray_local):
             trial.train()
         assert time.monotonic() - started < 10
         assert any("rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
+        assert str(info.value).startswith("rank 1 of 2: 'bad batch 17'"), str(info.value)
         with pytest.raises(RuntimeError, match="failed"):
             trial.train()
     finally:
@@ -247,6 +248,26 @@ def test_tune_run_two_samples_stop_by_iteration_inside_the_trials_placement_grou
     created = set(placement_group_table()) - known
     assert {trial.last_result["pg"] for trial in analysis.trials} == created and len(created) == 2
     assert _wait_until_released(groups) == (ray.cluster_resources()["CPU"], groups)
+
+
+def _fail_on_rank_one(config):
+    import hvdray.torch as hvd
+
+    hvd.init()
+    report({"ok": 1})
+    if hvd.rank() == 1:
+        raise ValueError("bad batch 17")
+    report({"ok": 2})
+
+
+def test_tuner_reports_a_failed_trial_with_the_rank_and_the_users_exception_type(ray_local, tmp_path):
+    tuner = tune.Tuner(DistributedTrainableCreator(_fail_on_rank_one, num_slots=2),
+                       run_config=_run_config(tmp_path, "failing"))
+    results = tuner.fit()
+    assert len(results.errors) == 1
+    error = results[0].error
+    assert isinstance(error, ValueError), type(error)
+    assert "rank 1 of 2: bad batch 17" in str(error), str(error)
 
 
 def test_tuner_with_bayesopt_finds_the_optimum_of_an_allreduced_objective(ray_local, tmp_path):

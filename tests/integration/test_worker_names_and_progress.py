@@ -74,3 +74,53 @@ def test_progress_bar_and_history_follow_what_workers_log(ray_with_dashboard):
     assert history.series("loss") == ([1, 2, 3, 4], [1.0, 0.5, pytest.approx(1 / 3), 0.25])
     assert sorted(row["rank"] for row in history_all.rows) == [0] * 4 + [1] * 4
     assert "4/4" in out.getvalue()
+
+
+_PRINTING_DRIVER = """
+import sys
+import ray
+from hvdray import RayExecutor
+
+def say(word):
+    import hvdray.torch as hvd
+    hvd.init()
+    print(f"{word} from {hvd.rank()}", flush=True)
+    print(f"{word} on stderr from {hvd.rank()}", file=sys.stderr, flush=True)
+    return hvd.rank()
+
+ray.init(address="local", num_cpus=4, include_dashboard=False)
+settings = RayExecutor.create_settings(timeout_s=30)
+fixed = RayExecutor(settings, num_workers=2)
+print("fixed ranks", fixed.run(say, args=["fixed"]), flush=True)
+fixed.shutdown()
+elastic = RayExecutor(settings, min_workers=2, max_workers=2)
+print("elastic ranks", elastic.run(say, args=["elastic"]), flush=True)
+elastic.shutdown()
+import time; time.sleep(3)  # Ray forwards the workers' last lines
+ray.shutdown()
+"""
+
+
+def test_worker_log_lines_reach_the_driver_prefixed_by_rank(tmp_path):
+    """What a worker prints comes out on the driver as ``(rank 1 pid=...) ...``, not ``(Worker pid=...)``;
+    an elastic worker's prefix also carries its worker id."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(root), os.environ.get("PYTHONPATH")] if p))
+    env.pop("RAY_ADDRESS", None)
+    script = tmp_path / "driver.py"
+    script.write_text(_PRINTING_DRIVER)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "fixed ranks [0, 1]" in output and "elastic ranks [0, 1]" in output, output
+    for rank in (0, 1):
+        assert re.search(rf"\(rank {rank} pid=\d+\)\S* fixed from {rank}\n", output), output
+        assert re.search(rf"\(rank {rank} pid=\d+\)\S* fixed on stderr from {rank}\n", output), output
+        assert re.search(rf"\(rank {rank}, worker \w+ pid=\d+\)\S* elastic from {rank}\n", output), output
+    assert not re.search(r"\(Worker pid=\d+\)", output), output

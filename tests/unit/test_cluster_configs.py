@@ -37,7 +37,9 @@ def test_launcher_config_installs_hvdray_with_cpu_torch(name):
     commands = "\n".join(config["setup_commands"])
     assert "download.pytorch.org/whl/cpu" in commands and "constraints.txt torch" in commands
     assert "hvdray[" in commands
-    assert config["file_mounts"] == {"~/hvdray": "."}
+    # Ray's token authentication: the launching machine's token goes to every node, whose shells enable it
+    assert config["file_mounts"] == {"~/hvdray": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
+    assert "echo 'export RAY_AUTH_MODE=token' >> ~/.bashrc" in commands
     assert ".venv" in config["rsync_exclude"]
     assert any("ray start --head" in c for c in config["head_start_ray_commands"])
     assert any("ray start --address=$RAY_HEAD_IP" in c for c in config["worker_start_ray_commands"])
@@ -71,6 +73,9 @@ def test_kuberay_manifest_is_a_raycluster_running_the_hvdray_image():
         (container,) = pod["spec"]["containers"]
         assert container["image"].endswith("/hvdray:0.1.0")
         assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+        env = {e["name"]: e for e in container["env"]}  # Ray's token authentication on every node
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hvdray-auth-token", "key": "auth_token"}
     ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 

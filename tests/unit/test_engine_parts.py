@@ -8,7 +8,7 @@ import torch
 
 from hvdray.collective.autotune import TunedParams
 from hvdray.collective.engine.fusion import DIRECT_BYTES, FusionPlanner, ReadyOp
-from hvdray.collective.engine.negotiation import NegotiationTable, RoundMessage, mismatch
+from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage, mismatch
 from hvdray.collective.engine.steps import LearnedStep
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc
 
@@ -55,9 +55,13 @@ def test_matches_ignores_the_name_only():
 def test_round_messages_survive_the_wire_and_an_empty_one_is_empty():
     assert RoundMessage().encode() == b"" and RoundMessage.decode(b"") == RoundMessage()
     message = RoundMessage(announce=[allreduce("g")], census=[3, 7], join=True, stop=True,
-                           drops=[("lonely", [1])], tune=TunedParams(4.0, 1.5, False))
+                           drops=[Drop("lonely", [1]), Drop("stuck", [0, 2], True)],
+                           tune=TunedParams(4.0, 1.5, False), call=4,
+                           finished=Finished(3, "raised"))
     back = RoundMessage.decode(message.encode())
-    assert back.census == [3, 7] and back.join and back.stop and back.drops == [("lonely", [1])]
+    assert back.census == [3, 7] and back.join and back.stop
+    assert back.drops == [Drop("lonely", [1], False), Drop("stuck", [0, 2], True)]
+    assert back.call == 4 and back.finished == Finished(3, "raised")
     assert back.tune == TunedParams(4.0, 1.5, False) and back.announce[0].matches(allreduce("g"))
 
 
@@ -71,6 +75,21 @@ def test_names_become_ready_in_announcement_order_once_every_rank_has_them():
     table.absorb([RoundMessage(), RoundMessage(join=True)], now=1.0)  # rank 1 joined: "b" is ready
     assert [name for name, _ in table.take_ready()] == ["b"] and not table.announced
     assert table.joined == {1} and not table.everyone_joined
+
+
+def test_a_rank_leaving_its_call_voids_that_calls_names_and_joins_on_every_rank_alike():
+    table = NegotiationTable(size=3)
+    table.absorb([RoundMessage(announce=[allreduce("old")], call=1), RoundMessage(join=True), RoundMessage()], 0.0)
+    assert not table.closed(1) and "old" in table.announced and table.joined == {1}
+    # rank 2 leaves call 1 in the same round in which rank 0 announces another op of call 1
+    table.absorb([RoundMessage(announce=[allreduce("new")], call=1), RoundMessage(),
+                  RoundMessage(finished=Finished(1, "returned"))], 1.0)
+    assert table.closed(1) and not table.closed(2) and not table.closed(0)
+    assert not table.announced and not table.joined  # neither can ever complete: forgotten alike
+    assert table.leavers(1) == [(2, Finished(1, "returned"))] and table.leavers(2) == []
+    # call 2: the same names run again normally
+    table.absorb([RoundMessage(announce=[allreduce("old")], call=2)] * 3, 2.0)
+    assert [name for name, _ in table.take_ready()] == ["old"]
 
 
 @pytest.mark.parametrize("other,words", [

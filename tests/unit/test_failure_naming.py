@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import ray
+import ray.cloudpickle as cloudpickle
 
 from hvdray.driver.worker_group import WorkerLostError, failure_error
 
@@ -27,3 +29,41 @@ def test_a_dead_worker_becomes_a_worker_lost_error_naming_its_rank():
     error = failure_error(died, rank=0, size=4)
     assert isinstance(error, WorkerLostError) and str(error).startswith("the worker of rank 0 (of 4) died")
     assert error.__cause__ is died and error.__suppress_context__
+
+
+class QuotaError(Exception):
+    """A user's exception whose __init__ takes other arguments than a message."""
+
+    def __init__(self, user, limit):
+        super().__init__(user, limit)
+        self.user, self.limit = user, limit
+
+    def __str__(self):
+        return f"{self.user} is over the quota of {self.limit}"
+
+
+@pytest.mark.parametrize("cause", [ValueError("bad batch"), KeyError("bad batch 17"), OSError(2, "no file"),
+                                   QuotaError("ana", 3)], ids=lambda c: type(c).__name__)
+def test_str_of_the_error_starts_with_the_rank_and_the_type_is_kept(cause):
+    raised = ray.exceptions.RayTaskError("run", "Traceback (most recent call last):\n  worker frames", cause)
+    error = failure_error(raised, rank=1, size=2)
+    assert isinstance(error, type(cause)) and isinstance(error, ray.exceptions.RayTaskError)
+    assert str(error).startswith(f"rank 1 of 2: {cause}\n"), str(error)
+    assert "worker frames" in str(error)  # the worker's traceback comes along
+    for name, value in vars(cause).items():
+        assert getattr(error, name) == value
+    copy = cloudpickle.loads(cloudpickle.dumps(error))  # how Ray and Tune move it between processes
+    assert isinstance(copy, type(cause)) and str(copy) == str(error)
+
+
+def test_a_plain_exception_is_prefixed_too_and_keeps_its_traceback():
+    try:
+        raise QuotaError("bo", 5)
+    except QuotaError as exc:
+        cause = exc
+    error = failure_error(cause, rank=None, worker_id="cd34", aftermath="the job was stopped")
+    assert type(error) is not QuotaError and isinstance(error, QuotaError)
+    assert str(error) == "a worker not yet in the ring (worker cd34): bo is over the quota of 5"
+    assert (error.user, error.limit, error.args) == ("bo", 5, ("bo", 5))
+    assert error.__traceback__ is cause.__traceback__
+    assert str(cause) == "bo is over the quota of 5"  # the original is left as it was

@@ -43,6 +43,12 @@ def test_stall_shutdown_must_not_undercut_warning():
         make_settings(stall_warning_s=10, stall_shutdown_s=5)
 
 
+def test_a_stall_has_a_default_shutdown_bound_that_never_undercuts_the_warning_and_0_turns_it_off():
+    assert make_settings().stall_shutdown_s == 1800  # torch.distributed's default collective timeout
+    assert make_settings(stall_warning_s=4000).stall_shutdown_s == 4000  # default: not before the warning
+    assert make_settings(stall_shutdown_s=0).stall_shutdown_s == 0  # only when asked
+
+
 def test_a_rule_across_fields_names_the_environment_variable_that_broke_it(monkeypatch):
     # found by the Hypothesis test of every override: HVDRAY_STALL_SHUTDOWN_S=1 under the default
     # stall_warning_s=60 raised an error that did not say where the 1 came from

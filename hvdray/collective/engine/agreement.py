@@ -19,7 +19,7 @@ from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
 from hvdray.collective.engine.fusion import Action, FusionPlanner, ReadyOp
 from hvdray.collective.engine.handle import Request
-from hvdray.collective.engine.negotiation import NegotiationTable, RoundMessage
+from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
 
@@ -72,9 +72,9 @@ class Agreement:
         stalls = self.stall.wants_full_round(self.table.announced, self.table.joined)
         return stalls or (self.tuner is not None and self.tuner.pending is not None)
 
-    def fill_flags(self, wants_full: bool) -> torch.Tensor:
-        """This tick's flag vector, to be AND-combined across ranks."""
-        return self.flags.fill(list(self.slot_requests), self.rank in self.table.joined, wants_full)
+    def fill_flags(self, wants_full: bool, blocked: bool) -> torch.Tensor:
+        """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op)."""
+        return self.flags.fill(list(self.slot_requests), self.rank in self.table.joined, wants_full, blocked)
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round."""
@@ -82,10 +82,12 @@ class Agreement:
         return self.flags.read()
 
     # -- a full round ------------------------------------------------------------------------
-    def message(self, join: bool, stop: bool) -> RoundMessage:
-        """What this rank says in this full round."""
+    def message(self, join: bool, stop: bool, call: int, finished: Optional[Finished]) -> RoundMessage:
+        """What this rank says in this full round (``call``: the executor call its announcements belong to;
+        ``finished``: it has just left that call's function)."""
         message = RoundMessage(
-            announce=[r.desc for r in self.outbox], census=sorted(self.slot_requests), join=join, stop=stop
+            announce=[r.desc for r in self.outbox], census=sorted(self.slot_requests), join=join, stop=stop,
+            call=call, finished=finished,
         )
         self.outbox = []
         if self.rank == 0:
@@ -94,7 +96,7 @@ class Agreement:
             message.tune = self.tuner.take_pending(time.perf_counter())
         return message
 
-    def absorb(self, messages: list[RoundMessage]) -> tuple[bool, list[tuple[str, list[int]]]]:
+    def absorb(self, messages: list[RoundMessage]) -> tuple[bool, list[Drop]]:
         """Every rank's message of this round, in rank order. Returns whether it brought new work, and
         the stalled names that rank 0 dropped (forgotten here), each with the ranks that never submitted it."""
         busy, announced = self.table.absorb(messages, time.monotonic())
@@ -105,7 +107,7 @@ class Agreement:
             self.stall.take_census(messages)
         if messages[0].tune is not None:
             self._apply(messages[0].tune)
-        for name, _ in messages[0].drops:
+        for name, *_ in messages[0].drops:
             self.table.drop(name)
             slot = self.cache.slot_of(name)
             if slot is not None:

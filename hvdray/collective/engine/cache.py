@@ -87,15 +87,18 @@ class FlagVector:
 
     Bits ``0..C-1``: slot pending here (AND: pending everywhere). Bits ``C..2C-1``: slot *not* pending
     here (AND: pending nowhere, so its complement is "pending somewhere"). Bit ``2C``: this rank does
-    *not* need a full round. With the default capacity of 1024 the vector is 257 bytes.
+    *not* need a full round. Bit ``2C+1``: a caller on this rank is blocked waiting on one of its ops (or
+    it has joined); AND: every rank is (:attr:`everyone_blocked` after :meth:`read`). With the default
+    capacity of 1024 the vector is 257 bytes.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._bits = np.zeros(2 * capacity + 1, dtype=np.uint8)
-        self.tensor = torch.zeros((2 * capacity + 8) // 8, dtype=torch.uint8)
+        self._bits = np.zeros(2 * capacity + 2, dtype=np.uint8)
+        self.tensor = torch.zeros((2 * capacity + 9) // 8, dtype=torch.uint8)
+        self.everyone_blocked = False
 
-    def fill(self, pending: list[int], joined: bool, wants_full: bool) -> torch.Tensor:
+    def fill(self, pending: list[int], joined: bool, wants_full: bool, blocked: bool = False) -> torch.Tensor:
         c, bits = self.capacity, self._bits
         if joined:
             # a joined rank agrees to every slot (it contributes zeros) and has nothing pending itself
@@ -105,13 +108,16 @@ class FlagVector:
             bits[pending] = 1
             np.subtract(1, bits[:c], out=bits[c : 2 * c])
         bits[2 * c] = 0 if wants_full else 1
+        bits[2 * c + 1] = 1 if blocked or joined else 0
         self.tensor.copy_(torch.from_numpy(np.packbits(bits, bitorder="little")))
         return self.tensor
 
     def read(self) -> tuple[list[int], list[int], bool]:
-        """After the AND-allreduce: (slots ready everywhere, slots pending somewhere, full round wanted)."""
+        """After the AND-allreduce: (slots ready everywhere, slots pending somewhere, full round wanted); also
+        sets :attr:`everyone_blocked`."""
         c = self.capacity
-        bits = np.unpackbits(self.tensor.numpy(), count=2 * c + 1, bitorder="little")
+        bits = np.unpackbits(self.tensor.numpy(), count=2 * c + 2, bitorder="little")
+        self.everyone_blocked = bool(bits[2 * c + 1])
         ready = np.flatnonzero(bits[:c]).tolist()
         somewhere = np.flatnonzero(bits[c : 2 * c] == 0).tolist()
         return ready, somewhere, not bits[2 * c]

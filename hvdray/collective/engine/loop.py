@@ -28,8 +28,8 @@ from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
 from hvdray.collective.engine.handle import Handle, Request
-from hvdray.collective.engine.negotiation import RoundMessage
-from hvdray.collective.errors import HorovodInternalError, HvdrayError, TensorMismatchError
+from hvdray.collective.engine.negotiation import Finished, RoundMessage
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
 from hvdray.collective.protocol import GENERATED_NAME_MARK
 from hvdray.collective.timeline import Timeline
 
@@ -52,6 +52,7 @@ class Engine:
         stall_shutdown_s: float,
         cache_capacity: int = 1024,
         tuner: Optional[Autotuner] = None,
+        call: int = 0,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -70,6 +71,8 @@ class Engine:
         self._join_handle: Optional[Handle] = None
         self._join_announce = False
         self._waited: Optional[Request] = None  # a caller blocks on this op: tick now, not at the cycle's end
+        self._blocked_on: list[Request] = []  # ops callers have waited on (or polled) since they were submitted
+        self._blocked = False  # this tick: a caller waits on an op still in flight (read by the engine thread)
         self._shutdown_requested = False
         self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
         # while it sleeps: how many queued requests, or queued bytes, make it worth waking the engine (a
@@ -80,6 +83,13 @@ class Engine:
         self._queued_bytes = 0
         self._error: Optional[BaseException] = None
         self._name_counters: dict[str, int] = {}
+        # the executor call this rank's function runs in (0: none), and the highest call any rank has left:
+        # once some rank has left the function of this rank's call, nothing submitted in it can complete
+        self._call = call
+        self._left_call = 0
+        self._leavers: list[tuple[int, Finished]] = []  # who left this rank's call, and how
+        self._finish_announce: Optional[Finished] = None
+        self._finish_handle: Optional[Handle] = None
 
         # engine thread only (its learned step is shared with _nudge, under the lock)
         self._agreement = Agreement(
@@ -100,8 +110,8 @@ class Engine:
         """Submit one request (:meth:`submit_many` of one, without its group bookkeeping: every gradient
         of every step comes this way)."""
         with self._lock:
-            if self._error is not None or self._shutdown_requested:
-                self._raise_if_stopped()
+            if self._error is not None or self._shutdown_requested or self._left_call >= self._call > 0:
+                self._raise_if_stopped(request)
             local, name = self._local, request.name
             if name in local:
                 self._refuse_duplicate(local[name])
@@ -129,8 +139,8 @@ class Engine:
     def submit_many(self, requests: Sequence[Request]) -> None:
         """Submit several requests at once (a grouped op's tensors): one lock acquisition, all or none."""
         with self._lock:
-            if self._error is not None or self._shutdown_requested:
-                self._raise_if_stopped()
+            if self._error is not None or self._shutdown_requested or self._left_call >= self._call > 0:
+                self._raise_if_stopped(requests[0] if requests else None)
             local = self._local
             seen: set[str] = set()
             for request in requests:
@@ -160,6 +170,7 @@ class Engine:
             self._step.closing = True
             if self._waited is not request:
                 self._waited = request
+                self._blocked_on.append(request)
                 self._wake.notify()
 
     def auto_name(self, op: str) -> str:
@@ -179,6 +190,24 @@ class Engine:
             self._join_announce = True
             self._wake.notify()
             return self._join_handle
+
+    def begin_call(self, call: int) -> None:
+        """This rank's function of executor call ``call`` starts (calls count up from 1 on every rank alike)."""
+        with self._lock:
+            self._call = call
+
+    def finish_call(self, how: str) -> Optional[Handle]:
+        """This rank has left its call's function (``how``: "returned" or "raised"). Every rank hears it in the
+        next full round: ops of that call that this rank never submitted then fail on the ranks waiting
+        for them, naming this rank, instead of waiting forever. The handle finishes once the round has
+        gone out (None when there is no call, or the engine has stopped)."""
+        with self._lock:
+            if not self._call or self._error is not None or self._shutdown_requested:
+                return None
+            self._finish_announce = Finished(self._call, how)
+            handle = self._finish_handle = Handle("finish")
+            self._wake.notify()
+            return handle
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell every rank to stop after this round; wait for the thread, then drop the group."""
@@ -200,11 +229,25 @@ class Engine:
             agreement.planner.fusion_bytes / (1024 * 1024), self._cycle_s * 1000.0, agreement.cache.enabled
         )
 
-    def _raise_if_stopped(self) -> None:
+    def _raise_if_stopped(self, request: Optional[Request] = None) -> None:
         if self._error is not None:
             raise self._error
         if self._shutdown_requested:
             raise HorovodInternalError("hvdray is shutting down; no new ops are accepted")
+        if self._left_call >= self._call > 0:
+            raise self._left_behind_error(request)
+
+    def _left_behind_error(self, request: Optional[Request]) -> PeerFinishedError:
+        """The error of an op of this rank's call after some rank has left that call's function."""
+        what = f"{request.desc.kind} {request.name!r}" if request is not None else "join()"
+        who = "; ".join(
+            f"rank {r} {'returned from' if f.how == 'returned' else 'raised an exception in'} its function"
+            for r, f in self._leavers
+        )
+        return PeerFinishedError(
+            f"{what} cannot complete on rank {self.rank}: {who} without submitting it, so it never will "
+            "(every rank must call the same collectives)"
+        )
 
     # -- the loop (engine thread) -----------------------------------------------------------
     def _loop(self) -> None:
@@ -217,7 +260,7 @@ class Engine:
         try:
             while True:
                 wants_full = self._collect(wait_s)
-                self.comm.and_flags(agreement.fill_flags(wants_full))
+                self.comm.and_flags(agreement.fill_flags(wants_full, self._blocked))
                 ready_slots, pending_somewhere, full = agreement.read_flags()
                 self.stats.rounds += 1
                 busy = bool(ready_slots or pending_somewhere)
@@ -233,8 +276,13 @@ class Engine:
                 ready_at = executor.start_tick(timeline, self.timeline_pid)
                 if busy and timeline is not None:
                     timeline.cycle(self.timeline_pid, ready_at)
-                for action in agreement.ready_plan(ready_slots, self.comm.fused_message_bytes):
+                actions = agreement.ready_plan(ready_slots, self.comm.fused_message_bytes)
+                for action in actions:
                     self._run(action)
+                if self.rank == 0:
+                    agreement.stall.watch_blocked(agreement.flags.everyone_blocked, ran=bool(actions))
+                if self._left_call >= self._call > 0:
+                    self._fail_left_behind()
                 if table.everyone_joined:
                     self._finish_join(table.finish_join())
                 if agreement.tuner is not None and executor.tick_bytes:
@@ -277,7 +325,7 @@ class Engine:
                     self._queue = []
                     self._queued_bytes = 0
                 waited = self._waited  # still in flight: a nudge from before its op finished does not count
-                if self._shutdown_requested or self._join_announce or (
+                if self._shutdown_requested or self._join_announce or self._finish_announce or (
                     waited is not None and self._local.get(waited.name) is waited
                 ):
                     break
@@ -307,8 +355,11 @@ class Engine:
                 self._sleeping = False
                 self.stats.wakeups += 1
             self._waited = None
+            local = self._local
+            self._blocked_on = [r for r in self._blocked_on if local.get(r.name) is r]
+            self._blocked = bool(self._blocked_on)
             step.unsent_bytes = 0
-            wants_full = bool(self._join_announce or self._shutdown_requested)
+            wants_full = bool(self._join_announce or self._shutdown_requested or self._finish_announce)
         if self.rank == 0:
             wants_full = agreement.rank0_wants_full() or wants_full
         return wants_full or bool(agreement.outbox)
@@ -319,9 +370,13 @@ class Engine:
         rank shuts down (every op here has failed then)."""
         with self._lock:
             join, self._join_announce = self._join_announce, False
-            stop = self._shutdown_requested
-        payload = self._agreement.message(join, stop).encode()
+            finished, self._finish_announce = self._finish_announce, None
+            finish_handle, self._finish_handle = self._finish_handle, None
+            stop, call = self._shutdown_requested, self._call
+        payload = self._agreement.message(join, stop, call, finished).encode()
         messages = [RoundMessage.decode(p) for p in self.comm.allgather_bytes(payload)]
+        if finish_handle is not None:
+            finish_handle._finish()
         stop_ranks = [r for r, m in enumerate(messages) if m.stop]
         if stop_ranks:
             self._fail_all(HorovodInternalError(
@@ -329,12 +384,17 @@ class Engine:
             ))
             return None
         new_work, drops = self._agreement.absorb(messages)
+        if any(m.finished is not None for m in messages):
+            table = self._agreement.table
+            with self._lock:
+                self._left_call = max(f.call for f in table.finished.values())
+                self._leavers = table.leavers(self._call)
         if messages[0].tune is not None:
             self._cycle_s = messages[0].tune.cycle_time_ms / 1000.0
-        for name, missing in drops:  # stalled past stall_shutdown_s: fail it where it was submitted
-            request = self._take_local(name)
+        for drop in drops:  # stalled past stall_shutdown_s, or deadlocked: fail it where it was submitted
+            request = self._take_local(drop.name)
             if request is not None:
-                request.handle._finish(error=self._agreement.stall.dropped_error(request.desc.kind, name, missing))
+                request.handle._finish(error=self._agreement.stall.dropped_error(request.desc.kind, drop))
         return new_work
 
     # -- running ready ops ------------------------------------------------------------------
@@ -364,6 +424,25 @@ class Engine:
     def _take_local(self, name: str) -> Optional[Request]:
         with self._lock:
             return self._local.pop(name, None)
+
+    def _fail_left_behind(self) -> None:
+        """Some rank has left the function of this rank's call: fail what this rank still waits for in it."""
+        with self._lock:
+            if not self._local and self._join_handle is None:
+                return
+            self._leavers = self._agreement.table.leavers(self._call)
+            self._step.forget()  # the step was cut short: learn it again
+            pending = list(self._local.values())
+            self._local.clear()
+            self._queue, self._agreement.outbox, self._agreement.slot_requests = [], [], {}
+            self._queued_bytes = 0
+            join, self._join_handle = self._join_handle, None
+            errors = [(request, self._left_behind_error(request)) for request in pending]
+            join_error = self._left_behind_error(None) if join is not None else None
+        for request, error in errors:
+            request.handle._finish(error=error)
+        if join is not None:
+            join._finish(error=join_error)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -11,11 +11,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from hvdray.collective.autotune import TunedParams
 from hvdray.collective.engine.cache import RankDescs
 from hvdray.collective.protocol import SAME_SHAPE_KINDS, OpDesc, OpKind
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A rank left the function of executor call ``call``: ``how`` is "returned" or "raised"."""
+
+    call: int
+    how: str
+
+
+class Drop(NamedTuple):
+    """A stalled name rank 0 tells every rank to forget: the ranks that never submitted it, and whether every
+    rank was blocked waiting meanwhile (a deadlock) rather than the stall outlasting stall_shutdown_s."""
+
+    name: str
+    missing: list[int]
+    deadlock: bool = False
 
 
 @dataclass
@@ -26,7 +43,9 @@ class RoundMessage:
     census: list[int] = field(default_factory=list)  # cached slots pending here (rank 0 watches stalls)
     join: bool = False  # this rank called join()
     stop: bool = False  # this rank shuts down: every rank stops after this round
-    drops: list[tuple[str, list[int]]] = field(default_factory=list)  # rank 0: stalled names, missing ranks
+    drops: list[Drop] = field(default_factory=list)  # rank 0: stalled names to forget
+    call: int = 0  # the executor call this rank's announcements belong to (0: outside any call)
+    finished: Optional[Finished] = None  # this rank left the function of this call (returned or raised)
     tune: Optional[TunedParams] = None  # rank 0: autotune's parameters, applied by every rank now
 
     def encode(self) -> bytes:
@@ -41,7 +60,11 @@ class RoundMessage:
         if self.stop:
             wire["x"] = 1
         if self.drops:
-            wire["drop"] = self.drops
+            wire["drop"] = [[d.name, d.missing, 1] if d.deadlock else [d.name, d.missing] for d in self.drops]
+        if self.announce and self.call:
+            wire["c"] = self.call
+        if self.finished is not None:
+            wire["f"] = [self.finished.call, self.finished.how]
         if self.tune is not None:
             wire["tune"] = [self.tune.fusion_threshold_mb, self.tune.cycle_time_ms, self.tune.cache_enabled]
         return json.dumps(wire, separators=(",", ":")).encode() if wire else b""
@@ -53,12 +76,15 @@ class RoundMessage:
             return cls()
         wire = json.loads(payload)
         tune = wire.get("tune")
+        finished = wire.get("f")
         return cls(
             announce=[OpDesc.from_wire(d) for d in wire.get("q", ())],
             census=[int(slot) for slot in wire.get("pc", ())],
             join=bool(wire.get("j")),
             stop=bool(wire.get("x")),
-            drops=[(str(name), [int(r) for r in missing]) for name, missing in wire.get("drop", ())],
+            drops=[Drop(str(d[0]), [int(r) for r in d[1]], len(d) > 2 and bool(d[2])) for d in wire.get("drop", ())],
+            call=int(wire.get("c", 0)),
+            finished=None if finished is None else Finished(int(finished[0]), str(finished[1])),
             tune=None if tune is None else TunedParams(float(tune[0]), float(tune[1]), bool(tune[2])),
         )
 
@@ -70,6 +96,7 @@ class Announced:
     descs: RankDescs = field(default_factory=dict)
     first_seen: float = 0.0
     warned: bool = False  # the stall inspector warned about it
+    call: int = 0  # the latest executor call it was announced in
 
 
 class NegotiationTable:
@@ -80,6 +107,7 @@ class NegotiationTable:
         self.announced: dict[str, Announced] = {}  # insertion order: the order every rank runs them in
         self.joined: set[int] = set()
         self.last_joined = -1  # the rank whose join was absorbed last (ties in one round: the highest)
+        self.finished: dict[int, Finished] = {}  # rank -> the last call it finished (left the function of)
 
     def absorb(self, messages: list[RoundMessage], now: float) -> tuple[bool, list[str]]:
         """Take in one full round's messages (index: sender). Returns whether anything new came, and the
@@ -87,6 +115,11 @@ class NegotiationTable:
         busy = False
         names = []
         for sender, message in enumerate(messages):
+            if message.finished is not None:
+                self._finish(sender, message.finished)
+        for sender, message in enumerate(messages):
+            if message.announce and self.closed(message.call):
+                continue  # announced in a call some rank has left: it can never run (the sender fails it)
             for desc in message.announce:
                 busy = True
                 name = desc.name
@@ -95,11 +128,30 @@ class NegotiationTable:
                 if entry is None:
                     entry = self.announced[name] = Announced(first_seen=now)
                 entry.descs[sender] = desc
+                entry.call = max(entry.call, message.call)
             if message.join:
                 busy = True
                 self.joined.add(sender)
                 self.last_joined = sender
         return busy, names
+
+    def _finish(self, rank: int, finished: Finished) -> None:
+        """``rank`` left the function of call ``finished.call``: names announced and joins made in that call
+        (or before) can never complete now, and are forgotten by every rank alike."""
+        self.finished[rank] = finished
+        if finished.call:
+            self.joined, self.last_joined = set(), -1  # joins of that call can never complete either
+            self.announced = {
+                name: entry for name, entry in self.announced.items() if entry.call > finished.call
+            }
+
+    def closed(self, call: int) -> bool:
+        """True when some rank has left the function of executor call ``call`` (never for 0, no call)."""
+        return bool(call) and any(f.call >= call for f in self.finished.values())
+
+    def leavers(self, call: int) -> list[tuple[int, Finished]]:
+        """The ranks that have left the function of call ``call``, with how they left it."""
+        return sorted((r, f) for r, f in self.finished.items() if call and f.call >= call)
 
     def take_ready(self) -> list[tuple[str, RankDescs]]:
         """The names every rank has announced (a joined rank counts as having announced everything),

@@ -1,0 +1,79 @@
+"""A function or argument that every worker receives and that pickles large is named in a warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from hvdray import RayExecutor
+from hvdray.driver.payload import LargePayloadWarning, pickled_size
+
+MIB = 1 << 20
+
+
+def _settings(**kw):
+    return RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20, **kw)
+
+
+def _large_payload_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, LargePayloadWarning)]
+
+
+def test_a_large_closure_is_named_with_the_variable_it_captures(make_executor):
+    ex = make_executor(num_workers=2, settings=_settings(payload_warning_mb=4))
+    table = np.ones(6 * MIB // 8)  # 6 MiB captured by the closure below
+
+    def total():
+        return float(table.sum())
+
+    with pytest.warns(LargePayloadWarning) as record:
+        assert ex.run(total) == [float(len(table))] * 2
+    (message,) = _large_payload_warnings(record)
+    assert "run() sends to each of its 2 worker(s)" in message
+    assert "'test_a_large_closure_is_named_with_the_variable_it_captures.<locals>.total' pickles to 6.0 MiB" in message
+    assert "6.0 MiB of it the variable 'table' it captures" in message
+    assert "ray.put" in message and "payload_warning_mb=4" in message
+    assert record[0].filename == __file__  # points at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargePayloadWarning)
+        ex.run(total)  # once per executor
+
+
+def test_large_arguments_are_named_and_small_ones_are_not(make_executor):
+    ex = make_executor(num_workers=2, settings=_settings(payload_warning_mb=4))
+    big = np.zeros(5 * MIB, dtype=np.uint8)
+    with pytest.warns(LargePayloadWarning) as record:
+        ex.run(lambda a, b, scale: len(a) + b * scale, args=[big, 1], kwargs={"scale": 2})
+    (message,) = _large_payload_warnings(record)
+    assert "args[0] (ndarray) pickles to 5.0 MiB" in message
+    assert "args[1]" not in message and "scale" not in message and "the function '" not in message
+    with pytest.warns(LargePayloadWarning, match=r"kwargs\['rows'\] \(list\) pickles to"):
+        ex.run(lambda rows: len(rows), kwargs={"rows": [bytes(MIB) for _ in range(5)]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargePayloadWarning)
+        assert ex.run(lambda x: x, args=[3]) == [3, 3]
+
+
+def test_executable_arguments_and_a_zero_limit(ray_local):
+    class Holder:
+        def __init__(self, blob):
+            self.size = len(blob)
+
+    with pytest.warns(LargePayloadWarning, match=r"start\(\) sends .*executable_args\[0\] \(bytes\) pickles to 5\.0 MiB"):
+        with RayExecutor(_settings(payload_warning_mb=4), num_workers=1) as ex:
+            ex.start(Holder, executable_args=[bytes(5 * MIB)])
+            assert ex.execute(lambda h: h.size) == [5 * MIB]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargePayloadWarning)
+        with RayExecutor(_settings(payload_warning_mb=0), num_workers=1) as ex:  # 0: off
+            assert ex.run(lambda blob: len(blob), args=[bytes(5 * MIB)]) == [5 * MIB]
+
+
+def test_default_limit_and_measuring_a_large_array_without_copying_it():
+    assert _settings().payload_warning_mb == 100
+    array = np.zeros(150 * MIB, dtype=np.uint8)  # counted through pickle 5's out-of-band buffers
+    assert 150 * MIB <= pickled_size(array) < 150 * MIB + 4096
+    assert pickled_size(lambda: array) >= 150 * MIB
+    assert pickled_size(__import__("threading").Lock()) is None  # unpicklable: Ray says so itself

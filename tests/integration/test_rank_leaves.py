@@ -1,0 +1,180 @@
+"""A rank that leaves its function (returns or raises) while its peers wait on a collective never hangs the job.
+
+The issue this guards: ``rank 0: hvd.allreduce(...)``, ``rank 1: return`` used to block ``run`` forever
+(the stall inspector warns, but by default shuts nothing down). Now the leaving rank tells every rank,
+and each op it never submitted fails at once with ``PeerFinishedError`` naming the op and the rank;
+``run`` raises the root cause (the rank that raised, when one did), and the next call works.
+
+No stall shutdown is configured here (the default bound is far longer than these tests): every bound
+below comes from the leaving rank's news alone.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+
+from hvdray.collective.errors import PeerFinishedError
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+#: the news travels in one negotiation round; generous for a loaded 2-core machine
+BOUND_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def ex(ray_local):
+    from hvdray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2)
+    executor.start()
+    try:
+        yield executor
+    finally:
+        executor.shutdown()
+
+
+def _timed(fn):
+    started = time.monotonic()
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def _sum_of_ranks():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, name="sum_of_ranks").item()
+
+
+def _rank1_returns(cached_first: bool):
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if cached_first:  # the op is in the response cache: it is announced by a flag bit, not by name
+        for _ in range(3):
+            hvd.allreduce(torch.ones(3), name="grad")
+    if hvd.rank() == 1:
+        return "left"
+    hvd.allreduce(torch.ones(3), name="grad")
+    return "not reached"
+
+
+@pytest.mark.parametrize("cached_first", [False, True], ids=["named", "cached"])
+def test_a_rank_that_returns_fails_the_op_it_skipped_on_the_waiting_rank(ex, cached_first):
+    error, took = _timed(lambda: ex.run(_rank1_returns, args=[cached_first]))
+    assert isinstance(error, PeerFinishedError), repr(error)
+    text = str(error)
+    assert "'grad'" in text and "rank 1 returned from its function" in text and "rank 0" in text, text
+    assert took < BOUND_S, took
+    # the next call runs normally on the same workers
+    assert ex.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _rank1_raises():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise KeyError("batch 7 is missing on rank 1")
+    hvd.broadcast(torch.zeros(4), root_rank=1, name="weights")
+
+
+def test_a_rank_that_raises_is_the_error_run_raises_not_its_waiting_peer(ex):
+    error, took = _timed(lambda: ex.run(_rank1_raises))
+    assert isinstance(error, KeyError), repr(error)  # the root cause, not rank 0's PeerFinishedError
+    assert "batch 7 is missing" in str(error)
+    assert took < BOUND_S, took
+    assert ex.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _peer_errors_seen_by_rank0():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        return []
+    seen = []
+    handle = hvd.allreduce_async(torch.ones(2), name="late")
+    try:
+        hvd.synchronize(handle)
+    except PeerFinishedError as exc:
+        seen.append(str(exc))
+    try:  # the call is over for rank 1: a new op fails at once, it is not queued forever
+        hvd.allgather(torch.ones(1), name="after")
+    except PeerFinishedError as exc:
+        seen.append(str(exc))
+    try:
+        hvd.join()
+    except PeerFinishedError as exc:
+        seen.append(str(exc))
+    return seen
+
+
+def test_every_later_op_and_join_of_the_call_fails_fast_on_the_waiting_rank(ex):
+    started = time.monotonic()
+    seen, left = ex.run(_peer_errors_seen_by_rank0)
+    assert left == []
+    assert len(seen) == 3, seen
+    assert "'late'" in seen[0] and "'after'" in seen[1] and "join()" in seen[2], seen
+    assert all("rank 1 returned from its function" in s for s in seen), seen
+    assert time.monotonic() - started < BOUND_S
+    assert ex.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _joined_rank_waits_for_one_that_left():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        hvd.join()  # waits for every rank to join; rank 1 never does
+    else:
+        hvd.allreduce(torch.ones(2), name="step")  # runs with rank 0 joined (it contributes zeros)
+    return hvd.rank()
+
+
+def test_a_join_that_can_never_complete_fails(ex):
+    error, took = _timed(lambda: ex.run(_joined_rank_waits_for_one_that_left))
+    assert isinstance(error, PeerFinishedError), repr(error)
+    assert "join()" in str(error) and "rank 1 returned" in str(error)
+    assert took < BOUND_S
+    assert ex.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _process_set_op_skipped():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    pair = hvd.add_process_set([0, 1])
+    try:
+        if hvd.rank() == 0:
+            hvd.allreduce(torch.ones(2), name="in_set", process_set=pair)
+    finally:
+        if hvd.rank() == 1:
+            time.sleep(0.5)  # leave the set's engine up: rank 0 must learn it from rank 1's news
+    return hvd.rank()
+
+
+def test_an_op_on_a_process_set_fails_too(ex):
+    error, took = _timed(lambda: ex.run(_process_set_op_skipped))
+    assert isinstance(error, PeerFinishedError), repr(error)
+    assert "'in_set'" in str(error)
+    assert took < BOUND_S
