@@ -96,4 +96,4 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
         assert len(results) == 3 and results[0]["sizes"][-1] == 3, results[0]["sizes"]
     else:
         assert any(t["state"] == "recovering" for t in recorder.transitions())
-    assert elapsed < 180, f"took {elapsed:.0f} s"
+    assert elapsed < (120 if cpu_load == "quiet" else 250), f"took {elapsed:.0f} s"
