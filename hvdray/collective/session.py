@@ -29,6 +29,7 @@ from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import Communicator, TransportOptions, shm
 from hvdray.settings import Settings
+from hvdray.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class Session:
     def init(self) -> None:
         """Join the configured job (or start a size-1 one). Calling it again is a no-op until ``shutdown``.
 
+        In an elastic job a ring that cannot connect (a member of the epoch died, or the driver abandoned
+        the epoch) is not an error: the worker leaves that epoch and waits for the next one, as often as
+        it takes, within the membership's wait limit.
+
         That holds for an engine that has stopped too (a peer shut down or the ring broke): its ops keep
         raising what stopped it. Re-joining takes ``shutdown()`` then ``init()`` on every rank (what an
         elastic reset does), so that all ranks count the same generations: a rank that quietly started a
@@ -102,17 +107,28 @@ class Session:
             if self.engine is not None:
                 return
             job = self.current_job()
-            if job.rank_info is None:
-                if job.membership is None:
-                    raise HorovodInternalError("this worker has no rank and no membership to ask for one")
-                job.epoch, job.rank_info = job.membership.next_epoch(job.epoch)
-            # inits within one epoch get fresh keys; every rank counts from 1 in each epoch, new workers too
-            self.generation = self.generation + 1 if self.generation_epoch == job.epoch else 1
-            self.generation_epoch = job.epoch
-            info = job.rank_info
-            self.engine = self._start_engine(
-                self._store_prefix(), info.rank, info.size, self._make_tuner(info.rank), placement=info
-            )
+            while True:
+                if job.rank_info is None:
+                    if job.membership is None:
+                        raise HorovodInternalError("this worker has no rank and no membership to ask for one")
+                    job.epoch, job.rank_info = job.membership.next_epoch(job.epoch)
+                # inits within one epoch get fresh keys; every rank counts from 1 in each epoch, new workers too
+                self.generation = self.generation + 1 if self.generation_epoch == job.epoch else 1
+                self.generation_epoch = job.epoch
+                info = job.rank_info
+                try:
+                    self.engine = self._start_engine(
+                        self._store_prefix(), info.rank, info.size, self._make_tuner(info.rank), placement=info
+                    )
+                    break
+                except HorovodInternalError as exc:
+                    if job.membership is None:
+                        raise
+                    # elastic: a member of this epoch is gone; the driver forms the next one with the rest
+                    log.warning("hvdray elastic: membership epoch %d could not connect (%s); waiting for the next",
+                                job.epoch, exc)
+                    job.rank_info = None
+            faults.reached("init")
             log.debug("hvdray initialized: rank %d of %d", info.rank, info.size)
             settings = job.settings
             if settings.timeline_filename and self.timeline is None:

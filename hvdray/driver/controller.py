@@ -16,7 +16,11 @@ or None to stay. Only :meth:`ElasticDriver._enter` changes the state, and only a
     an exception raised by the user's function, or the coordinator lost.
 
 Leaving STARTING, RESIZING or RECOVERING forms a new membership epoch in the coordinator: the
-survivors (in their old rank order) then the new workers. Every transition is logged and sent to the
+survivors (in their old rank order) then the new workers. Entering RECOVERING abandons the current
+epoch, so that members still in its rendezvous stop waiting at once. While the job trains or
+re-forms, every worker is pinged without waiting for the answer; one that fails to answer is dropped
+and its node cooled down (never the last usable node). A live worker is never dropped for being slow
+to rejoin, unless it stays away for elastic_timeout. Every transition is logged and sent to the
 run's callbacks as ``{"event": "elastic", ...}``. What to do about failures and sizes is asked of
 :mod:`hvdray.driver.policies`; the workers themselves are started and stopped by the worker group.
 """
@@ -34,14 +38,14 @@ import ray
 
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
 from hvdray.driver.placement import node_worker_options
-from hvdray.driver.policies import ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
+from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
 from hvdray.driver.worker_group import RunOutcome, WorkerGroup, failure_error
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.05
-_PING_TIMEOUT_S = 2.0
+_UNANSWERED_S = 2.0  # a worker whose ping goes unanswered this long is gone (its node is down, most likely)
 
 
 class DriverState(enum.Enum):
@@ -103,19 +107,22 @@ class ElasticDriver:
         cpus_per_worker: float,
         gpus_per_worker: float,
         failure_policy: FailurePolicy,
+        clock: Clock = time.monotonic,
     ) -> None:
+        self._clock = clock
         self._group = group  # an elastic group of its own: stopped when the run ends
         self._settings = settings
         self._discovery = discovery
         self._cpus = cpus_per_worker
         self._gpus = gpus_per_worker
         self._failures = failure_policy
-        self._scaling = ScalingPolicy(limits)
+        self._scaling = ScalingPolicy(limits, clock)
         self._state = DriverState.STARTING
         self._epoch = 0
         self._resets = 0
         self._next_discovery = 0.0
-        self._rejoin_deadline = 0.0
+        self._known_nodes: set[str] = set()  # the nodes the last discovery offered
+        self._recovering_since = 0.0
         self._error: Optional[BaseException] = None
         self._call: tuple[Callable[..., Any], list[Any], dict[str, Any]] = (lambda: None, [], {})
         self._callbacks: list[Callable[[dict[str, Any]], None]] = []
@@ -171,8 +178,10 @@ class ElasticDriver:
             raise AssertionError(f"hvdray elastic: no transition from {old.value} to {new.value}")
         self._state = new
         if new is DriverState.RECOVERING:
-            # survivors notice a broken ring within a collective timeout; later ones are stuck
-            self._rejoin_deadline = time.monotonic() + self._settings.timeout_s
+            if old is not DriverState.RECOVERING:
+                self._recovering_since = self._clock()
+            if self._epoch > 0:  # whoever waits in the current epoch's rendezvous learns at once it is over
+                self._group.abandon_epoch(self._epoch)
         elif new is DriverState.FINISHING:
             self._group.drain()  # no new workers: the job ends with the members it has
         elif new is DriverState.ERRORED:
@@ -223,8 +232,10 @@ class ElasticDriver:
         return self._form_epoch_when_ready(deadline=None)
 
     def _step_recovering(self) -> Optional[Transition]:
-        """Drop the dead, start replacements only if below min_workers, re-form the ring from the rest."""
-        self._drop(self._group.probe_liveness(_PING_TIMEOUT_S), lost_workers=True)
+        """Drop the dead, start replacements only if below min_workers, re-form the ring from the rest.
+
+        A live worker that has not rejoined yet (a survivor still in a collective, a rendezvous or its own
+        code, slow under load) is waited for, up to elastic_timeout: slow is not dead."""
         ended = self._after_runs()
         if ended is not None:
             return ended
@@ -234,7 +245,7 @@ class ElasticDriver:
             return given_up
         if not self._scaling.enough(len(self._group.workers)):
             return None  # replacements are on their way
-        return self._form_epoch_when_ready(deadline=self._rejoin_deadline)
+        return self._form_epoch_when_ready(deadline=self._recovering_since + self._scaling.limits.elastic_timeout)
 
     def _step_finishing(self) -> Optional[Transition]:
         """A member returned: wait for the others of its epoch, then drop everyone else."""
@@ -250,9 +261,12 @@ class ElasticDriver:
 
     # -- what happened and what it calls for (may drop workers; never changes the state) ----------
     def _after_runs(self) -> Optional[Transition]:
-        """Collect ended runs: the dead are dropped; returns the transition they call for, if any."""
+        """Collect ended runs and, while the job trains or re-forms, workers that stopped answering pings
+        (never blocking): the dead are dropped; returns the transition they call for, if any."""
         finishing = self._state in (DriverState.FINISHING, DriverState.FINISHED)
         lost: list[str] = []
+        if self._state in (DriverState.RUNNING, DriverState.RESIZING, DriverState.RECOVERING):
+            lost += self._group.poll_liveness(_UNANSWERED_S)
         returned = False
         for ended in self._group.poll_runs():
             worker = ended.worker
@@ -262,7 +276,8 @@ class ElasticDriver:
                 if ended.out_of_memory:
                     log.warning("hvdray elastic: worker %s was killed because its node ran out of memory",
                                 worker.worker_id)
-                lost.append(worker.worker_id)
+                if worker.worker_id not in lost:
+                    lost.append(worker.worker_id)
             elif self._failures.run_error(worker.rank is not None, finishing) is RunErrorDecision.RAISE:
                 assert ended.error is not None
                 return errored(failure_error(ended.error, worker.rank, worker_id=worker.worker_id,
@@ -281,14 +296,16 @@ class ElasticDriver:
         return errored(ElasticJobError(reason)) if reason is not None else None
 
     def _form_epoch_when_ready(self, deadline: Optional[float]) -> Optional[Transition]:
-        """When every live worker waits for a new epoch, form it (checking reset_limit first); workers
-        still not waiting after ``deadline`` are dropped."""
+        """When every live worker waits for a new epoch, form it (checking reset_limit first). Workers
+        still not waiting after ``deadline`` (they answer pings, or they would be gone) are dropped, and
+        their nodes stay usable: they are stuck, their node did not fail."""
         waiting = self._group.waiting()
         late = [w for w in self._group.workers if w not in waiting]
         if late:
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("hvdray elastic: worker(s) %s did not rejoin within timeout_s; dropping them", late)
-                self._drop(late, lost_workers=True)
+            if deadline is not None and self._clock() > deadline:
+                log.warning("hvdray elastic: worker(s) %s answer but did not rejoin within elastic_timeout=%s s; "
+                            "dropping them", late, self._scaling.limits.elastic_timeout)
+                self._drop(late, lost_workers=False)
             return None
         if not self._scaling.enough(len(self._group.workers)):
             return Transition(DriverState.RECOVERING, f"only {len(self._group.workers)} worker(s) left")
@@ -309,18 +326,20 @@ class ElasticDriver:
 
     def _discovery_due(self) -> bool:
         """True (and the next one scheduled) when it is time to ask the discovery again."""
-        if time.monotonic() < self._next_discovery:
+        if self._clock() < self._next_discovery:
             return False
-        self._next_discovery = time.monotonic() + self._settings.discovery_interval_s
+        self._next_discovery = self._clock() + self._settings.discovery_interval_s
         return True
 
     def _discover(self) -> Optional[dict[str, int]]:
         """Slots per node from the discovery; None when it failed (the job goes on, asking again later)."""
         try:
-            return slots_per_node(self._discovery)
+            slots = slots_per_node(self._discovery)
         except Exception:  # noqa: BLE001 - a failing discovery must not end the job
             log.warning("hvdray elastic: host discovery failed", exc_info=True)
             return None
+        self._known_nodes = set(slots)
+        return slots
 
     def _free_slots(self, slots: dict[str, int]) -> dict[str, int]:
         """Slots not yet used by this job, per node, never more in total than max_workers allows."""
@@ -351,7 +370,7 @@ class ElasticDriver:
             log.info("hvdray elastic: starting %d worker(s) on %s", sum(free.values()),
                      {n[:8]: c for n, c in free.items()})
             # Ray's view of free resources lags the new actors: look again only once it has caught up
-            self._next_discovery = time.monotonic() + 2 * self._settings.discovery_interval_s
+            self._next_discovery = self._clock() + 2 * self._settings.discovery_interval_s
 
     def _collect_started(self) -> int:
         """Workers that started are given ``fn`` (they wait in hvd.init); failed starts are reported to
@@ -360,7 +379,8 @@ class ElasticDriver:
         for failure in failed:
             log.warning("hvdray elastic: could not start a worker on node %s: %s",
                         (failure.node_id or "?")[:8], failure.error)
-            self._failures.start_failed(failure.node_id, failure.worker_died)
+            if failure.node_id is not None:
+                self._failures.start_failed(failure.node_id, failure.worker_died, self._known_nodes)
         fn, args, kwargs = self._call
         for worker in started:
             self._group.run(worker, fn, args, kwargs)
@@ -372,9 +392,13 @@ class ElasticDriver:
             return
         for worker in self._group.remove(worker_ids):
             if lost_workers and worker.node_id is not None:
-                delay = self._failures.worker_lost(worker.node_id)
-                log.warning("hvdray elastic: worker %s on node %s lost; node blacklisted for %s s",
-                            worker.worker_id, worker.node_id[:8], delay)
+                delay = self._failures.worker_lost(worker.node_id, self._known_nodes)
+                if delay is None:
+                    log.warning("hvdray elastic: worker %s on node %s lost; the node is the last usable one and "
+                                "stays in use", worker.worker_id, worker.node_id[:8])
+                else:
+                    log.warning("hvdray elastic: worker %s on node %s lost; node blacklisted for %s s",
+                                worker.worker_id, worker.node_id[:8], delay)
 
     def stop(self) -> None:
         """Kill every worker of this run (the coordinator belongs to the executor)."""

@@ -2,7 +2,9 @@
 
 Rank assignment happens here and nowhere else. Every assignment starts a new membership epoch; the
 rendezvous keys of an older epoch are dropped, and a worker still waiting on one is answered at once
-instead of at its timeout. In an elastic job workers wait here for the epoch that includes them and
+(``superseded``) instead of at its timeout. The elastic driver may also *abandon* the current epoch (a
+member died while it formed or ran): its rendezvous waits are answered ``superseded`` at once, and no
+worker is handed that epoch any more. In an elastic job workers wait here for the epoch that includes them and
 poll the host-update counter the driver bumps. The actor is asynchronous so that many workers can
 wait at once; it needs no CPU.
 """
@@ -88,6 +90,7 @@ class Coordinator:
         self._waiting_since: dict[str, int] = {}  # worker id -> the epoch current when it began waiting
         self._host_updates = 0
         self._host_updates_at_epoch = 0
+        self._abandoned = 0  # the newest epoch the driver gave up on (0: none)
 
     def _admit(self, token: Any) -> None:
         """Refuse a caller that does not present the job's rendezvous token."""
@@ -118,6 +121,20 @@ class Coordinator:
         self._admit(token)
         return self._epoch
 
+    async def abandon(self, token: bytes, epoch: int) -> None:
+        """The driver gave up on ``epoch`` (one of its members is gone): whoever waits in its rendezvous
+        is answered ``superseded`` at once, and workers wait for the next epoch instead of joining it."""
+        self._admit(token)
+        async with self._changed:
+            if epoch == self._epoch and self._abandoned < epoch:
+                self._abandoned = epoch
+                self._kv.clear()
+                self._changed.notify_all()
+
+    def _joinable(self) -> bool:
+        """The current epoch exists and was not abandoned."""
+        return self._epoch > self._abandoned
+
     async def await_membership(
         self, token: bytes, worker_id: str, left_epoch: int, timeout_s: float
     ) -> tuple[str, Optional[tuple[int, RankInfo, tuple[str, ...]]]]:
@@ -127,14 +144,16 @@ class Coordinator:
         epoch was formed without this worker, or ``("wait", None)`` after ``timeout_s`` (ask again)."""
         self._admit(token)
         async with self._changed:
-            if worker_id in self._members and self._epoch > left_epoch:
+            if worker_id in self._members and self._epoch > left_epoch and self._joinable():
                 return "member", self._member(worker_id)
             # a new worker waits for an epoch formed after it arrived, never for the one already running
             since = self._waiting_since.setdefault(worker_id, self._epoch)
             self._waiting[worker_id] = left_epoch
             target = max(left_epoch, since)
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch > target), timeout=timeout_s)
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._epoch > target and self._joinable()), timeout=timeout_s
+                )
             except asyncio.TimeoutError:
                 return "wait", None
             if worker_id not in self._members:
@@ -170,15 +189,17 @@ class Coordinator:
     # -- rendezvous key-value table ----------------------------------------------------------
     async def kv_set(self, token: bytes, key: str, value: bytes) -> None:
         self._admit(token)
+        if not self._live(key):
+            return  # a key of an epoch that is over would never be read
         async with self._changed:
             self._kv[key] = value
             self._changed.notify_all()
 
-    async def kv_get(self, token: bytes, key: str, timeout_s: float) -> Optional[bytes]:
+    async def kv_get(self, token: bytes, key: str, timeout_s: float) -> tuple[str, Optional[bytes]]:
+        """``("ok", value)``, or ``("timeout"|"superseded", None)`` as :meth:`kv_wait` says."""
         self._admit(token)
-        if await self.kv_wait(token, [key], timeout_s):
-            return self._kv[key]
-        return None
+        status = await self.kv_wait(token, [key], timeout_s)
+        return status, self._kv[key] if status == "ok" else None
 
     async def kv_add(self, token: bytes, key: str, amount: int) -> int:
         self._admit(token)
@@ -188,25 +209,27 @@ class Coordinator:
             self._changed.notify_all()
             return value
 
-    async def kv_wait(self, token: bytes, keys: list[str], timeout_s: float) -> bool:
-        """True once all ``keys`` exist; False after ``timeout_s`` or as soon as their epoch is superseded."""
+    def _live(self, key: str) -> bool:
+        """``key`` belongs to the current epoch, and the driver has not abandoned it."""
+        return key.startswith(f"e{self._epoch}/") and self._joinable()
+
+    async def kv_wait(self, token: bytes, keys: list[str], timeout_s: float) -> str:
+        """``"ok"`` once all ``keys`` exist; ``"superseded"`` as soon as their epoch is over (a newer one
+        formed, or the driver abandoned it); ``"timeout"`` after ``timeout_s``."""
         self._admit(token)
         if not keys:
-            return True
-        current = f"e{self._epoch}/"
-        if not all(k.startswith(current) for k in keys):
-            return False
+            return "ok"
+        if not all(self._live(k) for k in keys):
+            return "superseded"
         async with self._changed:
             try:
                 await asyncio.wait_for(
-                    self._changed.wait_for(
-                        lambda: all(k in self._kv for k in keys) or not keys[0].startswith(f"e{self._epoch}/")
-                    ),
+                    self._changed.wait_for(lambda: all(k in self._kv for k in keys) or not self._live(keys[0])),
                     timeout=timeout_s,
                 )
             except asyncio.TimeoutError:
-                return False
-            return keys[0].startswith(f"e{self._epoch}/")
+                return "timeout"
+            return "ok" if self._live(keys[0]) else "superseded"
 
     def kv_check(self, token: bytes, keys: list[str]) -> bool:
         self._admit(token)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +30,14 @@ class ElasticLimits:
     elastic_timeout: float
 
 
+#: the cooldown of a node where a worker failed, when the executor was given no ``cooldown_range``
+DEFAULT_COOLDOWN_RANGE = (10.0, 300.0)
+
+
 @dataclass
 class Blacklist:
-    """Nodes where a worker failed; with a cooldown range they come back after an exponential backoff."""
+    """Nodes where a worker failed; each comes back after an exponential backoff within the cooldown
+    range (:data:`DEFAULT_COOLDOWN_RANGE` when None): never for good, a node may recover."""
 
     cooldown_range: Optional[tuple[float, float]]
     clock: Clock = time.monotonic
@@ -41,13 +45,10 @@ class Blacklist:
     _failures: dict[str, int] = field(default_factory=dict)
 
     def add(self, node_id: str) -> float:
-        """Blacklist ``node_id``; returns the cooldown in seconds (inf: for good)."""
+        """Blacklist ``node_id``; returns the cooldown in seconds (low, doubling per failure, up to high)."""
         count = self._failures[node_id] = self._failures.get(node_id, 0) + 1
-        if self.cooldown_range is None:
-            delay = math.inf
-        else:
-            low, high = self.cooldown_range
-            delay = min(high, low * 2 ** (count - 1))
+        low, high = self.cooldown_range or DEFAULT_COOLDOWN_RANGE
+        delay = min(high, low * 2 ** (count - 1))
         self._until[node_id] = self.clock() + delay
         return delay
 
@@ -71,14 +72,19 @@ class FailurePolicy:
         self.reset_limit = reset_limit
         self.blacklist = Blacklist(cooldown_range, clock)
 
-    def worker_lost(self, node_id: str) -> float:
-        """A worker on ``node_id`` died or stopped answering: avoid the node; returns the cooldown (s)."""
+    def worker_lost(self, node_id: str, known_nodes: Iterable[str]) -> Optional[float]:
+        """A worker on ``node_id`` died or stopped answering: avoid the node for a cooldown (returned, in
+        seconds), unless no other of the ``known_nodes`` (the last discovery's) is usable: the last usable
+        node is never blacklisted (None), or the job could only wait out elastic_timeout."""
+        if not any(n != node_id and self.usable(n) for n in known_nodes):
+            return None
         return self.blacklist.add(node_id)
 
-    def start_failed(self, node_id: str, worker_died: bool) -> Optional[float]:
-        """A worker could not start there. Its process dying marks the node; a timeout or a refusal does
-        not (discovery will say whether the node is still there). Returns the cooldown, if any."""
-        return self.blacklist.add(node_id) if worker_died else None
+    def start_failed(self, node_id: str, worker_died: bool, known_nodes: Iterable[str]) -> Optional[float]:
+        """A worker could not start there. Its process dying marks the node (as :meth:`worker_lost`); a
+        timeout or a refusal does not (discovery will say whether the node is still there). Returns the
+        cooldown, if any."""
+        return self.worker_lost(node_id, known_nodes) if worker_died else None
 
     def usable(self, node_id: str) -> bool:
         """False while ``node_id`` is blacklisted."""

@@ -11,9 +11,12 @@ A fixed group is RUNNING once every rank is configured; an elastic one from its 
 (it keeps adding workers while it runs). DRAINING starts no more workers.
 
 A worker starts in steps, each one Ray call with its own budget: its actor is created and reports
-its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (within
-``timeout_s``). :meth:`WorkerGroup.poll_starts` advances every start without blocking on any one of
-them, so that a control loop can keep watching the others. A fixed group starts all its workers at
+its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (importing torch,
+which under CPU load can take far longer than ``timeout_s``: it has ``elastic_timeout``, the time the
+job may wait for workers anyway; a worker that dies meanwhile fails its start at once).
+:meth:`WorkerGroup.poll_starts` advances every start without blocking on any one of them, and
+:meth:`WorkerGroup.poll_liveness` pings without waiting for the answers, so that a control loop can
+keep watching everything else. A fixed group starts all its workers at
 once, gives them ranks and stops whatever it started if any step fails.
 
 Log delivery (the coordinator's log channel to the run's callbacks), naming a failed rank and naming
@@ -43,6 +46,7 @@ Callback = Callable[[dict[str, Any]], None]
 _LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
+_PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
 
 
 class WorkerLostError(RuntimeError):
@@ -224,6 +228,8 @@ class WorkerGroup:
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
+        self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
+        self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -250,8 +256,8 @@ class WorkerGroup:
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
-        """A start step with its own budget: placement_group_timeout_s to start, timeout_s to configure."""
-        budget = "timeout_s" if configuring else "placement_group_timeout_s"
+        """A start step with its own budget: placement_group_timeout_s to start, elastic_timeout to configure."""
+        budget = "elastic_timeout" if configuring else "placement_group_timeout_s"
         seconds = getattr(self._settings, budget)
         what = "was not configured" if configuring else "did not start"
         return _Start(worker, call, time.monotonic() + seconds, f"it {what} within {budget}={seconds} s", configuring)
@@ -406,18 +412,30 @@ class WorkerGroup:
         self.deliver_logs(callbacks)
         return ray.get(calls)
 
-    def probe_liveness(self, timeout: float) -> list[str]:
-        """Ids of running workers that do not answer a ping within ``timeout`` (their node may be down)."""
-        pings = {w.actor.ping.remote(): w.worker_id for w in self.workers.values() if not w.done}
-        if not pings:
+    def poll_liveness(self, unanswered_s: float) -> list[str]:
+        """Ids of running workers found gone, without waiting: a ping (one in flight per worker, sent
+        again ``_PING_EVERY_S`` after its answer) that failed, or that has gone unanswered for
+        ``unanswered_s`` (its node may be down: Ray itself reports such actors dead much later)."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if worker.done or worker.worker_id in self._pings:
+                continue
+            if now >= self._next_ping.get(worker.worker_id, 0.0):
+                self._pings[worker.worker_id] = (worker.actor.ping.remote(), now)
+        if not self._pings:
             return []
-        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
-        gone = [worker_id for ping, worker_id in pings.items() if ping not in answered]
-        for ping in answered:
+        by_ref = {ref: worker_id for worker_id, (ref, _) in self._pings.items()}
+        answered, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+        gone = []
+        for ref in answered:
+            worker_id = by_ref[ref]
+            del self._pings[worker_id]
+            self._next_ping[worker_id] = now + _PING_EVERY_S
             try:
-                ray.get(ping)
+                ray.get(ref)
             except Exception:  # noqa: BLE001 - any failure to answer means the worker is gone
-                gone.append(pings[ping])
+                gone.append(worker_id)
+        gone += [worker_id for worker_id, (_, sent) in self._pings.items() if now - sent > unanswered_s]
         return gone
 
     def held(self) -> dict[str, int]:
@@ -431,6 +449,10 @@ class WorkerGroup:
     def waiting(self) -> set[str]:
         """Ids of workers waiting in the coordinator for a new membership epoch."""
         return set(ray.get(self.coordinator.waiting.remote()))
+
+    def abandon_epoch(self, epoch: int) -> None:
+        """Give up on membership ``epoch``: workers waiting in its rendezvous are told at once."""
+        ray.get(self.coordinator.abandon.remote(epoch), timeout=self._settings.timeout_s)
 
     def form_epoch(self, order: Sequence[GroupWorker]) -> int:
         """A new membership epoch of ``order``'s workers, ranked by the coordinator; returns its number."""
@@ -460,6 +482,8 @@ class WorkerGroup:
         removed = []
         for worker_id in worker_ids:
             worker = self.workers.pop(worker_id, None)
+            self._pings.pop(worker_id, None)
+            self._next_ping.pop(worker_id, None)
             if worker is not None:
                 ray.kill(worker.actor, no_restart=True)
                 removed.append(worker)

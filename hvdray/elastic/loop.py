@@ -37,17 +37,8 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             except HostsUpdatedInterrupt as exc:
                 log.info("hvdray elastic: hosts updated; re-forming the ring")
                 skip_sync = exc.skip_sync
-            _reset()
+            session.reset()  # joins the next membership epoch, past any that fails to connect
             state.on_reset()
 
     return wrapper
 
-
-def _reset() -> None:
-    """Join the next membership epoch; a peer lost while connecting means waiting for the one after."""
-    while True:
-        try:
-            session.reset()
-            return
-        except HorovodInternalError as exc:
-            log.warning("hvdray elastic: re-forming the ring failed (%s); waiting for the next membership", exc)

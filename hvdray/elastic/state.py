@@ -19,6 +19,7 @@ import torch
 from hvdray.collective import session
 from hvdray.collective import ops as _c
 from hvdray.elastic.storage import CommitStorage
+from hvdray.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class State(abc.ABC):
         storage = _storage()
         if storage is not None and session.is_initialized() and session.rank_info("commit()").rank == 0:
             storage.write(self._commits, self._saved_copy())
+        faults.reached("commit")
         self.check_host_updates()
+        faults.reached("after_commit")
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if the driver announced new hosts."""
@@ -72,6 +75,7 @@ class State(abc.ABC):
 
     def sync(self) -> None:
         """Make every rank's state equal to that of the rank with the most recent commit."""
+        faults.reached("sync")
         counts = _c.synchronize(
             _c.allgather_async(torch.tensor([self._commits], dtype=torch.int64), name="hvdray.elastic.commits")
         ).tolist()

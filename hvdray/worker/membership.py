@@ -10,6 +10,7 @@ import ray
 
 from hvdray.collective.errors import HorovodInternalError
 from hvdray.collective.topology import RankInfo
+from hvdray.testing import faults
 
 _ASK_EVERY_S = 5.0  # one coordinator call waits at most this long, so a vanished driver is noticed
 
@@ -21,6 +22,7 @@ class CoordinatorMembership:
         self._coordinator = coordinator
         self.worker_id = worker_id
         self._wait_limit_s = wait_limit_s
+        faults.set_context(node_id=ray.get_runtime_context().get_node_id())
 
     def next_epoch(self, left_epoch: int) -> tuple[int, RankInfo]:
         """Wait (up to the elastic timeout) for the driver to form an epoch newer than ``left_epoch``."""
@@ -32,6 +34,8 @@ class CoordinatorMembership:
             if status == "member":
                 epoch, info, node_gpus = member
                 export_rank_env(info, node_gpus)
+                faults.set_context(epoch=epoch)
+                faults.reached("epoch_forming")
                 return epoch, info
             if status == "removed":
                 raise HorovodInternalError(f"worker {self.worker_id} was removed from the job in a membership change")

@@ -3,6 +3,10 @@
 Gloo finds its peers through this store. Every read and write is a Ray call to the job's coordinator,
 so the rendezvous opens no port of its own: only a process holding the coordinator's handle (which
 Ray gives to the job's driver and workers) can read, write or wait on its keys.
+
+A wait on keys of an epoch that is over (a newer one formed, or the elastic driver abandoned it
+because a member died) raises :class:`HorovodInternalError` at once: an elastic worker then waits
+for the next epoch instead of for ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from typing import Any, Optional
 
 import ray
 import torch.distributed as dist
+
+from hvdray.collective.errors import HorovodInternalError
+from hvdray.testing import faults
 
 
 class CoordinatorStore(dist.Store):
@@ -31,13 +38,21 @@ class CoordinatorStore(dist.Store):
             return self._timeout_s
         return timeout.total_seconds()
 
+    def _raise_for(self, status: str, keys: Any, seconds: float) -> None:
+        if status == "superseded":
+            raise HorovodInternalError(
+                f"the membership epoch of rendezvous key(s) {keys} is over (a member left or a newer epoch formed)"
+            )
+        if status != "ok":
+            raise TimeoutError(f"rendezvous key(s) {keys} did not all appear within {seconds} s")
+
     def set(self, key: str, value: Any) -> None:
+        faults.reached("rendezvous")
         ray.get(self._coordinator.kv_set.remote(self._key(key), bytes(value)))
 
     def get(self, key: str) -> bytes:
-        value = ray.get(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
-        if value is None:
-            raise TimeoutError(f"rendezvous key {key!r} did not appear within {self._timeout_s} s")
+        status, value = ray.get(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
+        self._raise_for(status, [key], self._timeout_s)
         return value
 
     def add(self, key: str, amount: int) -> int:
@@ -45,8 +60,7 @@ class CoordinatorStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
         seconds = self._seconds(timeout)
-        if not ray.get(self._coordinator.kv_wait.remote([self._key(k) for k in keys], seconds)):
-            raise TimeoutError(f"rendezvous keys {keys} did not all appear within {seconds} s")
+        self._raise_for(ray.get(self._coordinator.kv_wait.remote([self._key(k) for k in keys], seconds)), keys, seconds)
 
     def check(self, keys: list[str]) -> bool:
         return ray.get(self._coordinator.kv_check.remote([self._key(k) for k in keys]))

@@ -39,6 +39,7 @@ OUTSIDER = textwrap.dedent(
         "kv_check": lambda: coordinator.kv_check.remote(b"", ["e1/gen1/rank_0"]),
         "kv_delete": lambda: coordinator.kv_delete.remote(None, "e1/gen1/rank_0"),
         "assign": lambda: coordinator.assign.remote(b"x" * 32, []),
+        "abandon": lambda: coordinator.abandon.remote(b"x" * 32, 1),
         "drain_logs": lambda: coordinator.drain_logs.remote(b"x" * 32),
         "push_log": lambda: coordinator.push_log.remote(b"x" * 32, 0, {"message": "evil"}),
     }

@@ -76,15 +76,55 @@ def test_elastic_ray_executor_alias_with_horovod_signature(ray_local):
 
 
 def test_worker_death_shrinks_the_job_and_runs_reset_callbacks(ray_local, tmp_path):
-    """One node: the dead worker's node is blacklisted (no cooldown), so the job goes on with one worker."""
+    """One node: it is the last usable one, so it is not blacklisted; the survivor goes on alone at once
+    (min_workers=1), and a replacement may join it later."""
     records = []
     started = time.monotonic()
     with RayExecutor(_settings(), min_workers=1, max_workers=2) as ex:
         results = ex.run(_sum_ranks, args=[str(tmp_path / "died")], callbacks=[records.append])
-    assert results == [{"rank": 0, "size": 1, "total": 1.0, "resets": 1}]
+    assert results[0]["resets"] >= 1 and [r["rank"] for r in results] == list(range(len(results)))
     states = [r["state"] for r in records if r.get("event") == "elastic"]
-    assert states == ["starting", "running", "recovering", "running", "finishing", "finished"]
+    assert states[:4] == ["starting", "running", "recovering", "running"], states
+    assert states[-2:] == ["finishing", "finished"]
+    epoch_2 = [r for r in records if r.get("event") == "elastic" and r["epoch"] == 2][0]
+    assert epoch_2["workers"] == 1  # the survivor was not made to wait for a replacement
     assert time.monotonic() - started < 90
+
+
+def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
+    """A member died while epoch 1 formed: the driver abandons it, and a survivor waiting in its
+    rendezvous gets HorovodInternalError at once (not after timeout_s); nobody is handed that epoch
+    any more, and the next epoch is joined as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hvdray.collective.errors import HorovodInternalError
+    from hvdray.collective.topology import WorkerSlot
+    from hvdray.driver.coordinator import start_job_coordinator
+    from hvdray.worker.rendezvous import CoordinatorStore
+
+    job = start_job_coordinator("hvdray-test-abandon-coordinator")
+    client = job.client
+    try:
+        slots = [WorkerSlot(node_id="n", hostname="h", ip="127.0.0.1", gpu_ids=()) for _ in range(2)]
+        epoch, _, _ = ray.get(client.assign.remote(slots, ["survivor", "dead"]))
+        store = CoordinatorStore(client, f"e{epoch}/gen1/", timeout_s=60)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(store.get, "rank_1")  # the dead member's key never comes
+            time.sleep(1.0)
+            assert not waiting.done()
+            asked = time.monotonic()
+            ray.get(client.abandon.remote(epoch))
+            with pytest.raises(HorovodInternalError, match="is over"):
+                waiting.result(timeout=30)
+            assert time.monotonic() - asked < 5
+        with pytest.raises(HorovodInternalError):  # new waits on the abandoned epoch end at once too
+            store.wait(["rank_1"])
+        assert ray.get(client.await_membership.remote("survivor", 0, 0.5)) == ("wait", None)
+        epoch_2, infos, _ = ray.get(client.assign.remote(slots[:1], ["survivor"]))
+        status, member = ray.get(client.await_membership.remote("survivor", epoch, 5.0))
+        assert (status, member[0], member[1].size) == ("member", epoch_2, 1)
+    finally:
+        job.kill()
 
 
 def _fails_on_rank_1():

@@ -1,6 +1,7 @@
 """Elastic training on a real multi-node Ray cluster (several raylets on this machine, 1 CPU each).
 
-Nodes join and leave with ``Cluster.add_node``/``remove_node``; a worker process dies by ``os._exit``.
+A worker process dies by ``os._exit``; nodes removed and joining at every moment of an elastic job are
+the fault-injection matrix's (test_elastic_faults.py).
 Every test checks the same invariants: rank 0's committed epochs are exactly the planned range, no
 process ever resumes before an epoch it had itself committed (no committed epoch lost), every rank
 ends with the same parameters, and the test ends within a stated bound.
@@ -9,233 +10,57 @@ ends with the same parameters, and the test ends within a stated bound.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any, Optional
+from pathlib import Path
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
-from ray.util.state import list_actors
+import ray.cloudpickle
 
-from hvdray import ElasticJobError, RayExecutor
+from hvdray import ElasticJobError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import elastic_checks as checks  # noqa: E402 - shared with the fault-injection matrix
+from elastic_checks import (  # noqa: E402
+    EPOCHS, Recorder, check_invariants, elastic_executor, remove_node_of, train_job, use_nodes,
+)
+from elastic_checks import cluster  # noqa: E402,F401 - the fixture
+
+ray.cloudpickle.register_pickle_by_value(checks)
 pytestmark = pytest.mark.slow
-
-EPOCHS = 6
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head with no CPUs (driver and coordinator only) and worker nodes added per test."""
-    if ray.is_initialized():
-        ray.shutdown()
-    # fast health checks: a removed raylet is reported dead in about a second, not fifteen
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3,
-                               "health_check_initial_delay_ms": 0},
-        },
-    )
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def _worker_nodes(cluster: Cluster) -> list[Any]:
-    return [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
-
-
-def _use_nodes(cluster: Cluster, count: int) -> None:
-    """Exactly ``count`` alive 1-CPU worker nodes, and Ray's view agrees (dead ones reported dead)."""
-    nodes = _worker_nodes(cluster)
-    for node in nodes[count:]:
-        cluster.remove_node(node, allow_graceful=False)
-    for _ in range(count - len(nodes)):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    wanted = {n.node_id for n in _worker_nodes(cluster)}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
-        leftovers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "Worker"]
-        if alive == wanted and not leftovers:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"Ray reports nodes {alive} alive (expected {wanted}) and worker actors {leftovers} alive")
-
-
-def _remove_node_of(cluster: Cluster, node_id: str) -> None:
-    node = next(n for n in _worker_nodes(cluster) if n.node_id == node_id)
-    cluster.remove_node(node, allow_graceful=False)
-
-
-def _train(epochs: int, die: Optional[tuple[int, int, str]] = None,
-           hold: Optional[tuple[int, int, float]] = None) -> dict[str, Any]:
-    """A small elastic job. ``die=(epoch, rank, marker)``: that rank exits mid-epoch once.
-    ``hold=(epoch, size, seconds)``: before that epoch, commit (without training) until the job has
-    ``size`` workers, so a joining node is waited for instead of raced."""
-    import os
-    import time
-
-    import ray
-    import torch
-
-    import hvdray.torch as hvd
-    from hvdray import ray_logger
-
-    torch.set_num_threads(1)
-    hvd.init()
-    torch.manual_seed(7)
-    model = torch.nn.Linear(8, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model, opt, epoch=0, completed=[], sizes=[])
-    node = ray.get_runtime_context().get_node_id()
-    pid = os.getpid()
-
-    @hvd.elastic.run
-    def train(state):
-        ray_logger.log({"kind": "start", "epoch": state.epoch, "pid": pid, "node": node, "size": hvd.size()})
-        while state.epoch < epochs:
-            if hold is not None and state.epoch == hold[0]:
-                deadline = time.monotonic() + hold[2]
-                while hvd.size() < hold[1] and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    state.commit()  # raises HostsUpdatedInterrupt once the new worker is ready
-            for batch in range(4):
-                gen = torch.Generator().manual_seed(state.epoch * 100 + batch * 10 + hvd.rank())
-                x = torch.randn(16, 8, generator=gen)
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-                opt.step()
-                if die is not None and (state.epoch, batch, hvd.rank()) == (die[0], 2, die[1]) \
-                        and not os.path.exists(die[2]):
-                    open(die[2], "w").close()
-                    os._exit(1)
-            time.sleep(0.3)
-            state.completed.append(state.epoch)
-            state.sizes.append(hvd.size())
-            state.epoch += 1
-            state.commit()
-            ray_logger.log({"kind": "commit", "epoch": state.epoch - 1, "pid": pid, "node": node,
-                            "size": hvd.size()})
-        params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return {"rank": hvd.rank(), "completed": list(state.completed), "sizes": list(state.sizes),
-                "params": params.tolist()}
-
-    return train(state)
-
-
-class Recorder:
-    """Collects worker records and driver transitions; ``on`` runs an action once a record matches."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-        self._actions: list[tuple[Any, Any]] = []
-
-    def on(self, match, action) -> None:
-        self._actions.append((match, action))
-
-    def at_commit(self, epoch: int, action) -> None:
-        """Run ``action()`` once rank 0 has committed ``epoch``."""
-        self.on(lambda r: r.get("kind") == "commit" and r["rank"] == 0 and r["epoch"] == epoch, lambda r: action())
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        for entry in list(self._actions):
-            if entry[0](record):
-                self._actions.remove(entry)
-                entry[1](record)
-
-    def node_of_rank(self, rank: int) -> str:
-        """The node where ``rank`` (re)started training last."""
-        return [r["node"] for r in self.records if r.get("kind") == "start" and r["rank"] == rank][-1]
-
-    def transitions(self) -> list[dict[str, Any]]:
-        return [r for r in self.records if r.get("event") == "elastic"]
-
-
-def _check_invariants(results: list[dict[str, Any]], recorder: Recorder, epochs: int = EPOCHS) -> None:
-    assert [r["rank"] for r in results] == list(range(len(results)))
-    assert results[0]["completed"] == list(range(epochs)), results[0]["completed"]
-    assert all(r["completed"] == results[0]["completed"] for r in results)
-    assert all(r["params"] == results[0]["params"] for r in results), "ranks ended with different parameters"
-    # no committed epoch lost: a process (re)starts training only after every epoch it had committed
-    committed: dict[int, int] = {}
-    for record in recorder.records:
-        if record.get("kind") == "commit":
-            committed[record["pid"]] = max(committed.get(record["pid"], -1), record["epoch"])
-        elif record.get("kind") == "start" and record["pid"] in committed:
-            assert record["epoch"] > committed[record["pid"]], (record, committed[record["pid"]])
-
-
-def _executor(**kwargs: Any) -> RayExecutor:
-    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60, discovery_interval_s=0.5)
-    return RayExecutor(settings, cpus_per_worker=1, **kwargs)
-
-
-def test_node_removed_mid_training_job_finishes_on_the_rest(cluster):
-    _use_nodes(cluster, 3)
-    started = time.monotonic()
-    recorder = Recorder()
-    recorder.at_commit(1, lambda: _remove_node_of(cluster, recorder.node_of_rank(1)))
-    with _executor(min_workers=2, max_workers=3) as ex:
-        results = ex.run(_train, args=[EPOCHS], callbacks=[recorder])
-    _check_invariants(results, recorder)
-    assert len(results) == 2
-    assert results[0]["sizes"][0] == 3 and results[0]["sizes"][-1] == 2
-    assert any(t["state"] == "recovering" for t in recorder.transitions())
-    assert time.monotonic() - started < 120
-
-
-def test_node_joins_mid_training_job_grows(cluster):
-    _use_nodes(cluster, 2)
-    started = time.monotonic()
-    recorder = Recorder()
-    recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
-    with _executor(min_workers=2, max_workers=3) as ex:
-        results = ex.run(_train, args=[EPOCHS], kwargs={"hold": (2, 3, 60.0)}, callbacks=[recorder])
-    _check_invariants(results, recorder)
-    assert len(results) == 3
-    assert results[0]["sizes"][0] == 2 and results[0]["sizes"][-1] == 3
-    assert any(t["state"] == "resizing" for t in recorder.transitions())
-    assert time.monotonic() - started < 120
 
 
 def test_worker_process_dies_job_recovers_and_regrows_after_cooldown(cluster, tmp_path):
-    _use_nodes(cluster, 3)
+    use_nodes(cluster, 3)
     started = time.monotonic()
     recorder = Recorder()
     marker = str(tmp_path / "died")
-    with _executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
-        results = ex.run(_train, args=[EPOCHS], kwargs={"die": (1, 1, marker), "hold": (3, 3, 60.0)},
+    with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
+        results = ex.run(train_job, args=[EPOCHS], kwargs={"die": (1, 1, marker), "hold": (3, 3, 60.0)},
                          callbacks=[recorder])
     assert os.path.exists(marker)
-    _check_invariants(results, recorder)
+    check_invariants(results, recorder)
     sizes = results[0]["sizes"]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # shrank, then the node came back
     assert time.monotonic() - started < 150
 
 
 def test_reset_limit_exceeded_ends_with_clear_error(cluster, tmp_path):
-    _use_nodes(cluster, 3)
+    use_nodes(cluster, 3)
     started = time.monotonic()
-    with _executor(min_workers=2, max_workers=3, reset_limit=0) as ex:
+    with elastic_executor(min_workers=2, max_workers=3, reset_limit=0) as ex:
         with pytest.raises(ElasticJobError, match="reset_limit=0"):
-            ex.run(_train, args=[EPOCHS], kwargs={"die": (1, 1, str(tmp_path / "died"))})
+            ex.run(train_job, args=[EPOCHS], kwargs={"die": (1, 1, str(tmp_path / "died"))})
     assert time.monotonic() - started < 90
 
 
 def test_below_min_workers_longer_than_elastic_timeout_ends_with_clear_error(cluster):
-    _use_nodes(cluster, 2)
+    use_nodes(cluster, 2)
     started = time.monotonic()
     recorder = Recorder()
-    recorder.at_commit(0, lambda: _remove_node_of(cluster, recorder.node_of_rank(1)))
-    with _executor(min_workers=2, max_workers=2, elastic_timeout=3) as ex:
+    recorder.at_commit(0, lambda: remove_node_of(cluster, recorder.node_of_rank(1)))
+    with elastic_executor(min_workers=2, max_workers=2, elastic_timeout=3) as ex:
         with pytest.raises(ElasticJobError, match=r"fewer than min_workers=2.*elastic_timeout=3"):
-            ex.run(_train, args=[EPOCHS], callbacks=[recorder])
+            ex.run(train_job, args=[EPOCHS], callbacks=[recorder])
     assert recorder.transitions()[-1]["state"] == "errored"
     assert time.monotonic() - started < 90

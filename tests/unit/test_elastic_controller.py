@@ -37,6 +37,7 @@ class FakeGroup:
         self.fail_starts: dict[str, bool] = {}  # node id -> worker_died
         self.unresponsive: list[str] = []
         self.epoch = 0
+        self.abandoned: list[int] = []
         self.announced = 0
         self.drained = self.stopped = False
 
@@ -84,8 +85,11 @@ class FakeGroup:
     def announce_new_hosts(self):
         self.announced += 1
 
-    def probe_liveness(self, timeout):
+    def poll_liveness(self, unanswered_s):
         return [w for w in self.unresponsive if w in self.workers]
+
+    def abandon_epoch(self, epoch):
+        self.abandoned.append(epoch)
 
     def ranked(self):
         return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
@@ -128,11 +132,19 @@ def slots(monkeypatch):
     return offered
 
 
-def _driver(group, min_workers=1, max_workers=4, reset_limit=None, elastic_timeout=600.0, policy=None):
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _driver(group, min_workers=1, max_workers=4, reset_limit=None, elastic_timeout=600.0, policy=None, clock=None):
     limits = ElasticLimits(min_workers, max_workers, reset_limit, None, elastic_timeout)
     settings = make_settings(timeout_s=5, discovery_interval_s=0.01)
     driver = ElasticDriver(group, limits, settings, discovery=None, cpus_per_worker=1, gpus_per_worker=0,
-                           failure_policy=policy or FailurePolicy(reset_limit, None))
+                           failure_policy=policy or FailurePolicy(reset_limit, None), clock=clock or Clock())
     driver.records = []
     driver._callbacks = [driver.records.append]
     return driver
@@ -196,21 +208,69 @@ def test_new_slots_while_running_resize_the_ring(slots):
     assert (driver.records[-1]["workers"], driver.records[-1]["resets"]) == (3, 1)
 
 
-def test_a_dead_member_blacklists_its_node_and_the_survivors_re_form(slots):
+def test_a_dead_member_blacklists_its_node_abandons_its_epoch_and_the_survivors_re_form(slots):
     group = FakeGroup()
     policy = FailurePolicy(None, None)
     driver = _driver(group, policy=policy)
+    slots.clear()
+    slots.update({A: 1, B: 1})
     _running(driver, group, slots)
     dead, survivor = group.by_rank(0), group.by_rank(1)
+    assert (dead.node_id, survivor.node_id) == (A, B)
     group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
     assert _advance(driver) == [S.RECOVERING]
     assert driver.records[-1]["reason"] == f"worker(s) {[dead.worker_id]} died"
-    assert not policy.usable(A)
+    assert group.abandoned == [1]  # survivors in epoch 1's rendezvous are answered at once
+    assert not policy.usable(A) and policy.usable(B)
     assert _advance(driver) == []  # the survivor has not left its epoch yet
     group.waiting_ids.add(survivor.worker_id)
     assert _advance(driver) == [S.RUNNING]
     assert (driver.records[-1]["epoch"], driver.records[-1]["resets"]) == (2, 1)
     assert survivor.rank == 0
+
+
+def test_the_last_usable_node_is_not_blacklisted_when_its_worker_dies(slots):
+    group = FakeGroup()
+    policy = FailurePolicy(None, None)
+    driver = _driver(group, policy=policy)
+    _running(driver, group, slots)  # both workers on A, the only node
+    group.end(group.by_rank(0), RunOutcome.LOST, RuntimeError("gone"))
+    assert _advance(driver) == [S.RECOVERING]
+    assert policy.usable(A)
+
+
+def test_a_live_survivor_slow_to_rejoin_is_waited_for_up_to_elastic_timeout(slots):
+    group = FakeGroup()
+    policy = FailurePolicy(None, None)
+    slots.clear()
+    slots.update({A: 1, B: 1})
+    clock = Clock()
+    driver = _driver(group, policy=policy, elastic_timeout=60.0, clock=clock)
+    _running(driver, group, slots)
+    slow = group.by_rank(1)
+    group.waiting_ids.add(group.by_rank(0).worker_id)  # rank 0's ring broke; rank 1 answers but is busy
+    assert _advance(driver) == [S.RECOVERING]
+    clock.now += 30  # far longer than timeout_s=5: still waited for
+    assert _advance(driver, 3) == [] and slow.worker_id in group.workers
+    group.waiting_ids.add(slow.worker_id)
+    assert _advance(driver) == [S.RUNNING] and len(group.workers) == 2
+
+
+def test_a_live_worker_away_longer_than_elastic_timeout_is_dropped_without_blacklisting(slots):
+    group = FakeGroup()
+    policy = FailurePolicy(None, None)
+    slots.clear()
+    slots.update({A: 1, B: 1})
+    clock = Clock()
+    driver = _driver(group, policy=policy, elastic_timeout=60.0, clock=clock)
+    _running(driver, group, slots)
+    stuck = group.by_rank(1)
+    group.waiting_ids.add(group.by_rank(0).worker_id)
+    assert _advance(driver) == [S.RECOVERING]
+    clock.now += 61
+    assert _advance(driver) == []  # dropped now; the rest re-forms at the next step
+    assert stuck.worker_id not in group.workers and policy.usable(B)
+    assert _advance(driver) == [S.RUNNING]
 
 
 def test_reset_limit_ends_the_job(slots):
@@ -252,9 +312,11 @@ def test_too_few_workers_for_elastic_timeout_ends_the_job(slots):
     slots.clear()
     slots[A] = 1
     group.fail_starts[A] = False  # the node never manages to start a worker
-    driver = _driver(group, min_workers=2, elastic_timeout=0.05)
-    driver._scaling._clock = iter([0.0, 1.0]).__next__
-    assert _advance(driver, 2) == [S.ERRORED]
+    clock = Clock()
+    driver = _driver(group, min_workers=2, elastic_timeout=0.05, clock=clock)
+    assert _advance(driver) == []
+    clock.now += 1.0
+    assert _advance(driver) == [S.ERRORED]
     assert "fewer than min_workers=2" in str(driver._error)
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from hvdray.driver.policies import (
+    DEFAULT_COOLDOWN_RANGE,
     Blacklist,
     ElasticLimits,
     FailurePolicy,
@@ -34,16 +33,27 @@ def test_blacklist_backs_off_exponentially_up_to_the_range_end():
     assert not blacklist.blocked("n")
 
 
-def test_failure_policy_marks_nodes_of_lost_workers_and_dead_starts_only():
+def test_failure_policy_marks_nodes_of_lost_workers_and_dead_starts_only_for_a_bounded_cooldown():
     clock = FakeClock()
     policy = FailurePolicy(reset_limit=None, cooldown_range=None, clock=clock)
+    nodes = ["a", "b", "c"]
     assert policy.usable("a") and policy.usable("b")
-    assert policy.start_failed("a", worker_died=False) is None  # a timeout: discovery decides
+    assert policy.start_failed("a", worker_died=False, known_nodes=nodes) is None  # a timeout: discovery decides
     assert policy.usable("a")
-    assert policy.start_failed("a", worker_died=True) == math.inf  # no cooldown range: for good
-    assert policy.worker_lost("b") == math.inf
-    clock.now += 1e9
+    low, high = DEFAULT_COOLDOWN_RANGE  # no cooldown range: the default one, never for good
+    assert policy.start_failed("a", worker_died=True, known_nodes=nodes) == low
+    assert policy.worker_lost("b", nodes) == low
     assert not policy.usable("a") and not policy.usable("b")
+    clock.now += high + 1
+    assert policy.usable("a") and policy.usable("b")
+
+
+def test_the_last_usable_node_is_never_blacklisted():
+    policy = FailurePolicy(reset_limit=None, cooldown_range=(5.0, 10.0), clock=FakeClock())
+    assert policy.worker_lost("a", ["a"]) is None and policy.usable("a")  # the only node
+    assert policy.worker_lost("a", ["a", "b"]) == 5.0 and not policy.usable("a")
+    assert policy.worker_lost("b", ["a", "b"]) is None and policy.usable("b")  # "a" is cooling down
+    assert policy.start_failed("b", worker_died=True, known_nodes=["a", "b"]) is None
 
 
 def test_failure_policy_counts_resets_against_the_limit():

@@ -10,7 +10,7 @@ import torch
 
 import hvdray.torch as hvd
 from hvdray.collective.errors import HvdrayError
-from hvdray.driver.policies import Blacklist
+from hvdray.driver.policies import DEFAULT_COOLDOWN_RANGE, Blacklist
 from hvdray.torch import elastic as torch_elastic
 
 
@@ -177,4 +177,4 @@ def test_blacklist_cooldown_backs_off_and_expires():
     time.sleep(0.08)
     assert not blacklist.blocked("n1")
     assert blacklist.add("n1") == 0.1  # second failure: doubled
-    assert Blacklist(None).add("n3") == float("inf")
+    assert Blacklist(None).add("n3") == DEFAULT_COOLDOWN_RANGE[0]  # no range: the default one, never for good

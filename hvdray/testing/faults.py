@@ -1,0 +1,130 @@
+"""Test-only fault injection: a worker dies, or its node is removed or joined by another, at a named point.
+
+Inactive unless the worker's environment holds ``HVDRAY_TEST_FAULTS`` (a JSON plan, made by :func:`plan`
+and handed to the workers with ``executor.start(extra_env_vars=...)``); then, the first time any worker
+of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exactly one worker of the job
+(the first to claim ``<dir>/fired``) acts:
+
+- ``exit``: its process ends at once (``os._exit``), as a crash would;
+- ``remove_node``: it writes ``<dir>/fired`` (its node id, pid, rank, epoch), sends that as a record to
+  the run's callbacks and blocks; the test removes that node (``Cluster.remove_node``), which ends the
+  process;
+- ``join``: the same, but the test adds a node and then creates ``<dir>/released``, which lets it go on.
+
+:class:`Responder` is that test side, a callback of ``executor.run``. The points, in the order an elastic worker meets them:
+``epoch_forming`` (it was given a rank in a new epoch, before its rendezvous), ``rendezvous`` (its first
+key written), ``init`` (its ring is up, ``hvd.init()`` or the reset has not returned), ``sync`` (the
+state sync at the start of each try), ``step`` (the test's own training step calls :func:`reached`),
+``commit`` (the state saved, the commit's allreduce not yet done) and ``after_commit``.
+
+This module imports neither Ray nor torch; it costs one dictionary lookup per point when inactive.
+Test-only: never arm it in a real job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Optional
+
+from hvdray import ray_logger
+
+ENV = "HVDRAY_TEST_FAULTS"
+EVENT = "hvdray_test_fault"  # the record a blocked worker sends to the run's callbacks
+POINTS = ("epoch_forming", "rendezvous", "init", "sync", "step", "commit", "after_commit")
+ACTIONS = ("exit", "remove_node", "join")
+_BLOCK_LIMIT_S = 300.0  # a blocked worker whose test never answers ends itself rather than hang
+
+_plan: Optional[dict[str, Any]] = None
+_loaded = False
+_context: dict[str, Any] = {"epoch": 0, "node_id": None}
+
+
+def plan(point: str, action: str, directory: str, rank: int = 1, min_epoch: int = 1) -> dict[str, str]:
+    """The ``extra_env_vars`` that arm one fault; ``directory`` must exist and be shared with the test."""
+    if point not in POINTS:
+        raise ValueError(f"point must be one of {POINTS}, got {point!r}")
+    if action not in ACTIONS:
+        raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"directory must be an existing directory, got {directory!r}")
+    spec = {"point": point, "action": action, "dir": directory, "rank": int(rank), "min_epoch": int(min_epoch)}
+    return {ENV: json.dumps(spec)}
+
+
+def set_context(**values: Any) -> None:
+    """What the worker knows that a point needs: ``epoch`` (membership), ``node_id`` (its Ray node)."""
+    _context.update(values)
+
+
+def reached(point: str) -> None:
+    """Called at each named point; acts if this worker is the one the armed plan names."""
+    spec = _armed()
+    if spec is None or spec["point"] != point:
+        return
+    rank = int(os.environ.get("HOROVOD_RANK", "-1"))
+    if rank != spec["rank"] or _context["epoch"] < spec["min_epoch"]:
+        return
+    fired = os.path.join(spec["dir"], "fired")
+    try:
+        fd = os.open(fired + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # another worker (or an earlier try) already fired: once per job
+    os.close(fd)
+    info = {"point": point, "action": spec["action"], "rank": rank, "epoch": _context["epoch"],
+            "node_id": _context["node_id"], "pid": os.getpid()}
+    _write_atomically(fired, json.dumps(info))
+    if spec["action"] == "exit":
+        os._exit(1)
+    ray_logger.log({"event": EVENT, **info})  # the test's Responder acts on it in the driver
+    released = os.path.join(spec["dir"], "released")
+    deadline = time.monotonic() + _BLOCK_LIMIT_S
+    while not os.path.exists(released):
+        if time.monotonic() > deadline:
+            os._exit(3)
+        time.sleep(0.05)
+
+
+def _armed() -> Optional[dict[str, Any]]:
+    global _plan, _loaded
+    if not _loaded:
+        raw = os.environ.get(ENV)
+        _plan = json.loads(raw) if raw else None
+        _loaded = True
+    return _plan
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+class Responder:
+    """The test's side of a plan, passed to ``executor.run(fn, callbacks=[responder])``: when the blocked
+    worker's record arrives it removes that worker's node or adds one (in the driver's thread, where
+    ``ray.cluster_utils.Cluster`` must be called), then releases the worker."""
+
+    def __init__(self, directory: str, remove_node: Callable[[str], None], add_node: Callable[[], None]) -> None:
+        self.directory = directory
+        self._remove_node, self._add_node = remove_node, add_node
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record.get("event") != EVENT:
+            return
+        try:
+            if record["action"] == "remove_node":
+                self._remove_node(record["node_id"])
+            else:
+                self._add_node()
+        finally:
+            _write_atomically(os.path.join(self.directory, "released"), "")
+
+    def fired(self) -> Optional[dict[str, Any]]:
+        """What fired: point, action, rank, epoch, node id and pid (None if nothing did)."""
+        path = os.path.join(self.directory, "fired")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)

@@ -1,0 +1,99 @@
+"""The fault-injection matrix: an elastic job survives a fault at every named moment of its life.
+
+For each point of :data:`hvdray.testing.faults.POINTS` (epoch formation, rendezvous, ``hvd.init()``,
+state sync, training step, commit, after a commit) and each action:
+
+- ``exit`` (a worker process dies) and ``remove_node`` (its Ray node goes away): the job starts on two
+  nodes, a third joins after the first commit and the job re-forms around it (membership epoch 2); the
+  fault hits rank 1 at the point in that epoch, i.e. during or right after a reset and after commits;
+- ``join``: a node joins while rank 1 stands at the point in the first epoch (the worker blocks there
+  until the node is up), and the job grows to three workers.
+
+Every case checks that the fault happened at the named point, the job finished with every epoch
+committed exactly once in the result, all ranks hold the same parameters, no process resumed before an
+epoch it had committed (nothing committed was lost), and it finished within a bound. The quiet pass runs
+every case; the loaded pass, with both cores kept busy by two spinning processes, runs every point once
+(the actions taking turns) to keep the suite's time sane. ``HVDRAY_FAULT_MATRIX=full`` runs the whole
+matrix loaded too, and ``HVDRAY_FAULT_REPEATS=N`` runs each case N times (default 1), e.g.
+``HVDRAY_FAULT_MATRIX=full HVDRAY_FAULT_REPEATS=5 pytest tests/multinode/test_elastic_faults.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray.cloudpickle
+
+from hvdray.testing import faults
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import elastic_checks  # noqa: E402 - shared with test_elastic.py
+from elastic_checks import (  # noqa: E402
+    Recorder, check_invariants, elastic_executor, remove_node_of, train_job, use_nodes,
+)
+from elastic_checks import cluster  # noqa: E402,F401 - the fixture
+
+ray.cloudpickle.register_pickle_by_value(elastic_checks)
+pytestmark = pytest.mark.slow
+
+EPOCHS = 4
+REPEATS = int(os.environ.get("HVDRAY_FAULT_REPEATS", "1"))
+FULL = os.environ.get("HVDRAY_FAULT_MATRIX", "") == "full"
+CASES = [("quiet", point, action) for action in faults.ACTIONS for point in faults.POINTS] + [
+    ("loaded", point, action)
+    for i, point in enumerate(faults.POINTS)
+    for j, action in enumerate(faults.ACTIONS)
+    if FULL or j == i % len(faults.ACTIONS)
+]
+
+
+@pytest.fixture
+def cpu_load(request):
+    """With ``loaded``, two processes spin on the CPUs for the whole test (killed by pid afterwards)."""
+    if request.param == "quiet":
+        yield request.param
+        return
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield request.param
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("repeat", range(REPEATS))
+@pytest.mark.parametrize("cpu_load,point,action", CASES, ids=[f"{a}-at-{p}-{load}" for load, p, a in CASES],
+                         indirect=["cpu_load"])
+def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat):
+    use_nodes(cluster, 2)
+    started = time.monotonic()
+    recorder = Recorder()
+    joining = action == "join"
+    if joining:  # the node joins while rank 1 stands at the point, in the first epoch
+        env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=1)
+        kwargs = {"hold": (2, 3, 120.0)}
+    else:  # a node joins after the first commit; the fault hits the epoch formed with it
+        env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=2)
+        recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
+        kwargs = {"hold": (1, 3, 120.0, str(tmp_path / "fired"))}  # the fault may take the third node
+    responder = faults.Responder(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
+                                 lambda: cluster.add_node(num_cpus=1))
+    with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
+        ex.start(extra_env_vars=env)
+        results = ex.run(train_job, args=[EPOCHS], kwargs=kwargs, callbacks=[recorder, responder])
+    fired = responder.fired()
+    elapsed = time.monotonic() - started
+    assert fired is not None and (fired["point"], fired["action"]) == (point, action), fired
+    assert fired["rank"] == 1 and fired["epoch"] >= (1 if joining else 2), fired
+    check_invariants(results, recorder, EPOCHS)
+    if joining:
+        assert len(results) == 3 and results[0]["sizes"][-1] == 3, results[0]["sizes"]
+    else:
+        assert any(t["state"] == "recovering" for t in recorder.transitions())
+    assert elapsed < (120 if cpu_load == "quiet" else 250), f"took {elapsed:.0f} s"
