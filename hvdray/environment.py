@@ -94,7 +94,7 @@ HOROVOD_KNOBS: dict[str, Knob] = {
 #: hvdray's own spellings beside HVDRAY_<FIELD>: variable -> field
 HVDRAY_ALIASES = {"HVDRAY_TIMELINE": "timeline_filename"}
 #: HVDRAY_* variables that are not settings but are read elsewhere in hvdray
-HVDRAY_OTHER = frozenset({"HVDRAY_HOROVOD_ALIAS"})
+HVDRAY_OTHER = frozenset({"HVDRAY_HOROVOD_ALIAS", "HVDRAY_TEST_FAULTS"})  # the alias; the test-only fault plan
 
 #: HOROVOD_* variables hvdray sets itself in every worker (rank facts for scripts): never reported
 SET_BY_HVDRAY = frozenset({

@@ -85,6 +85,7 @@ def test_unknown_names_are_reported_once_with_the_closest_name_or_the_reason(mon
     monkeypatch.setenv("HOROVOD_NUM_NCCL_STREAMS", "2")         # GPU only
     monkeypatch.setenv("HOROVOD_RANK", "0")                     # set by hvdray itself: no report
     monkeypatch.setenv("HVDRAY_HOROVOD_ALIAS", "0")             # read by hvdray/__init__: no report
+    monkeypatch.setenv("HVDRAY_TEST_FAULTS", "{}")              # read by hvdray.testing.faults: no report
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         settings = make_settings()
