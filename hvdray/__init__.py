@@ -16,13 +16,17 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "ElasticJobError": "hvdray.driver.controller",
     "ElasticRayExecutor": "hvdray.driver.executor",
+    "MLflowCallback": "hvdray.driver.tracking",
     "MetricsHistory": "hvdray.driver.callbacks",
     "PeerFinishedError": "hvdray.collective.errors",
     "ProgressBar": "hvdray.driver.callbacks",
     "RayExecutor": "hvdray.driver.executor",
     "Settings": "hvdray.settings",
+    "TensorBoardCallback": "hvdray.driver.tracking",
+    "WandbCallback": "hvdray.driver.tracking",
     "WorkerLostError": "hvdray.driver.worker_group",
     "init_ray": "hvdray.driver.cluster",
+    "report": "hvdray.worker.reporting",
 }
 
 __all__ = [*sorted(_PUBLIC), "ray_logger", "__version__"]

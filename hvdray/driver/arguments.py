@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hvdray.driver.worker_group import Callback
 from hvdray.settings import Settings
+from hvdray.storage import normalize_storage_path
 
 
 def check_executor_arguments(
@@ -64,6 +65,26 @@ def check_executor_arguments(
         raise ValueError("override_discovery=False needs settings.discovery (an object with "
                          "find_available_hosts_and_slots())")
     return elastic
+
+
+def check_storage_arguments(settings: Settings, storage_path: Any, checkpoint_config: Any) -> Optional[str]:
+    """``storage_path`` (the argument or the setting: one path serves reported checkpoints and elastic
+    commits) checked and made absolute, and ``checkpoint_config`` checked; returns the path or None."""
+    given = normalize_storage_path(storage_path) if storage_path is not None else None
+    configured = normalize_storage_path(settings.storage_path) if settings.storage_path is not None else None
+    if given is not None and configured is not None and given != configured:
+        raise ValueError(
+            f"storage_path={storage_path!r} differs from settings.storage_path={settings.storage_path!r}; "
+            "one storage_path serves both checkpoints and elastic commits: pass one of them"
+        )
+    if checkpoint_config is not None:
+        from ray.train import CheckpointConfig
+
+        if not isinstance(checkpoint_config, CheckpointConfig):
+            raise TypeError(f"checkpoint_config must be a ray.train.CheckpointConfig, got {type(checkpoint_config).__name__}")
+        if given is None and configured is None:
+            raise ValueError("checkpoint_config needs a storage_path to keep the checkpoints in")
+    return given if given is not None else configured
 
 
 def check_start_arguments(executable_cls: Optional[type], extra_env_vars: Optional[dict[str, str]]) -> None:

@@ -1,4 +1,4 @@
-"""The coordinator actor: rank assignment, the job's rendezvous table, and the worker log channel.
+"""The coordinator actor: rank assignment, the job's rendezvous table, and the worker record channel.
 
 Rank assignment happens here and nowhere else. Every assignment starts a new membership epoch; the
 rendezvous keys of an older epoch are dropped, and a worker still waiting on one is answered at once
@@ -83,7 +83,8 @@ class Coordinator:
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
         self._changed = asyncio.Condition()
-        self._logs: list[dict[str, Any]] = []
+        self._logs: list[tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]] = []
+        self._next_checkpoint = 0
         # elastic membership: worker id -> (RankInfo, node GPU ids) in the current epoch
         self._members: dict[str, tuple[RankInfo, tuple[str, ...]]] = {}
         self._waiting: dict[str, int] = {}  # worker id -> the epoch it has left (0: never joined)
@@ -239,12 +240,32 @@ class Coordinator:
         self._admit(token)
         return self._kv.pop(key, None) is not None
 
-    # -- ray_logger channel ------------------------------------------------------------------
+    # -- the worker record channel: ray_logger.log and hvdray.report ------------------------
     def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:
         self._admit(token)
-        self._logs.append({"rank": rank, **record})
+        self._logs.append(({"rank": rank, **record}, None))
 
-    def drain_logs(self, token: bytes) -> list[dict[str, Any]]:
+    def push_report(self, token: bytes, rank: int, metrics: dict[str, Any], checkpoint_path: Optional[str]) -> None:
+        """Rank 0's ``hvdray.report``: its callbacks see the metrics as a record, the run's result keeps
+        them with the path of the checkpoint rank 0 persisted (or None)."""
+        self._admit(token)
+        self._logs.append(({"rank": rank, **metrics}, (dict(metrics), checkpoint_path)))
+
+    def drain_logs(self, token: bytes) -> list[tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]]:
+        """Every record since the last call, in order, as ``(record, report)``; ``report`` is
+        ``(metrics, checkpoint_path)`` for a report and None for a ``ray_logger.log`` record."""
         self._admit(token)
         logs, self._logs = self._logs, []
         return logs
+
+    def begin_checkpoints(self, token: bytes, first: int) -> None:
+        """The driver starts a run whose first checkpoint is ``checkpoint_<first>`` (past those in storage)."""
+        self._admit(token)
+        self._next_checkpoint = first
+
+    def next_checkpoint(self, token: bytes) -> int:
+        """The number of the next checkpoint rank 0 persists: counted here, so that a new rank 0 after an
+        elastic reset goes on counting and never overwrites one."""
+        self._admit(token)
+        self._next_checkpoint += 1
+        return self._next_checkpoint - 1

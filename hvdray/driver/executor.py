@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import ray
 
@@ -25,6 +25,7 @@ from hvdray.driver.arguments import (
     check_callbacks,
     check_executor_arguments,
     check_start_arguments,
+    check_storage_arguments,
 )
 from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
@@ -33,8 +34,12 @@ from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
+from hvdray.driver.results import RunResults
 from hvdray.driver.worker_group import Callback, GroupState, WorkerGroup, WorkerLostError, actor_name
 from hvdray.settings import Settings, make_settings
+
+if TYPE_CHECKING:
+    from ray.train import CheckpointConfig, Result
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ class RayExecutor:
         cooldown_range: Optional[tuple[float, float]] = None,
         elastic_timeout: float = 600,
         override_discovery: bool = True,
+        storage_path: Optional[str] = None,
+        checkpoint_config: Optional["CheckpointConfig"] = None,
     ) -> None:
         if settings is None:
             settings = make_settings()
@@ -88,7 +95,13 @@ class RayExecutor:
             settings, num_workers, num_hosts, num_workers_per_host, cpus_per_worker, use_gpu, gpus_per_worker,
             min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery,
         )
+        storage = check_storage_arguments(settings, storage_path, checkpoint_config)
+        if storage != settings.storage_path:  # made absolute: the workers' working directory is not ours
+            settings = settings.model_copy(update={"storage_path": storage})
         self.settings = settings
+        self._checkpoint_config = checkpoint_config
+        self._results: Optional[RunResults] = None  # the latest finished call's reports
+        self._collecting: Optional[RunResults] = None  # the reports of the call in progress
         self.use_gpu = bool(use_gpu)
         gpus = (gpus_per_worker if gpus_per_worker is not None else 1) if use_gpu else 0
         self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus
@@ -121,6 +134,14 @@ class RayExecutor:
         self._payload = PayloadGuard(settings.payload_warning_mb)
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
+
+    @property
+    def result(self) -> Optional["Result"]:
+        """The latest ``run``'s (or ``execute``'s) ``ray.train.Result``, None before the first: rank 0's
+        ``hvdray.report`` metrics (``metrics``, ``metrics_dataframe``), its checkpoints under storage_path
+        (``checkpoint``, ``best_checkpoints``), ``error`` (what ``run`` raised, if it failed), ``path``
+        and ``return_value`` (rank 0's return value)."""
+        return self._results.result() if self._results is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(
@@ -256,10 +277,35 @@ class RayExecutor:
             failure_policy=self._failure_policy,
         )
         self._driver = driver
+        self._collect_results(group)
         try:
-            return driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()))
+            values = driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()))
+        except BaseException as exc:
+            self._finish_results(group, error=exc)
+            raise
         finally:
             self._driver = None
+        self._finish_results(group, values=values)
+        return values
+
+    def _collect_results(self, group: WorkerGroup) -> None:
+        """Before a call is sent: its reports go to a new result, its checkpoints are numbered on from
+        those already in storage_path."""
+        results = RunResults(self.settings.storage_path, self._checkpoint_config)
+        if self.settings.storage_path is not None:
+            ray.get(group.coordinator.begin_checkpoints.remote(results.first_checkpoint()))
+        group.on_report = results.add
+        self._collecting = results
+
+    def _finish_results(
+        self, group: WorkerGroup, values: Optional[list[Any]] = None, error: Optional[BaseException] = None
+    ) -> None:
+        """The call ended (with ``values`` in rank order, or ``error``): its result becomes ``self.result``."""
+        group.on_report = None
+        results, self._collecting = self._collecting, None
+        if results is not None:
+            results.finish(error=error, return_value=values[0] if values else None)
+            self._results = results
 
     def _discovery(self) -> HostDiscovery:
         if not self._override_discovery:
@@ -305,21 +351,28 @@ class RayExecutor:
         return self._gather([worker.execute.remote(fn, self._group_call())], None)[0]
 
     def _group_call(self) -> int:
+        """A new call to the workers: numbered, its reports collected (``run``, ``execute`` and
+        ``execute_single`` wait for them and set ``self.result``; ``run_remote`` leaves them to the next)."""
         group = self._group
         assert group is not None, "the workers were started"
+        self._collect_results(group)
         return group.begin_call()
 
     def _gather(self, calls: list[ray.ObjectRef], callbacks: Optional[Sequence[Callback]]) -> list[Any]:
         group = self._group
         assert group is not None, "the calls were sent to this executor's worker group"
         try:
-            return group.gather(calls, list(callbacks or ()))
-        except KeyboardInterrupt:
-            # Ctrl-C (or a notebook's interrupt): the workers may be mid-collective, so they are stopped;
-            # the executor stays usable and its next call starts fresh workers in the same placement group.
-            group.stop()
-            log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
+            values = group.gather(calls, list(callbacks or ()))
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                # Ctrl-C (or a notebook's interrupt): the workers may be mid-collective, so they are stopped;
+                # the executor stays usable and its next call starts fresh workers in the same placement group.
+                group.stop()
+                log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
+            self._finish_results(group, error=exc)
             raise
+        self._finish_results(group, values=values)
+        return values
 
 
 class ElasticRayExecutor(RayExecutor):
@@ -360,6 +413,8 @@ class ElasticRayExecutor(RayExecutor):
         env_vars: Optional[dict[str, str]] = None,
         override_discovery: bool = True,
         cooldown_range: Optional[tuple[float, float]] = None,
+        storage_path: Optional[str] = None,
+        checkpoint_config: Optional["CheckpointConfig"] = None,
     ) -> None:
         if not isinstance(settings, Settings):
             raise TypeError(
@@ -376,6 +431,8 @@ class ElasticRayExecutor(RayExecutor):
             cooldown_range=cooldown_range,
             elastic_timeout=settings.elastic_timeout,
             override_discovery=override_discovery,
+            storage_path=storage_path,
+            checkpoint_config=checkpoint_config,
         )
         self._env_vars = env_vars
 

@@ -19,7 +19,7 @@ job may wait for workers anyway; a worker that dies meanwhile fails its start at
 keep watching everything else. A fixed group starts all its workers at
 once, gives them ranks and stops whatever it started if any step fails.
 
-Log delivery (the coordinator's log channel to the run's callbacks), naming a failed rank and naming
+Log delivery (the coordinator's record channel to the run's callbacks and result), naming a failed rank and naming
 the job's actors live here, once.
 """
 
@@ -230,6 +230,8 @@ class WorkerGroup:
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
+        #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
+        self.on_report: Optional[Callable[[dict[str, Any], Optional[str]], None]] = None
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -406,6 +408,10 @@ class WorkerGroup:
                 # that caused it a moment to report its own error, which says more
                 grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
         if failures:
+            try:
+                self.deliver_logs(callbacks)  # what was reported before the failure still counts
+            except ray.exceptions.RayActorError:  # the coordinator is gone too: the rank's error says more
+                log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
             self.stop()
             rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
             raise failure_error(exc, rank, len(calls))
@@ -469,10 +475,13 @@ class WorkerGroup:
         ray.get(self.coordinator.notify_hosts_updated.remote())
 
     def deliver_logs(self, callbacks: Sequence[Callback]) -> None:
-        """Hand every record the workers logged since the last call to each callback, in order."""
-        if not callbacks or self._coordinator is None:
+        """Hand every record the workers logged or reported since the last call to each callback, in
+        order; rank 0's reports (metrics, checkpoint path) also go to ``on_report``."""
+        if (not callbacks and self.on_report is None) or self._coordinator is None:
             return
-        for record in ray.get(self.coordinator.drain_logs.remote()):
+        for record, report in ray.get(self.coordinator.drain_logs.remote()):
+            if report is not None and self.on_report is not None:
+                self.on_report(*report)
             for cb in callbacks:
                 cb(record)
 

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import pyarrow.fs
 
+from hvdray.storage import resolve
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^commit-(\d+)\.pkl$")
@@ -33,11 +35,8 @@ class CommitStorage:
     def __init__(self, path: str) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError(f"storage_path must be a non-empty directory path or URI, got {path!r}")
-        if "://" in path:
-            self.fs, base = pyarrow.fs.FileSystem.from_uri(path)
-        else:
-            self.fs, base = pyarrow.fs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
-        self.root = f"{base.rstrip('/')}/{SUBDIR}"
+        self.fs, base = resolve(path)
+        self.root = f"{base}/{SUBDIR}"
         self.path = path
 
     def write(self, commit: int, payload: Any) -> None:

@@ -7,7 +7,8 @@ Driver side: ``DistributedTrainableCreator(func, num_hosts=1, num_slots=2)`` -> 
 
 from typing import Any
 
-from hvdray.tune.session import distributed_checkpoint_dir, get_checkpoint, report
+from hvdray.tune.session import distributed_checkpoint_dir, get_checkpoint
+from hvdray.worker.reporting import report  # the same function as hvdray.report
 
 __all__ = [
     "DistributedTrainable",

@@ -1,9 +1,11 @@
-"""Worker side of a distributed trial: ``report``, ``get_checkpoint``, ``distributed_checkpoint_dir``.
+"""Worker side of a distributed trial: ``report`` (``hvdray.report`` inside a trial), ``get_checkpoint``,
+``distributed_checkpoint_dir``.
 
 Every rank of a trial runs :func:`run_trial`, which sets up this process's session and calls the
 user's function. Rank 0's reports (and checkpoints) are what Tune sees; the other ranks' reports keep
-them in step with rank 0. Outside a trial these functions still work: ``report`` logs, and
-``get_checkpoint`` returns ``None``, so the same training function runs in a plain process.
+them in step with rank 0. Outside a trial these functions still work: ``hvdray.report`` goes to the
+executor's result (or logs), and ``get_checkpoint`` returns ``None``, so the same training function
+runs in a plain executor or process.
 """
 
 from __future__ import annotations
@@ -47,20 +49,19 @@ class TrialStopped(BaseException):
     """
 
 
-def report(metrics: dict[str, Any], checkpoint: Optional["Checkpoint"] = None) -> None:
-    """Report one result of the trial (call it on every rank; rank 0's metrics and checkpoint count).
+def in_trial() -> bool:
+    """True inside a distributed trial's function (where ``hvdray.report`` goes to Tune)."""
+    return _session is not None
+
+
+def report_to_trial(metrics: dict[str, Any], checkpoint: Optional["Checkpoint"] = None) -> None:
+    """``hvdray.report`` inside a trial: one result (rank 0's metrics and checkpoint count).
 
     Blocks until Tune asks for the next result, as ``ray.tune.report`` does. A checkpoint from
     ``distributed_checkpoint_dir`` since the last report goes with this one unless ``checkpoint`` is given.
     """
-    if not isinstance(metrics, dict):
-        raise TypeError(f"report takes a dict of metrics, got {type(metrics).__name__}")
-    if checkpoint is not None and not isinstance(checkpoint, _checkpoint_class()):
-        raise TypeError(f"checkpoint must be a ray.tune.Checkpoint, got {type(checkpoint).__name__}")
     session = _session
-    if session is None:
-        log.info("report outside a trial: %s", ", ".join(f"{k}={v}" for k, v in metrics.items()))
-        return
+    assert session is not None, "called inside a trial"
     archive_ref = None
     if session.rank == 0:
         archive = session.pending_checkpoint

@@ -13,6 +13,7 @@ import ray
 from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
 
 from hvdray import ray_logger
+from hvdray.worker import reporting
 from hvdray.worker.membership import CoordinatorMembership, export_rank_env
 from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
@@ -94,6 +95,7 @@ class Worker:
             )
         )
         ray_logger.set_sink(self._send_log)
+        reporting.set_sink(reporting.ExecutorReports(coordinator, settings.storage_path, self._track_send))
         self._took_rank(rank_info.rank if rank_info is not None else None)
         # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
         # cyclic collector's full passes, which otherwise scan it all (over 100 ms in a worker) in the
@@ -108,6 +110,9 @@ class Worker:
     def _send_log(self, record: dict[str, Any]) -> None:
         rank = int(os.environ.get("HOROVOD_RANK", "-1"))  # elastic ranks change with each epoch
         self._pending_logs.append(self._coordinator.push_log.remote(rank, record))
+
+    def _track_send(self, ref: Any) -> None:
+        self._pending_logs.append(ref)
 
     def _flush_logs(self) -> None:
         pending, self._pending_logs = self._pending_logs, []
