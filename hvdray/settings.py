@@ -64,9 +64,10 @@ class Settings(BaseModel):
     )
     storage_path: Optional[str] = Field(
         None,
-        description="Elastic jobs: rank 0 writes each commit() of the elastic state here (a local directory or a "
-        "pyarrow filesystem URI such as s3://bucket/run); a job whose workers all died, or a new job started "
-        "on the same path, resumes from the newest commit there.",
+        description="Where the job keeps what outlives its workers (a local directory or a pyarrow filesystem URI "
+        "such as s3://bucket/run; also RayExecutor(storage_path=...)): checkpoints passed to hvdray.report, as "
+        "checkpoint_<n>, and in elastic jobs each commit() of the elastic state, under elastic_state/ (a job "
+        "whose workers all died, or a new job started on the same path, resumes from the newest commit).",
     )
     stall_check: bool = Field(
         True, description="False turns the stall inspector off: no stall warnings, no stall shutdown and no "
