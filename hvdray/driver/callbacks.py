@@ -2,7 +2,8 @@
 
 ``MetricsHistory`` keeps the per-step metrics (saved as PNG, CSV or JSON); ``ProgressBar`` is a live
 ``tqdm`` bar (terminal or notebook widget). Workers send records with
-``hvdray.ray_logger.log({"epoch": e, "loss": ...})``; records that carry the step key count.
+``hvdray.ray_logger.log({"epoch": e, "loss": ...})`` (any rank) or ``hvdray.report({...})`` (rank 0's);
+records that carry the step key count. Tracking callbacks (TensorBoard, MLflow, W&B) are in ``tracking.py``.
 """
 
 from __future__ import annotations

@@ -188,3 +188,29 @@ def test_bad_arguments_and_a_missing_library_are_clear(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"WandbCallback needs wandb: pip install \"hvdray\[tracking\]\""):
         WandbCallback()
+
+
+def _trial(config):
+    import hvdray.torch as hvd
+
+    hvd.init()
+    for epoch in range(config["epochs"]):
+        hvdray.report({"epoch": epoch, "loss": 1.5 * epoch if hvd.rank() == 0 else -1.0})
+
+
+def test_in_tune_ray_s_own_tensorboard_callback_gets_the_reports(ray_local, tmp_path):
+    """Inside a trial ``hvdray.report`` feeds Tune, so Ray's tracking callbacks (here TBXLoggerCallback,
+    passed explicitly) write rank 0's reports."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from ray import tune
+    from ray.tune.logger import TBXLoggerCallback
+
+    from hvdray.tune import DistributedTrainableCreator
+
+    trainable = DistributedTrainableCreator(_trial, num_hosts=1, num_slots=2)
+    analysis = tune.run(trainable, config={"epochs": 3}, storage_path=str(tmp_path), name="tracked", verbose=0,
+                        callbacks=[TBXLoggerCallback()])
+    (trial,) = analysis.trials
+    accumulator = event_accumulator.EventAccumulator(trial.local_path)
+    accumulator.Reload()
+    assert [(s.step, s.value) for s in accumulator.Scalars("ray/tune/loss")] == [(1, 0.0), (2, 1.5), (3, 3.0)]
