@@ -213,3 +213,30 @@ def test_report_is_one_function_and_logs_outside_an_executor(caplog):
         hvdray.report([0.5])
     with pytest.raises(TypeError, match="ray.train.Checkpoint"):
         hvdray.report({"loss": 0.5}, checkpoint="/tmp/dir")
+
+
+class _Trainer:
+    """horovod.ray's pattern: a stateful executable whose method trains and reports."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def train(self) -> float:
+        import hvdray.torch as hvd
+
+        hvd.init()
+        for step in range(2):
+            hvdray.report({"step": step, "value": self.scale * step})
+        return self.scale
+
+
+def test_execute_collects_a_result_too_and_run_remote_leaves_its_reports_to_the_next_call(make_executor):
+    executor = make_executor(num_workers=2, start=False)
+    executor.start(executable_cls=_Trainer, executable_args=[2.0])
+    assert executor.execute(lambda trainer: trainer.train()) == [2.0, 2.0]
+    assert list(executor.result.metrics_dataframe["value"]) == [0.0, 2.0]
+    assert executor.result.checkpoint is None and executor.result.path is None  # no storage_path
+    ray.get(executor.run_remote(lambda: hvdray.report({"from": "run_remote"})))
+    assert list(executor.result.metrics_dataframe["value"]) == [0.0, 2.0]  # still execute's result
+    executor.run(lambda: hvdray.report({"from": "run"}))
+    assert [row["from"] for _, row in executor.result.metrics_dataframe.iterrows()] == ["run_remote", "run"]
