@@ -9,7 +9,7 @@ from typing import Any, Optional
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray.util.state import list_actors
+from ray._private.state import actors as gcs_actors
 
 from hvdray import RayExecutor
 
@@ -52,7 +52,9 @@ def use_nodes(cluster: Cluster, count: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
-        leftovers = [a for a in list_actors(address=cluster.address, filters=[("state", "=", "ALIVE")]) if a.class_name == "Worker"]
+        # the GCS actor table: the state API (list_actors) needs the dashboard, which a loaded machine starts late
+        leftovers = [a["ActorID"] for a in gcs_actors().values()
+                     if a["State"] == "ALIVE" and a["ActorClassName"].endswith("Worker")]
         if alive == wanted and not leftovers:
             return
         time.sleep(0.2)

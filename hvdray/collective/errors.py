@@ -20,6 +20,12 @@ class HorovodInternalError(HvdrayError):
     """The ring broke: a peer died, timed out or shut down. Elastic training catches this to reset."""
 
 
+def caused_by_peer(exc: BaseException) -> bool:
+    """True for an error that another rank's failure caused on this one: an op a leaving peer never
+    submitted, a ring a dead peer broke, or a wrapper marked ``caused_by_peer`` (hvdrayrun's script failure)."""
+    return isinstance(exc, (PeerFinishedError, HorovodInternalError)) or bool(getattr(exc, "caused_by_peer", False))
+
+
 class PeerFinishedError(HvdrayError):
     """An op can never complete: a rank it waits for has left the function it ran in (returned from it or
     raised) without submitting the op. A program error (ranks disagree on the collectives they call), not a

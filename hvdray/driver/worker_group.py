@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from hvdray.collective.errors import HorovodInternalError, PeerFinishedError
+from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
 from hvdray.settings import Settings
@@ -104,8 +104,7 @@ def failure_error(
 def _is_consequence(exc: BaseException) -> bool:
     """True for a rank's error that another rank's failure caused: an op a leaving peer never submitted
     (PeerFinishedError) or a ring broken by a dead one (HorovodInternalError)."""
-    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-    return isinstance(cause, (PeerFinishedError, HorovodInternalError))
+    return caused_by_peer(exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc)
 
 
 def _with_headline(error: BaseException, headline: str) -> BaseException:

@@ -19,6 +19,7 @@ import traceback
 from typing import Iterator, Optional, Sequence
 
 from hvdray import alias, ray_logger
+from hvdray.collective.errors import caused_by_peer
 
 STREAM_KEY = "hvdrayrun_stream"  # records carrying this key are script output, not user metrics
 
@@ -38,9 +39,10 @@ class ScriptSpec:
 class ScriptFailed(Exception):
     """The script raised or exited non-zero on one rank; carries its exit code and the error's last line."""
 
-    def __init__(self, rank: int, exit_code: int, summary: str) -> None:
-        super().__init__(rank, exit_code, summary)
+    def __init__(self, rank: int, exit_code: int, summary: str, caused_by_peer: bool = False) -> None:
+        super().__init__(rank, exit_code, summary, caused_by_peer)
         self.rank, self.exit_code, self.summary = rank, exit_code, summary
+        self.caused_by_peer = caused_by_peer  # the script failed because another rank did: not the root cause
 
     def __str__(self) -> str:
         return f"rank {self.rank} exited with code {self.exit_code}: {self.summary}"
@@ -142,7 +144,7 @@ def run_script(spec: ScriptSpec) -> int:
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     with tempfile.TemporaryDirectory(prefix="hvdrayrun-") as tmp:
         path = _script_path(spec, tmp)
-        exit_code, summary = 0, ""
+        exit_code, summary, after_peer = 0, "", False
         with _as_main(spec, path):
             try:
                 if path is not None:
@@ -156,8 +158,9 @@ def run_script(spec: ScriptSpec) -> int:
             except BaseException as exc:  # noqa: BLE001 - reported to the driver as this rank's failure
                 _print_script_traceback(exc)
                 exit_code, summary = 1, "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                after_peer = caused_by_peer(exc)
     if exit_code != 0:
-        raise ScriptFailed(rank, exit_code, summary)
+        raise ScriptFailed(rank, exit_code, summary, after_peer)
     return 0
 
 

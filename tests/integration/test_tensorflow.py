@@ -297,7 +297,6 @@ def _errors() -> dict:
         "op": _error(lambda: hvd.allreduce(x, op="median")),
         "op_and_average": _error(lambda: hvd.allreduce(x, op=hvd.Sum, average=True)),
         "bool_average": _error(lambda: hvd.allreduce(tf.constant([True]))),
-        "int_prescale": _error(lambda: hvd.allreduce(tf.constant([1]), prescale_factor=2.0)),
         "root": _error(lambda: hvd.broadcast(x, root_rank=SIZE)),
         "process_set": _error(lambda: hvd.allgather(x, process_set="evens")),
         "name": _error(lambda: hvd.allreduce(x, name="")),
@@ -327,6 +326,7 @@ def _errors() -> dict:
 
     out["mismatch_graph"] = _error(lambda: in_graph(tf.zeros([r + 2])))
     out["still_works"] = hvd.allreduce(x, op=hvd.Sum).numpy()
+    out["int_prescale"] = hvd.allreduce(tf.constant([3]), op=hvd.Sum, prescale_factor=2.0).numpy()
     return out
 
 
@@ -338,7 +338,6 @@ def test_bad_arguments_and_mismatches_fail_clearly(ex):
         "op": ("ValueError", "op must be"),
         "op_and_average": ("ValueError", "average="),
         "bool_average": ("ValueError", "bool"),
-        "int_prescale": ("ValueError", "prescale_factor"),
         "root": ("ValueError", "root_rank"),
         "process_set": ("TypeError", "process_set"),
         "name": ("ValueError", "name"),
@@ -359,7 +358,9 @@ def test_bad_arguments_and_mismatches_fail_clearly(ex):
     for out in res:
         for key, (kind, text) in expected.items():
             assert out[key].startswith(kind + ":") and text in out[key], f"{key}: {out[key]}"
-        assert "torch." not in out["int_prescale"]  # dtypes are named as TensorFlow names them
+        assert "torch." not in out["int16"]  # dtypes are named as TensorFlow names them
+        # scale factors apply to integer tensors too, as in Horovod (the result keeps its dtype)
+        assert out["int_prescale"].dtype == np.int32 and out["int_prescale"].tolist() == [6 * SIZE]
         np.testing.assert_array_equal(out["still_works"], [2.0, 4.0])
 
 
