@@ -15,10 +15,13 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
+
+_NAME_RELEASE_S = 15.0  # how long a new coordinator waits for a killed one's name to be released
 
 
 class CoordinatorClient:
@@ -67,11 +70,22 @@ def start_job_coordinator(name: str) -> JobCoordinator:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     token = secrets.token_bytes(32)
-    handle = ray.remote(Coordinator).options(
+    options = ray.remote(Coordinator).options(
         num_cpus=0,
         name=name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    ).remote(hashlib.sha256(token).digest())
+    )
+    # A restarted group reuses its executor's coordinator name; ray.kill of the old one returns before the
+    # GCS has released the name, so wait for it (briefly) rather than fail the restart.
+    deadline = time.monotonic() + _NAME_RELEASE_S
+    while True:
+        try:
+            handle = options.remote(hashlib.sha256(token).digest())
+            break
+        except ray.exceptions.ActorAlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
     return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
 
 
