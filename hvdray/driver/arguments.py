@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hvdray.driver.worker_group import Callback
 from hvdray.settings import Settings

@@ -10,7 +10,6 @@ from the newest one.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import pickle
 import re
@@ -20,12 +19,8 @@ import pyarrow.fs
 
 from hvdray.storage import resolve
 
-log = logging.getLogger(__name__)
-
 _NAME = re.compile(r"^commit-(\d+)\.pkl$")
 _KEEP = 2
-
-
 SUBDIR = "elastic_state"
 
 
