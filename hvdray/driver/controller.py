@@ -39,7 +39,7 @@ import ray
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
-from hvdray.driver.worker_group import RunOutcome, WorkerGroup, failure_error
+from hvdray.driver.worker_group import CoordinatorLostError, RunOutcome, WorkerGroup, failure_error
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ class ElasticDriver:
                     self._enter(transition)
                 time.sleep(_TICK_S)
             self._group.deliver_logs(self._callbacks)
-        except ray.exceptions.RayActorError as exc:  # worker deaths are handled above: this is the coordinator
-            raise ElasticJobError(f"the job's coordinator actor died ({exc}); the elastic job cannot go on") from exc
+        except (ray.exceptions.RayActorError, CoordinatorLostError) as exc:  # worker deaths are handled above
+            raise ElasticJobError(f"{exc}; the elastic job cannot go on") from exc
         finally:
             self.stop()
         if self._error is not None:

@@ -293,7 +293,8 @@ class RayExecutor:
         those already in storage_path."""
         results = RunResults(self.settings.storage_path, self._checkpoint_config)
         if self.settings.storage_path is not None:
-            ray.get(group.coordinator.begin_checkpoints.remote(results.first_checkpoint()))
+            group.ask_coordinator(group.coordinator.begin_checkpoints.remote(results.first_checkpoint()),
+                                  "where checkpoints begin")
         group.on_report = results.add
         self._collecting = results
 

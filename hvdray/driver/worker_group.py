@@ -53,6 +53,10 @@ class WorkerLostError(RuntimeError):
     """A worker actor died (its process exited, was killed, or its node went away)."""
 
 
+class CoordinatorLostError(RuntimeError):
+    """The job's coordinator actor died or did not answer within ``timeout_s``: the job cannot go on."""
+
+
 def actor_name(executor_id: str, role: str) -> str:
     """The Ray actor name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``), so
     that ``ray list actors`` and the dashboard show who is who."""
@@ -409,7 +413,7 @@ class WorkerGroup:
         if failures:
             try:
                 self.deliver_logs(callbacks)  # what was reported before the failure still counts
-            except ray.exceptions.RayActorError:  # the coordinator is gone too: the rank's error says more
+            except CoordinatorLostError:  # the coordinator is gone too: the rank's error says more
                 log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
             self.stop()
             rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
@@ -451,19 +455,34 @@ class WorkerGroup:
                 held[worker.node_id] = held.get(worker.node_id, 0) + 1
         return held
 
+    def ask_coordinator(self, call: ray.ObjectRef, what: str) -> Any:
+        """The answer to a call to the coordinator, waited for at most ``timeout_s``: a coordinator that
+        died or stopped answering (its node lost or starved) fails the job instead of hanging it."""
+        try:
+            return ray.get(call, timeout=self._settings.timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise CoordinatorLostError(
+                f"hvdray executor {self.executor_id}: the coordinator did not answer {what} within "
+                f"timeout_s={self._settings.timeout_s:g} s"
+            ) from exc
+        except ray.exceptions.RayActorError as exc:
+            raise CoordinatorLostError(
+                f"hvdray executor {self.executor_id}: the coordinator died ({what}): {exc}"
+            ) from exc
+
     def waiting(self) -> set[str]:
         """Ids of workers waiting in the coordinator for a new membership epoch."""
-        return set(ray.get(self.coordinator.waiting.remote()))
+        return set(self.ask_coordinator(self.coordinator.waiting.remote(), "which workers wait"))
 
     def abandon_epoch(self, epoch: int) -> None:
         """Give up on membership ``epoch``: workers waiting in its rendezvous are told at once."""
-        ray.get(self.coordinator.abandon.remote(epoch), timeout=self._settings.timeout_s)
+        self.ask_coordinator(self.coordinator.abandon.remote(epoch), f"the abandonment of epoch {epoch}")
 
     def form_epoch(self, order: Sequence[GroupWorker]) -> int:
         """A new membership epoch of ``order``'s workers, ranked by the coordinator; returns its number."""
-        epoch, infos, _ = ray.get(
+        epoch, infos, _ = self.ask_coordinator(
             self.coordinator.assign.remote([w.slot for w in order], [w.worker_id for w in order]),
-            timeout=self._settings.timeout_s,
+            "the ranks of a new epoch",
         )
         for worker, info in zip(order, infos):
             worker.rank = info.rank
@@ -471,14 +490,14 @@ class WorkerGroup:
 
     def announce_new_hosts(self) -> None:
         """Members raise HostsUpdatedInterrupt at their next commit, to re-form with the new workers."""
-        ray.get(self.coordinator.notify_hosts_updated.remote())
+        self.ask_coordinator(self.coordinator.notify_hosts_updated.remote(), "an announcement of new hosts")
 
     def deliver_logs(self, callbacks: Sequence[Callback]) -> None:
         """Hand every record the workers logged or reported since the last call to each callback, in
         order; rank 0's reports (metrics, checkpoint path) also go to ``on_report``."""
         if (not callbacks and self.on_report is None) or self._coordinator is None:
             return
-        for record, report in ray.get(self.coordinator.drain_logs.remote()):
+        for record, report in self.ask_coordinator(self.coordinator.drain_logs.remote(), "a request for records"):
             if report is not None and self.on_report is not None:
                 self.on_report(*report)
             for cb in callbacks:
@@ -495,7 +514,7 @@ class WorkerGroup:
             if worker is not None:
                 ray.kill(worker.actor, no_restart=True)
                 removed.append(worker)
-        ray.get(self.coordinator.forget.remote(list(worker_ids)))
+        self.ask_coordinator(self.coordinator.forget.remote(list(worker_ids)), "a request to forget workers")
         return removed
 
     def cancel_starts(self) -> None:

@@ -154,3 +154,55 @@ def test_elastic_argument_checks(ray_local):
     with pytest.raises(RuntimeError, match="use run"):
         ex.run_remote(_sum_ranks)
     ex.shutdown()
+
+
+def _commits_until_stopped() -> int:
+    import time
+
+    import hvdray.torch as hvd
+    from hvdray import ray_logger
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state.step += 1
+            state.commit()
+            ray_logger.log({"kind": "commit", "step": state.step})
+            time.sleep(0.2)
+        return state.step
+
+    return train(state)
+
+
+def test_a_coordinator_that_stops_answering_fails_the_job_instead_of_hanging_it(ray_local):
+    """The coordinator's process is frozen (SIGSTOP: a starved or wedged process, not a dead one, so Ray
+    reports nothing): the driver's next call to it gives up after timeout_s and the job fails naming it."""
+    import signal
+
+    from ray._private.state import actors as gcs_actors
+
+    from hvdray.driver.controller import ElasticJobError
+    from hvdray.driver.worker_group import actor_name
+
+    frozen = []
+
+    def freeze(record):
+        if record.get("kind") == "commit" and not frozen:
+            name = actor_name(ex._id, "coordinator")
+            pid = next(a["Pid"] for a in gcs_actors().values() if a["Name"] == name and a["State"] == "ALIVE")
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append((pid, time.monotonic()))
+
+    ex = RayExecutor(_settings(), min_workers=2, max_workers=2)
+    try:
+        with pytest.raises(ElasticJobError, match="coordinator did not answer .* within timeout_s=10"):
+            ex.run(_commits_until_stopped, callbacks=[freeze])
+        assert frozen and time.monotonic() - frozen[0][1] < 10 + 20
+    finally:
+        for pid, _ in frozen:
+            os.kill(pid, signal.SIGCONT)
+        ex.shutdown()
