@@ -3,14 +3,12 @@ and the driver's blacklist."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
 import hvdray.torch as hvd
 from hvdray.collective.errors import HvdrayError
-from hvdray.driver.policies import DEFAULT_COOLDOWN_RANGE, Blacklist
 from hvdray.torch import elastic as torch_elastic
 
 
@@ -168,13 +166,3 @@ def test_torch_state_rejects_wrong_types():
         hvd.elastic.TorchState(model="not a module")
     with pytest.raises(TypeError, match="optimizer"):
         hvd.elastic.TorchState(optimizer=3)
-
-
-def test_blacklist_cooldown_backs_off_and_expires():
-    blacklist = Blacklist((0.05, 0.5))
-    assert blacklist.add("n1") == 0.05
-    assert blacklist.blocked("n1") and not blacklist.blocked("n2")
-    time.sleep(0.08)
-    assert not blacklist.blocked("n1")
-    assert blacklist.add("n1") == 0.1  # second failure: doubled
-    assert Blacklist(None).add("n3") == DEFAULT_COOLDOWN_RANGE[0]  # no range: the default one, never for good
