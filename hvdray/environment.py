@@ -94,7 +94,8 @@ HOROVOD_KNOBS: dict[str, Knob] = {
 #: hvdray's own spellings beside HVDRAY_<FIELD>: variable -> field
 HVDRAY_ALIASES = {"HVDRAY_TIMELINE": "timeline_filename"}
 #: HVDRAY_* variables that are not settings but are read elsewhere in hvdray
-HVDRAY_OTHER = frozenset({"HVDRAY_HOROVOD_ALIAS", "HVDRAY_TEST_FAULTS"})  # the alias; the test-only fault plan
+#: the alias; the test-only fault plan and the fault matrix's own knobs (tests/multinode/test_elastic_faults.py)
+HVDRAY_OTHER = frozenset({"HVDRAY_HOROVOD_ALIAS", "HVDRAY_TEST_FAULTS", "HVDRAY_FAULT_MATRIX", "HVDRAY_FAULT_REPEATS"})
 
 #: HOROVOD_* variables hvdray sets itself in every worker (rank facts for scripts): never reported
 SET_BY_HVDRAY = frozenset({

@@ -70,15 +70,7 @@ def cpu_load(request):
             proc.wait()
 
 
-#: not proved yet (issue #20 stays open): a node removed at or right after a commit of the reset epoch
-#: fails the result invariants in full-suite runs, not alone; under investigation
-_UNPROVED = {("commit", "remove_node"), ("after_commit", "remove_node")}
-_PARAMS = [
-    pytest.param(load, p, a, id=f"{a}-at-{p}-{load}", marks=pytest.mark.xfail(
-        strict=False, reason="node removed at/after a commit: result invariants fail in full-suite runs (#20)"))
-    if (p, a) in _UNPROVED else pytest.param(load, p, a, id=f"{a}-at-{p}-{load}")
-    for load, p, a in CASES
-]
+_PARAMS = [pytest.param(load, p, a, id=f"{a}-at-{p}-{load}") for load, p, a in CASES]
 
 
 @pytest.mark.parametrize("repeat", range(REPEATS))
