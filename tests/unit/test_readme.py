@@ -1,0 +1,58 @@
+"""README.md's promises that need no Ray: every Python snippet compiles, the README stays a front door
+(at most 300 lines), and every docs page it links to exists. tests/e2e/test_readme_quick_start.py runs
+the quick starts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def python_snippets(markdown: str) -> dict[str, str]:
+    """Every fenced ``python`` block of a Markdown text, keyed by the ``##`` heading it sits under
+    (with a counter when a section has several)."""
+    snippets: dict[str, str] = {}
+    heading = "(top)"
+    for block in re.finditer(r"^## ([^\n]+)$|^```python\n(.*?)^```$", markdown, re.MULTILINE | re.DOTALL):
+        if block.group(1):
+            heading = block.group(1).strip()
+            continue
+        key, n = heading, 1
+        while key in snippets:
+            n += 1
+            key = f"{heading} ({n})"
+        snippets[key] = block.group(2)
+    return snippets
+
+
+def test_every_python_snippet_of_the_readme_compiles():
+    snippets = python_snippets(README.read_text())
+    assert {"Quick start: PyTorch", "Quick start: TensorFlow and Keras", "Quick start: elastic training",
+            "Quick start: Ray Tune, every trial a distributed job"} <= set(snippets)
+    for heading, code in snippets.items():
+        compile(code, f"README.md, {heading}", "exec")  # a SyntaxError names the section
+
+
+def test_snippet_extraction_sees_a_broken_snippet():
+    text = "## One\n\n```python\nx = 1\n```\n\n## Two\n\n```python\ndef f(:\n```\n"
+    snippets = python_snippets(text)
+    assert snippets == {"One": "x = 1\n", "Two": "def f(:\n"}
+    try:
+        compile(snippets["Two"], "Two", "exec")
+    except SyntaxError:
+        return
+    raise AssertionError("a broken snippet compiled")
+
+
+def test_readme_is_a_front_door():
+    assert len(README.read_text().splitlines()) <= 300
+
+
+def test_every_docs_link_of_the_readme_names_a_page():
+    links = re.findall(r"\]\((docs/[^)#]+)", README.read_text())
+    assert links
+    for link in links:
+        assert (ROOT / link).is_file(), link
