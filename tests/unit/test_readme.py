@@ -1,4 +1,4 @@
-"""README.md's promises that need no Ray: every Python snippet compiles, the README stays a front door
+"""README.md's promises that need no Ray: every Python snippet compiles (the docs pages' too), the README stays a front door
 (at most 300 lines), and every docs page it links to exists. tests/e2e/test_readme_quick_start.py runs
 the quick starts."""
 
@@ -34,6 +34,14 @@ def test_every_python_snippet_of_the_readme_compiles():
             "Quick start: Ray Tune, every trial a distributed job"} <= set(snippets)
     for heading, code in snippets.items():
         compile(code, f"README.md, {heading}", "exec")  # a SyntaxError names the section
+
+
+def test_every_python_snippet_of_the_docs_compiles():
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert sum(len(python_snippets(page.read_text())) for page in pages) >= 5
+    for page in pages:
+        for heading, code in python_snippets(page.read_text()).items():
+            compile(code, f"{page.relative_to(ROOT)}, {heading}", "exec")
 
 
 def test_snippet_extraction_sees_a_broken_snippet():
