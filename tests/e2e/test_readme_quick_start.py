@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from test_readme import README, python_snippets  # noqa: E402
+README = ROOT / "README.md"
+sys.path.insert(0, str(ROOT / "tests"))
+from markdown_snippets import python_snippets  # noqa: E402 - shared with unit/test_readme.py
 
 pytestmark = pytest.mark.slow
 

@@ -1,31 +1,18 @@
-"""README.md's promises that need no Ray: every Python snippet compiles (the docs pages' too), the README stays a front door
-(at most 300 lines), and every docs page it links to exists. tests/e2e/test_readme_quick_start.py runs
-the quick starts."""
+"""README.md's promises that need no Ray: every Python snippet compiles (the docs pages' too), the
+README stays a front door (at most 300 lines), and every docs page it links to exists.
+tests/e2e/test_readme_quick_start.py runs the quick starts."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
-
-def python_snippets(markdown: str) -> dict[str, str]:
-    """Every fenced ``python`` block of a Markdown text, keyed by the ``##`` heading it sits under
-    (with a counter when a section has several)."""
-    snippets: dict[str, str] = {}
-    heading = "(top)"
-    for block in re.finditer(r"^## ([^\n]+)$|^```python\n(.*?)^```$", markdown, re.MULTILINE | re.DOTALL):
-        if block.group(1):
-            heading = block.group(1).strip()
-            continue
-        key, n = heading, 1
-        while key in snippets:
-            n += 1
-            key = f"{heading} ({n})"
-        snippets[key] = block.group(2)
-    return snippets
+sys.path.insert(0, str(ROOT / "tests"))
+from markdown_snippets import python_snippets  # noqa: E402 - shared with e2e/test_readme_quick_start.py
 
 
 def test_every_python_snippet_of_the_readme_compiles():
