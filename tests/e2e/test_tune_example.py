@@ -19,8 +19,9 @@ def _run(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.Complete
     )
 
 
-def test_tune_bayesopt_example_tunes_the_learning_rate_and_keeps_the_best_model():
-    result = _run("--num-samples", "5", "--num-workers", "2", "--epochs", "4", "--min-accuracy", "0.85")
+def test_tune_bayesopt_example_tunes_the_learning_rate_and_keeps_the_best_model(tmp_path):
+    result = _run("--num-samples", "5", "--num-workers", "2", "--epochs", "4", "--min-accuracy", "0.85",
+                  HOME=str(tmp_path))  # its results go to ~/ray_results: the test's own directory
     assert result.returncode == 0, result.stdout + result.stderr
     trials = [line for line in result.stdout.splitlines() if line.startswith("trial")]
     assert len(trials) == 5

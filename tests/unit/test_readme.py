@@ -51,3 +51,17 @@ def test_every_docs_link_of_the_readme_names_a_page():
     assert links
     for link in links:
         assert (ROOT / link).is_file(), link
+
+
+def test_readme_install_commands_are_make_installs():
+    """The README's pinned install is what ``make install`` runs (Makefile variables expanded)."""
+    makefile = (ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"^(\w+) :?= (\S+)$", makefile, re.MULTILINE))
+    make_commands = [
+        re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], line.split("pip install --quiet ", 1)[1])
+        for line in makefile.splitlines() if "pip install --quiet -c constraints.txt" in line
+    ]
+    readme = README.read_text()
+    assert len(make_commands) == 2
+    for command in make_commands:
+        assert f"pip install {command}\n" in readme, command
