@@ -3,14 +3,18 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hvdray-installed
+# torch's CPU build (constraints.txt pins it on Linux, where PyPI's torch is the CUDA build)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# the extras of the development install; cluster_configs/ install the same ones but test and docs
+EXTRAS := test,tune,examples,tensorflow,docs
 
 .PHONY: train test install
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,tune,examples,tensorflow]"
+	$(PY) -m pip install --quiet -c constraints.txt torch --extra-index-url $(TORCH_CPU_INDEX)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,6 +23,6 @@ install: $(STAMP)
 train: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(PY) examples/pytorch_digits.py --num-workers 2 --epochs 10
 
-## The whole test suite (unit, integration, multi-node, end-to-end).
+## The whole test suite (unit, integration, multi-node, end-to-end) and the docs built with --strict.
 test: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -ra --durations=15 tests

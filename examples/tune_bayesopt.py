@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 from ray import tune
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-accuracy", type=float, default=0.9)
-    parser.add_argument("--storage", default=None, help="Tune's storage path (default: a temporary directory)")
+    parser.add_argument("--storage", default=None, help="Tune's storage path (default: Ray's, ~/ray_results)")
     parser.add_argument("--address", default=None, help="Ray address ('auto' for a running cluster; default $RAY_ADDRESS, else a local Ray)")
     args = parser.parse_args(argv)
 
@@ -95,37 +94,37 @@ def main(argv: list[str] | None = None) -> int:
         BayesOptSearch(random_state=args.seed, random_search_steps=3), max_concurrent=args.max_concurrent
     )
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        tuner = tune.Tuner(
-            trainable,
-            param_space={
-                "log10_lr": tune.uniform(-4.0, -0.5),
-                "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
-            },
-            tune_config=tune.TuneConfig(
-                metric="accuracy", mode="max", search_alg=search, num_samples=args.num_samples,
-                reuse_actors=True,  # the next trial reuses the previous trial's workers
-            ),
-            run_config=tune.RunConfig(name="tune_bayesopt", storage_path=os.path.abspath(args.storage or scratch), verbose=0),
-        )
-        results = tuner.fit()
-        finished = [r for r in results if r.error is None and r.metrics]
-        for r in sorted(finished, key=lambda r: r.config["log10_lr"]):
-            print(f"trial  lr {10 ** r.config['log10_lr']:.5f}  loss {r.metrics['loss']:.4f}  "
-                  f"accuracy {r.metrics['accuracy']:.4f}", flush=True)
-        if results.errors or not finished:
-            for error in results.errors:
-                print(f"FAILED: a trial raised {error!r}", file=sys.stderr)
-            if not finished:
-                print("FAILED: no trial finished", file=sys.stderr)
-            return 1
-        best = results.get_best_result()
-        has_model = best.checkpoint is not None and os.path.exists(os.path.join(best.checkpoint.path, "model.pt"))
-        print(
-            f"best of {len(finished)} trials on {args.num_workers} workers each ({time.monotonic() - started:.1f} s): "
-            f"lr {10 ** best.config['log10_lr']:.5f}, test accuracy {best.metrics['accuracy']:.4f}, "
-            f"checkpoint {'saved' if has_model else 'MISSING'}"
-        )
+    tuner = tune.Tuner(
+        trainable,
+        param_space={
+            "log10_lr": tune.uniform(-4.0, -0.5),
+            "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
+        },
+        tune_config=tune.TuneConfig(
+            metric="accuracy", mode="max", search_alg=search, num_samples=args.num_samples,
+            reuse_actors=True,  # the next trial reuses the previous trial's workers
+        ),
+        run_config=tune.RunConfig(name="tune_bayesopt", storage_path=args.storage and os.path.abspath(args.storage), verbose=0),
+    )
+    results = tuner.fit()
+    print(f"results (trials, checkpoints): {results.experiment_path}")  # kept after the run, for Tuner.restore
+    finished = [r for r in results if r.error is None and r.metrics]
+    for r in sorted(finished, key=lambda r: r.config["log10_lr"]):
+        print(f"trial  lr {10 ** r.config['log10_lr']:.5f}  loss {r.metrics['loss']:.4f}  "
+              f"accuracy {r.metrics['accuracy']:.4f}", flush=True)
+    if results.errors or not finished:
+        for error in results.errors:
+            print(f"FAILED: a trial raised {error!r}", file=sys.stderr)
+        if not finished:
+            print("FAILED: no trial finished", file=sys.stderr)
+        return 1
+    best = results.get_best_result()
+    has_model = best.checkpoint is not None and os.path.exists(os.path.join(best.checkpoint.path, "model.pt"))
+    print(
+        f"best of {len(finished)} trials on {args.num_workers} workers each ({time.monotonic() - started:.1f} s): "
+        f"lr {10 ** best.config['log10_lr']:.5f}, test accuracy {best.metrics['accuracy']:.4f}, "
+        f"checkpoint {'saved' if has_model else 'MISSING'}"
+    )
     if best.metrics["accuracy"] < args.min_accuracy:
         print(f"FAILED: best accuracy {best.metrics['accuracy']:.4f} < --min-accuracy {args.min_accuracy}", file=sys.stderr)
         return 1

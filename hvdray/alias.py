@@ -46,7 +46,7 @@ class HorovodAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if real_spec is None:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: hvdray's Horovod alias maps it to {real!r}, which hvdray does not "
-                "have (see 'Coming from Horovod' in hvdray's README)", name=fullname,
+                "have (see docs/horovod.md, 'Coming from Horovod', in hvdray's docs)", name=fullname,
             )
         return importlib.util.spec_from_loader(
             fullname, self, origin=real_spec.origin, is_package=real_spec.submodule_search_locations is not None

@@ -44,6 +44,7 @@ class ProcessSet:
 
     @property
     def ranks(self) -> list[int]:
+        """The set's global ranks, in order (a copy)."""
         return list(self._ranks)
 
     def size(self) -> int:
@@ -74,6 +75,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> list[int]:
+        """Every rank of the job as it is now (it changes with an elastic reset)."""
         return list(range(session.rank_info("global_process_set").size))
 
     def __repr__(self) -> str:

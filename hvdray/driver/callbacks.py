@@ -77,6 +77,7 @@ class MetricsHistory:
     def plot(self, path: Optional[PathLike] = None, metrics: Optional[Sequence[str]] = None) -> Any:
         """A matplotlib Figure, one panel per metric against the step; saved as PNG if ``path`` is given."""
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         names = list(metrics) if metrics is not None else self.metric_names()
         if not names:
@@ -86,6 +87,8 @@ class MetricsHistory:
             steps, values = self.series(name)
             axes.plot(steps, values, marker="o", markersize=3)
             axes.set_xlabel(self.step_key)
+            if all(float(step).is_integer() for step in steps):  # epochs: no tick at 1.5
+                axes.xaxis.set_major_locator(MaxNLocator(integer=True))
             axes.set_title(name)
             axes.grid(alpha=0.3)
         if path is not None:

@@ -4,4 +4,5 @@ import sys
 
 from hvdray.runner.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (a docs build inspecting the package) runs nothing
+    sys.exit(main())

@@ -45,12 +45,15 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.record_indices(self.indices[start : start + batch_size])
 
     def record_indices(self, indices: Any) -> None:
+        """Mark these dataset indices processed this epoch, so a reset does not hand them out again."""
         self.processed_indices.update(int(i) for i in indices)
 
     def state_dict(self) -> dict[str, Any]:
+        """The epoch and the indices processed in it: what ``TorchState`` commits and syncs."""
         return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` and re-shard the rest of the epoch over the current ranks."""
         self.epoch = state["epoch"]
         self.processed_indices = set(state["processed_indices"])
         self.reset()

@@ -83,3 +83,69 @@ def test_kuberay_manifest_is_a_raycluster_running_the_hvdray_image():
 def test_kuberay_image_installs_hvdray():
     dockerfile = (CONFIGS / "Dockerfile").read_text()
     assert "download.pytorch.org/whl/cpu" in dockerfile and "hvdray[" in dockerfile
+
+
+# -- every node installs what `make install` installs, with the same pins -----------------------------
+
+ROOT = CONFIGS.parent
+
+
+def _constraints() -> list:
+    from packaging.requirements import Requirement
+
+    lines = [line.split("#")[0].strip() for line in (ROOT / "constraints.txt").read_text().splitlines()]
+    return [Requirement(line) for line in lines if line]
+
+
+def _pin(name: str, platform: str) -> str:
+    """The version constraints.txt pins ``name`` to on ``platform`` (a sys.platform value)."""
+    (requirement,) = [r for r in _constraints() if r.name == name
+                      and (r.marker is None or r.marker.evaluate({"sys_platform": platform}))]
+    (specifier,) = requirement.specifier
+    assert specifier.operator == "==", requirement
+    return specifier.version
+
+
+def _install_commands() -> dict[str, str]:
+    """Each config's (and the Dockerfile's) install commands, as one text."""
+    texts = {name: "\n".join(_load(name)["setup_commands"]) for name in LAUNCHER_CONFIGS}
+    texts["Dockerfile"] = (CONFIGS / "Dockerfile").read_text()
+    return texts
+
+
+def test_cluster_nodes_install_the_extras_of_make_install():
+    make_extras = re.search(r"^EXTRAS := (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1).split(",")
+    node_extras = set(make_extras) - {"test", "docs"}  # what runs jobs, not what checks the checkout
+    assert "tensorflow" in node_extras
+    for name, commands in _install_commands().items():
+        (extras,) = re.findall(r"hvdray\[([\w,]+)\]", commands)
+        assert set(extras.split(",")) == node_extras, name
+        assert re.search(r"-c \S*constraints\.txt \S*hvdray\[", commands), f"{name}: hvdray installed without the pins"
+
+
+def test_cluster_nodes_pin_the_ray_of_the_package():
+    """constraints.txt's Ray is what the package accepts, what KubeRay is told and what its image holds."""
+    from packaging.specifiers import SpecifierSet
+
+    ray_version = _pin("ray", "linux")
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (ray_requirement,) = [d for d in dependencies if d.startswith("ray[")]
+    assert ray_version in SpecifierSet(ray_requirement.split("]", 1)[1])
+    assert _load("kuberay.yaml")["spec"]["rayVersion"] == ray_version
+    assert f"FROM rayproject/ray:{ray_version}-" in (CONFIGS / "Dockerfile").read_text()
+
+
+def test_constraints_admit_only_torchs_cpu_build_on_linux():
+    """On Linux PyPI's torch wheel is the CUDA build (plain version); the pin admits only the +cpu one,
+    which every install command fetches from torch's CPU index."""
+    from packaging.specifiers import SpecifierSet
+
+    linux, mac = _pin("torch", "linux"), _pin("torch", "darwin")
+    assert linux.endswith("+cpu") and mac == linux.removesuffix("+cpu")
+    assert linux in SpecifierSet(f"=={linux}") and linux.removesuffix("+cpu") not in SpecifierSet(f"=={linux}")
+    for name, commands in {**_install_commands(), "Makefile": (ROOT / "Makefile").read_text()}.items():
+        assert re.search(r"-c \S*constraints\.txt torch .*download\.pytorch\.org/whl/cpu", commands) or (
+            "TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu" in commands
+            and "-c constraints.txt torch --extra-index-url $(TORCH_CPU_INDEX)" in commands), name

@@ -50,6 +50,24 @@ def test_history_saves_csv_json_and_png(tmp_path):
     assert list(figure.axes[0].lines[0].get_ydata()) == [2.0, 1.0, 0.5]
 
 
+@pytest.mark.parametrize("epochs", [2, 3, 5, 10])
+def test_history_plot_ticks_whole_epochs(tmp_path, epochs):
+    """An integer step (the epoch) gets integer ticks only, never 1.5; a fractional step keeps them."""
+    history = MetricsHistory()
+    for epoch in range(1, epochs + 1):
+        history({"rank": 0, "epoch": epoch, "loss": 1.0 / epoch})
+    axes = history.plot(tmp_path / "h.png").axes[0]  # saving draws it, placing the ticks
+    low, high = axes.get_xlim()
+    ticks = [t for t in axes.get_xticks() if low <= t <= high]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+    fractional = MetricsHistory(step_key="time")
+    for step in (0.5, 1.0, 1.5):
+        fractional({"rank": 0, "time": step, "loss": step})
+    axes = fractional.plot(tmp_path / "f.png").axes[0]
+    assert any(not float(t).is_integer() for t in axes.get_xticks())
+
+
 def test_history_rejects_bad_arguments():
     with pytest.raises(ValueError, match="step_key"):
         MetricsHistory(step_key="")
