@@ -151,7 +151,7 @@ class ElasticDriver:
                 if transition is not None:
                     self._enter(transition)
                 time.sleep(_TICK_S)
-            self._group.deliver_logs(self._callbacks)
+            self._group.deliver_logs(self._callbacks, flush=True)
         except ray.exceptions.RayActorError as exc:  # worker deaths are handled above: this is the coordinator
             raise ElasticJobError(f"the job's coordinator actor died ({exc}); the elastic job cannot go on") from exc
         finally:
