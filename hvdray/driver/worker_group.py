@@ -480,20 +480,24 @@ class WorkerGroup:
         ray.get(self.coordinator.notify_hosts_updated.remote())
 
     def deliver_logs(self, callbacks: Sequence[Callback], flush: bool = False) -> None:
-        """Hand every record the workers logged or reported since the last call to each callback, in
-        order; rank 0's reports (metrics, checkpoint path) also go to ``on_report``. Never blocks, unless
-        ``flush``: then every record the coordinator holds is handed on (after a call ended, that is all of
-        its records: a worker's call returns once its records have reached the coordinator)."""
+        """Hand the records the workers logged or reported to each callback, in order; rank 0's reports
+        (metrics, checkpoint path) also go to ``on_report``. Without ``flush``: those the waiting
+        coordinator call (see :meth:`gather`) brought, never blocking. With ``flush``: every record the
+        coordinator holds now, at the cost of a round trip (after a call ended, that is all of its
+        records: a worker's call returns once its records have reached the coordinator)."""
         if not self._delivering(callbacks):
             return
-        call = self._next_records()
-        if ray.wait([call], timeout=0)[0]:
-            self._records_call = None
-            self._hand_on(ray.get(call), callbacks)
-        while flush:  # until the coordinator has nothing more (which also acknowledges what was handed on)
+        if not flush:
+            call = self._next_records()
+            if ray.wait([call], timeout=0)[0]:
+                self._records_call = None
+                self._hand_on(ray.get(call), callbacks)
+            return
+        while True:  # until the coordinator has nothing more, which also acknowledges what was handed on
             answer = ray.get(self.coordinator.records.remote(self._records_after, 0.0))
             self._hand_on(answer, callbacks)
-            flush = bool(answer[1])
+            if not answer[1]:
+                return
 
     def _delivering(self, callbacks: Sequence[Callback]) -> bool:
         return (bool(callbacks) or self.on_report is not None) and self._coordinator is not None
