@@ -8,13 +8,15 @@ records that carry the step key count. Tracking callbacks (TensorBoard, MLflow, 
 
 from __future__ import annotations
 
-import csv
 import json
 import numbers
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # pandas is imported when a table is read, not with every record
+    import pandas as pd
 
 PathLike = Union[str, Path]
 
@@ -42,30 +44,35 @@ class MetricsHistory:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def dataframe(self) -> "pd.DataFrame":
+        """The rows as a pandas DataFrame, one column per key in the order first reported (missing: NaN)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
     def metric_names(self) -> list[str]:
-        """Numeric columns other than the step and the rank, in the order they first appeared."""
-        names: list[str] = []
-        for row in self.rows:
-            for key, value in row.items():
-                if key not in (self.step_key, "rank") and key not in names and _is_number(value):
-                    names.append(key)
-        return names
+        """Numeric columns (booleans excluded) other than the step and the rank, in the order they first appeared."""
+        from pandas.api.types import is_bool_dtype, is_numeric_dtype
+
+        frame = self.dataframe()
+        return [
+            name for name in frame.columns
+            if name not in (self.step_key, "rank") and is_numeric_dtype(frame[name]) and not is_bool_dtype(frame[name])
+        ]
 
     def series(self, metric: str) -> tuple[list[Any], list[float]]:
-        """(steps, values) of one metric, in the order reported."""
+        """(steps, values) of one metric, in the order reported (rows without it are skipped)."""
         if metric not in self.metric_names():
             raise KeyError(f"no metric {metric!r} was reported; have {self.metric_names()}")
-        pairs = [(row[self.step_key], float(row[metric])) for row in self.rows if _is_number(row.get(metric))]
-        return [s for s, _ in pairs], [v for _, v in pairs]
+        rows = self.dataframe()[[self.step_key, metric]].dropna(subset=[metric])
+        return rows[self.step_key].tolist(), rows[metric].astype(float).tolist()
 
     def to_csv(self, path: PathLike) -> Path:
-        """One line per row; columns: the step, the rank, then every key reported."""
+        """One line per row; columns: the step, the rank, then every other key in sorted order."""
         path = Path(path)
-        columns = [self.step_key, "rank"] + sorted({k for row in self.rows for k in row} - {self.step_key, "rank"})
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
+        frame = self.dataframe()
+        rest = sorted(set(frame.columns) - {self.step_key, "rank"})
+        frame.reindex(columns=[self.step_key, "rank", *rest]).to_csv(path, index=False)
         return path
 
     def to_json(self, path: PathLike) -> Path:
@@ -94,11 +101,6 @@ class MetricsHistory:
         if path is not None:
             figure.savefig(path, format="png", dpi=100)
         return figure
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
 
 
 class ProgressBar:

@@ -146,12 +146,13 @@ class ElasticDriver:
         self._report(None, DriverState.STARTING, "job started")
         try:
             while self._state not in _TERMINAL:
-                self._group.deliver_logs(self._callbacks)  # first: records arrive before the transition they cause
+                # first, all of them (flush): records arrive before the transition they cause
+                self._group.deliver_logs(self._callbacks, flush=True)
                 transition = self.step()
                 if transition is not None:
                     self._enter(transition)
                 time.sleep(_TICK_S)
-            self._group.deliver_logs(self._callbacks)
+            self._group.deliver_logs(self._callbacks, flush=True)
         except (ray.exceptions.RayActorError, CoordinatorLostError) as exc:  # worker deaths are handled above
             raise ElasticJobError(f"{exc}; the elastic job cannot go on") from exc
         finally:

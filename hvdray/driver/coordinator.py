@@ -23,6 +23,10 @@ from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visib
 
 _NAME_RELEASE_S = 15.0  # how long a new coordinator waits for a killed one's name to be released
 
+#: one worker record as ``(record, report)``: ``report`` is ``(metrics, checkpoint_path)`` for rank 0's
+#: ``hvdray.report`` and None for a ``ray_logger.log`` record
+Record = tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]
+
 
 class CoordinatorClient:
     """The coordinator's actor handle plus the job's token, which it presents on every call.
@@ -97,7 +101,9 @@ class Coordinator:
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
         self._changed = asyncio.Condition()
-        self._logs: list[tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]] = []
+        self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
+        self._first_record = 0  # the number of self._records[0]
+        self._new_record = asyncio.Condition()
         self._next_checkpoint = 0
         # elastic membership: worker id -> (RankInfo, node GPU ids) in the current epoch
         self._members: dict[str, tuple[RankInfo, tuple[str, ...]]] = {}
@@ -255,22 +261,42 @@ class Coordinator:
         return self._kv.pop(key, None) is not None
 
     # -- the worker record channel: ray_logger.log and hvdray.report ------------------------
-    def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:
+    async def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:
         self._admit(token)
-        self._logs.append(({"rank": rank, **record}, None))
+        await self._add_record(({"rank": rank, **record}, None))
 
-    def push_report(self, token: bytes, rank: int, metrics: dict[str, Any], checkpoint_path: Optional[str]) -> None:
+    async def push_report(
+        self, token: bytes, rank: int, metrics: dict[str, Any], checkpoint_path: Optional[str]
+    ) -> None:
         """Rank 0's ``hvdray.report``: its callbacks see the metrics as a record, the run's result keeps
         them with the path of the checkpoint rank 0 persisted (or None)."""
         self._admit(token)
-        self._logs.append(({"rank": rank, **metrics}, (dict(metrics), checkpoint_path)))
+        await self._add_record(({"rank": rank, **metrics}, (dict(metrics), checkpoint_path)))
 
-    def drain_logs(self, token: bytes) -> list[tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]]:
-        """Every record since the last call, in order, as ``(record, report)``; ``report`` is
-        ``(metrics, checkpoint_path)`` for a report and None for a ``ray_logger.log`` record."""
+    async def _add_record(self, record: Record) -> None:
+        async with self._new_record:
+            self._records.append(record)
+            self._new_record.notify_all()
+
+    async def records(self, token: bytes, after: Optional[int], timeout_s: float) -> tuple[int, list[Record]]:
+        """``(first, records)``: the records numbered ``first`` on, ``first`` being ``after`` (None: the
+        oldest one kept). Those before ``after`` are dropped: the driver has them. With none there yet,
+        waits up to ``timeout_s`` for one, so that the driver's ``ray.wait`` wakes when a record arrives."""
         self._admit(token)
-        logs, self._logs = self._logs, []
-        return logs
+        async with self._new_record:
+            if after is not None and after > self._first_record:
+                del self._records[: after - self._first_record]
+                self._first_record = after
+            first = max(after or 0, self._first_record)
+            if timeout_s > 0:
+                try:
+                    await asyncio.wait_for(
+                        self._new_record.wait_for(lambda: self._first_record + len(self._records) > first), timeout_s
+                    )
+                except asyncio.TimeoutError:
+                    pass
+            first = max(first, self._first_record)  # another call may have dropped some meanwhile
+            return first, self._records[first - self._first_record:]
 
     def begin_checkpoints(self, token: bytes, first: int) -> None:
         """The driver starts a run whose first checkpoint is ``checkpoint_<first>`` (past those in storage)."""

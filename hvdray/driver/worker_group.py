@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 #: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
 Callback = Callable[[dict[str, Any]], None]
-_LOG_POLL_S = 0.1  # how often a waiting ``gather`` hands worker records to the callbacks
+_RECORD_WAIT_S = 30.0  # how long one coordinator call waits for the next worker record (then it is made again)
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
@@ -235,6 +235,8 @@ class WorkerGroup:
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
         #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
         self.on_report: Optional[Callable[[dict[str, Any], Optional[str]], None]] = None
+        self._records_after: Optional[int] = None  # the number of the next worker record to hand on (None: unknown)
+        self._records_call: Optional[ray.ObjectRef] = None  # the coordinator call that ends when a record arrives
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -397,8 +399,12 @@ class WorkerGroup:
         failures: list[tuple[int, BaseException]] = []
         grace_ends = None
         while pending and (grace_ends is None or time.monotonic() < grace_ends):
-            ended, pending = ray.wait(pending, num_returns=len(pending), timeout=_LOG_POLL_S)
+            # wake when a call ends, when a worker record arrives, or when the grace period is over
+            records = [self._next_records()] if self._delivering(callbacks) else []
+            timeout = None if grace_ends is None else max(grace_ends - time.monotonic(), 0.0)
+            ray.wait(pending + records, num_returns=1, timeout=timeout)
             self.deliver_logs(callbacks)
+            ended, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             for call in ended:
                 try:
                     ray.get(call)
@@ -412,13 +418,13 @@ class WorkerGroup:
                 grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
         if failures:
             try:
-                self.deliver_logs(callbacks)  # what was reported before the failure still counts
+                self.deliver_logs(callbacks, flush=True)  # what was reported before the failure still counts
             except CoordinatorLostError:  # the coordinator is gone too: the rank's error says more
                 log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
             self.stop()
             rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
             raise failure_error(exc, rank, len(calls))
-        self.deliver_logs(callbacks)
+        self.deliver_logs(callbacks, flush=True)
         return ray.get(calls)
 
     def poll_liveness(self, unanswered_s: float) -> list[str]:
@@ -492,16 +498,50 @@ class WorkerGroup:
         """Members raise HostsUpdatedInterrupt at their next commit, to re-form with the new workers."""
         self.ask_coordinator(self.coordinator.notify_hosts_updated.remote(), "an announcement of new hosts")
 
-    def deliver_logs(self, callbacks: Sequence[Callback]) -> None:
-        """Hand every record the workers logged or reported since the last call to each callback, in
-        order; rank 0's reports (metrics, checkpoint path) also go to ``on_report``."""
-        if (not callbacks and self.on_report is None) or self._coordinator is None:
+    def deliver_logs(self, callbacks: Sequence[Callback], flush: bool = False) -> None:
+        """Hand the records the workers logged or reported to each callback, in order; rank 0's reports
+        (metrics, checkpoint path) also go to ``on_report``. Without ``flush``: those the waiting
+        coordinator call (see :meth:`gather`) brought, never blocking. With ``flush``: every record the
+        coordinator holds now, at the cost of a round trip (after a call ended, that is all of its
+        records: a worker's call returns once its records have reached the coordinator)."""
+        if not self._delivering(callbacks):
             return
-        for record, report in self.ask_coordinator(self.coordinator.drain_logs.remote(), "a request for records"):
+        if not flush:
+            call = self._next_records()
+            if ray.wait([call], timeout=0)[0]:
+                self._records_call = None
+                self._hand_on(self.ask_coordinator(call, "a request for records"), callbacks)
+            return
+        while True:  # until the coordinator has nothing more, which also acknowledges what was handed on
+            answer = self.ask_coordinator(self.coordinator.records.remote(self._records_after, 0.0),
+                                          "a request for records")
+            self._hand_on(answer, callbacks)
+            if not answer[1]:
+                return
+
+    def _delivering(self, callbacks: Sequence[Callback]) -> bool:
+        return (bool(callbacks) or self.on_report is not None) and self._coordinator is not None
+
+    def _next_records(self) -> ray.ObjectRef:
+        """The coordinator call (one in flight) that returns as soon as there is a record to hand on."""
+        if self._records_call is None:
+            self._records_call = self.coordinator.records.remote(self._records_after, _RECORD_WAIT_S)
+        return self._records_call
+
+    def _hand_on(self, answer: tuple[int, list[Any]], callbacks: Sequence[Callback]) -> None:
+        """Pass on the records of one coordinator answer that were not handed on yet (answers overlap)."""
+        first, records = answer
+        done = first if self._records_after is None else self._records_after
+        for number, (record, report) in enumerate(records, start=first):
+            if number < done:
+                continue
+            self._records_after = number + 1
             if report is not None and self.on_report is not None:
                 self.on_report(*report)
             for cb in callbacks:
                 cb(record)
+        if self._records_after is None:
+            self._records_after = first
 
     # -- ending --------------------------------------------------------------------------------
     def remove(self, worker_ids: Sequence[str]) -> list[GroupWorker]:
@@ -532,6 +572,7 @@ class WorkerGroup:
     def stop(self) -> None:
         """Kill every worker (and the coordinator, if the group owns it); safe to call twice."""
         self.cancel_starts()
+        self._records_call = None
         for worker in self.workers.values():
             ray.kill(worker.actor, no_restart=True)
         if self._owns_coordinator and self._coordinator is not None:

@@ -3,8 +3,11 @@
 
 Every rank of a trial runs :func:`run_trial`, which sets up this process's session and calls the
 user's function. Rank 0's reports (and checkpoints) are what Tune sees; the other ranks' reports keep
-them in step with rank 0. Outside a trial these functions still work: ``hvdray.report`` goes to the
-executor's result (or logs), and ``get_checkpoint`` returns ``None``, so the same training function
+them in step with rank 0. Rank 0 copies each checkpoint into the trial's directory in Tune's storage
+(``RunConfig(storage_path=...)``) with Ray's own ``StorageContext``, as a Ray Train worker does, and
+only its location travels to the Trainable; a restored trial's ranks each copy it back to a local
+directory with ``Checkpoint.to_directory``. Outside a trial these functions still work: ``hvdray.report``
+goes to the executor's result (or logs), and ``get_checkpoint`` returns ``None``, so the same training function
 runs in a plain executor or process.
 """
 
@@ -20,8 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import ray
 
-from hvdray.tune.packing import pack_directory, unpack_directory
-
 if TYPE_CHECKING:  # ray.tune is imported when first needed: workers start a second faster without it
     from ray.tune import Checkpoint
 
@@ -33,9 +34,10 @@ class _Session:
     rank: int
     channel: Any  # the trial's ReportChannel actor
     generation: int  # which run of the function this is, for the channel
+    storage: Any  # the trial's ray.train StorageContext: where rank 0 persists checkpoints, and their numbering
     restored_dir: Optional[str]  # local copy of the checkpoint the trial resumes from
     reports: int = 0
-    pending_checkpoint: Optional[bytes] = None  # from distributed_checkpoint_dir, sent with the next report
+    pending_dir: Optional[str] = None  # from distributed_checkpoint_dir: persisted with the next report
 
 
 _session: Optional[_Session] = None
@@ -62,18 +64,22 @@ def report_to_trial(metrics: dict[str, Any], checkpoint: Optional["Checkpoint"] 
     """
     session = _session
     assert session is not None, "called inside a trial"
-    archive_ref = None
+    persisted_ref = None
     if session.rank == 0:
-        archive = session.pending_checkpoint
-        if checkpoint is not None:
-            with checkpoint.as_directory() as path:
-                archive = pack_directory(path)
-        session.pending_checkpoint = None
-        if archive is not None:
-            archive_ref = [ray.put(archive)]  # wrapped: the channel passes the reference on, unresolved
+        pending, session.pending_dir = session.pending_dir, None
+        try:
+            if checkpoint is None and pending is not None:
+                checkpoint = _checkpoint_class().from_directory(pending)
+            if checkpoint is not None:
+                session.storage._update_checkpoint_index(metrics)  # checkpoint_<n>, numbered as Tune numbers them
+                persisted = session.storage.persist_current_checkpoint(checkpoint)
+                persisted_ref = [ray.put(persisted)]  # wrapped: the channel passes it on without importing ray.train
+        finally:
+            if pending is not None:
+                shutil.rmtree(pending, ignore_errors=True)
     payload = dict(metrics) if session.rank == 0 else None
     go_on = ray.get(
-        session.channel.report.remote(session.generation, session.rank, session.reports, payload, archive_ref)
+        session.channel.report.remote(session.generation, session.rank, session.reports, payload, persisted_ref)
     )
     session.reports += 1
     if not go_on:
@@ -96,7 +102,7 @@ def _checkpoint_class() -> type:
 
 @contextlib.contextmanager
 def distributed_checkpoint_dir(step: int, disable: bool = False) -> Iterator[str]:
-    """A directory to write a checkpoint into; on rank 0 it is kept and sent with the next ``report``.
+    """A directory to write a checkpoint into; on rank 0 it is kept and persisted with the next ``report``.
 
     Other ranks (and ``disable=True``) get a scratch directory that is thrown away, so every rank may
     run the same code while only rank 0 writes a checkpoint.
@@ -104,13 +110,17 @@ def distributed_checkpoint_dir(step: int, disable: bool = False) -> Iterator[str
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     path = tempfile.mkdtemp(prefix=f"hvdray-checkpoint-{step:06d}-")
+    kept = False
     try:
         yield path
         session = _session
         if session is not None and session.rank == 0 and not disable:
-            session.pending_checkpoint = pack_directory(path)
+            if session.pending_dir is not None:  # two directories before one report: the newer one counts
+                shutil.rmtree(session.pending_dir, ignore_errors=True)
+            session.pending_dir, kept = path, True
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_trial(
@@ -118,18 +128,20 @@ def run_trial(
     config: dict[str, Any],
     channel: Any,
     generation: int,
-    checkpoint: Optional[ray.ObjectRef],
+    storage: Any,
+    checkpoint: Optional["Checkpoint"],
     pass_checkpoint_dir: bool,
 ) -> bool:
-    """Runs on every worker of a trial: unpack the restored checkpoint, then ``func(config[, checkpoint_dir])``.
+    """Runs on every worker of a trial: copy the checkpoint to restore from (in the trial's ``storage``)
+    to a local directory, then ``func(config[, checkpoint_dir])``.
 
     Returns ``True`` if the function returned, ``False`` if Tune stopped it (``TrialStopped``)."""
     global _session
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     restored_dir = None
     if checkpoint is not None:
-        restored_dir = unpack_directory(ray.get(checkpoint), tempfile.mkdtemp(prefix="hvdray-restored-"))
-    _session = _Session(rank=rank, channel=channel, generation=generation, restored_dir=restored_dir)
+        restored_dir = checkpoint.to_directory(tempfile.mkdtemp(prefix="hvdray-restored-"))
+    _session = _Session(rank=rank, channel=channel, generation=generation, storage=storage, restored_dir=restored_dir)
     try:
         if pass_checkpoint_dir:
             func(config, checkpoint_dir=restored_dir)
@@ -139,6 +151,8 @@ def run_trial(
     except TrialStopped:
         return False
     finally:
+        pending = _session.pending_dir
         _session = None
-        if restored_dir is not None:
-            shutil.rmtree(restored_dir, ignore_errors=True)
+        for path in (restored_dir, pending):
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)

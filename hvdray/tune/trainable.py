@@ -4,15 +4,22 @@ Tune reserves one placement group per trial (``default_resource_request``): an e
 the Trainable actor, which only waits, and the workers' bundles as ``hvdray/driver/placement.py`` plans them
 (one bundle per host). The trial's ``RayExecutor`` finds that group as its current one and starts the
 workers inside it. The user's function runs on every worker; its reports come back through a
-``ReportChannel``, one per ``train()`` call, and rank 0's checkpoints become the Trainable's.
+``ReportChannel``, one per ``train()`` call. Rank 0 persists its checkpoints into the trial's directory
+of Tune's storage itself (see ``hvdray/tune/session.py``); the Trainable hands Tune those
+``Checkpoint``s as they are, as Ray's function trainables do, and gives the workers the one to restore.
+On several nodes Tune's ``storage_path`` must therefore be reachable from every node (shared storage
+or a pyarrow URI such as ``s3://``), as Ray Train requires.
 """
 
 from __future__ import annotations
 
 import inspect
+import tempfile
 from typing import Any, Callable, Optional
 
 import ray
+from ray.train import Checkpoint
+from ray.train._internal.storage import StorageContext
 from ray.tune import PlacementGroupFactory, Trainable
 from ray.tune.result import DONE, RESULT_DUPLICATE, SHOULD_CHECKPOINT
 
@@ -26,7 +33,6 @@ from hvdray.driver.executor import RayExecutor
 from hvdray.driver.worker_group import failure_error
 from hvdray.settings import Settings
 from hvdray.tune.channel import report_channel_class
-from hvdray.tune.packing import pack_directory, unpack_directory
 from hvdray.tune.session import run_trial
 
 # how long the ranks of a stopped function may take to unwind before their workers are killed instead
@@ -59,9 +65,12 @@ class DistributedTrainable(Trainable):
 
     def _new_trial(self, config: dict[str, Any]) -> None:
         self._config = config
-        self._checkpoint: Optional[bytes] = None  # latest checkpoint (reported or restored), a tar archive
-        self._saved: Optional[bytes] = None  # the one Tune saved last
-        self._restore_ref: Optional[ray.ObjectRef] = None
+        # Tune's storage for this trial; a Trainable made by hand (no Tune) gets a local one, as for debugging
+        self._trial_storage: StorageContext = self._storage or StorageContext(
+            tempfile.mkdtemp(prefix="hvdray-trial-"), experiment_dir_name=type(self).__name__, trial_dir_name="trial"
+        )
+        self._checkpoint: Optional[Checkpoint] = None  # latest checkpoint in storage (reported or restored)
+        self._saved: Optional[Checkpoint] = None  # the one Tune saved last
         self._taken = 0  # reports of the running function consumed so far
         self._last_metrics: dict[str, Any] = {}
         self._done: Optional[str] = None  # why train() may not be called again
@@ -87,10 +96,9 @@ class DistributedTrainable(Trainable):
         self._start_workers()
         self._generation += 1
         ray.get(self._channel.begin.remote(self._generation))
-        self._restore_ref = ray.put(self._checkpoint) if self._checkpoint is not None else None
         args = [
-            type(self)._function, self._config, self._channel, self._generation, self._restore_ref,
-            self._pass_checkpoint_dir,
+            type(self)._function, self._config, self._channel, self._generation, self._trial_storage,
+            self._checkpoint, self._pass_checkpoint_dir,
         ]
         self._runs = self._executor.run_remote(run_trial, args=args)
         self._running = list(self._runs)
@@ -138,7 +146,8 @@ class DistributedTrainable(Trainable):
         self._taken += 1
         result = dict(metrics)
         if checkpoint is not None:
-            self._checkpoint = ray.get(checkpoint[0])
+            self._checkpoint = ray.get(checkpoint[0])  # already in storage: rank 0 persisted it
+            self._trial_storage._update_checkpoint_index(metrics)  # the next run of the function numbers on
             result[SHOULD_CHECKPOINT] = True  # Tune saves it now
         self._last_metrics = dict(metrics)
         return result
@@ -177,24 +186,24 @@ class DistributedTrainable(Trainable):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, checkpoint_dir: Optional[str] = None) -> Any:
-        """Tune's save. The checkpoints are those the function reports, as for a function trainable: with
-        none yet, or after the function finished with its last one already saved (Tuner's checkpoint at
-        end), Tune gets an empty result and records no (duplicate) checkpoint."""
+        """Tune's save: the latest checkpoint the function reported, already in the trial's storage (no copy).
+        As for a function trainable, with none yet, or after the function finished with its last one already
+        saved (Tuner's checkpoint at end), Tune gets an empty result and records no (duplicate) checkpoint."""
         nothing_new = self._done is not None and self._checkpoint is self._saved
         if self._checkpoint is None or nothing_new:
             return _TrainingResult(checkpoint=None, metrics=dict(self._last_result or {}))
         self._saved = self._checkpoint
-        return super().save(checkpoint_dir)
+        return _TrainingResult(checkpoint=self._checkpoint, metrics=dict(self._last_result or {}))
 
-    def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """The latest checkpoint rank 0 reported (or the one this trial was restored from)."""
-        if self._checkpoint is None:
-            raise RuntimeError("no checkpoint to save: the training function has not reported one")
-        unpack_directory(self._checkpoint, checkpoint_dir)
+    def restore(self, checkpoint_path: Any) -> None:
+        """Tune's restore (of what ``save`` returned, a ``Checkpoint`` or a directory): the next ``train()``
+        starts the function again, and every rank copies this checkpoint from storage (``get_checkpoint()``)."""
+        found = getattr(checkpoint_path, "checkpoint", checkpoint_path)  # a _TrainingResult holds one
+        self._checkpoint = found if isinstance(found, Checkpoint) else Checkpoint.from_directory(str(found))
+        super().restore(checkpoint_path)
 
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Restart the function from this checkpoint on the next ``train()`` (``get_checkpoint()`` returns it)."""
-        self._checkpoint = pack_directory(checkpoint_dir)
+    def load_checkpoint(self, checkpoint_dir: Any) -> None:
+        """Called by ``restore``; the workers read the checkpoint from storage, so only the function is stopped."""
         self._end_function()  # restored mid-run: the function starts again from this checkpoint
         self._done = None
 

@@ -40,7 +40,7 @@ OUTSIDER = textwrap.dedent(
         "kv_delete": lambda: coordinator.kv_delete.remote(None, "e1/gen1/rank_0"),
         "assign": lambda: coordinator.assign.remote(b"x" * 32, []),
         "abandon": lambda: coordinator.abandon.remote(b"x" * 32, 1),
-        "drain_logs": lambda: coordinator.drain_logs.remote(b"x" * 32),
+        "records": lambda: coordinator.records.remote(b"x" * 32, None, 0.0),
         "push_log": lambda: coordinator.push_log.remote(b"x" * 32, 0, {"message": "evil"}),
     }
     outcome = {}

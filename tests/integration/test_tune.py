@@ -205,31 +205,6 @@ def test_outside_a_trial_the_session_functions_still_work(caplog, tmp_path):
         report({"loss": 0.5}, checkpoint=str(tmp_path))
 
 
-def test_checkpoint_directories_travel_as_archives_that_cannot_escape(tmp_path):
-    import io
-    import tarfile
-
-    from hvdray.tune.packing import pack_directory, unpack_directory
-
-    source = tmp_path / "source"
-    (source / "sub").mkdir(parents=True)
-    (source / "sub" / "weights.bin").write_bytes(b"\x00\x01" * 1000)
-    (source / "meta.json").write_text("{}")
-    restored = unpack_directory(pack_directory(str(source)), str(tmp_path / "restored"))
-    assert (tmp_path / "restored" / "sub" / "weights.bin").read_bytes() == b"\x00\x01" * 1000
-    assert sorted(os.listdir(restored)) == ["meta.json", "sub"]
-    with pytest.raises(ValueError, match="does not exist"):
-        pack_directory(str(tmp_path / "missing"))
-    evil = io.BytesIO()
-    with tarfile.open(fileobj=evil, mode="w") as tar:
-        info = tarfile.TarInfo("../escaped.txt")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
-    with pytest.raises(Exception):
-        unpack_directory(evil.getvalue(), str(tmp_path / "inside"))
-    assert not (tmp_path / "escaped.txt").exists()
-
-
 # -- under Tune -------------------------------------------------------------------------------------
 def test_tune_run_two_samples_stop_by_iteration_inside_the_trials_placement_groups(ray_local, tmp_path):
     groups = _live_placement_groups()
@@ -304,9 +279,19 @@ def test_checkpoints_are_present_or_absent_as_asked_and_hold_rank_zeros_copy(ray
     results = {r.config["checkpoint"]: r for r in tuner.fit()}
     assert results[False].checkpoint is None
     assert results[False].metrics["epoch"] == 3
-    with results[True].checkpoint.as_directory() as path:
+    checkpoint = results[True].checkpoint
+    with checkpoint.as_directory() as path:
         with open(os.path.join(path, "state.json")) as f:
             assert json.load(f) == {"epoch": 3, "value": 1.5, "written_by": 0}
+    # rank 0 persisted each one into the trial's directory of Tune's storage, numbered as Tune numbers them
+    trial_dir = os.path.dirname(checkpoint.path)
+    assert os.path.dirname(trial_dir) == str(tmp_path / "checkpoints")
+    assert sorted(d for d in os.listdir(trial_dir) if d.startswith("checkpoint_")) == [
+        "checkpoint_000000", "checkpoint_000001", "checkpoint_000002"
+    ]
+    assert [os.path.basename(c.path) for c, _ in results[True].best_checkpoints] == [
+        "checkpoint_000000", "checkpoint_000001", "checkpoint_000002"
+    ]
 
 
 def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):
@@ -314,7 +299,10 @@ def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):
     trial = trainable_cls(config={"epochs": 4, "lr": 1.0})
     try:
         assert [trial.train()["epoch"] for _ in range(2)] == [1, 2]
-        saved = trial.save()
+        saved = trial.save()  # the second checkpoint, where rank 0 put it (no Tune: a local storage of its own)
+        assert os.path.basename(saved.checkpoint.path) == "checkpoint_000001"
+        with open(os.path.join(saved.checkpoint.path, "state.json")) as f:
+            assert json.load(f)["epoch"] == 2
         assert trial.train()["epoch"] == 3
         trial.restore(saved)  # mid-run: the function stops on every rank and starts again from epoch 2
         result = trial.train()

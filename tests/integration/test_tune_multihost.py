@@ -34,3 +34,35 @@ def test_a_trial_with_two_hosts_puts_num_slots_workers_on_each_of_two_nodes(ray_
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
     assert [tuple(x) for x in result["local"]] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert [tuple(x) for x in result["cross"]] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def _checkpoint_on_every_rank(config):
+    import os
+    import tempfile
+
+    import ray.train
+
+    import hvdray
+    import hvdray.torch as hvd
+
+    hvd.init()
+    node = ray.get_runtime_context().get_node_id()
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "node.txt"), "w") as f:
+            f.write(node)
+        hvdray.report({"node": node, "rank": hvd.rank()}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def test_rank_zero_on_another_node_persists_the_trials_checkpoint_into_tunes_storage(ray_two_nodes, tmp_path):
+    """The Trainable sits on the head (its empty bundle, STRICT_SPREAD), rank 0 on a worker node: rank 0
+    copies its checkpoint to the storage_path itself (reachable from every node here: one machine)."""
+    tuner = tune.Tuner(
+        DistributedTrainableCreator(_checkpoint_on_every_rank, num_hosts=2, num_slots=1),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="ckpt", verbose=0),
+    )
+    result = tuner.fit()[0]
+    assert result.error is None and result.metrics["rank"] == 0
+    assert result.checkpoint.path.startswith(str(tmp_path / "ckpt")) and result.checkpoint.path.endswith("checkpoint_000000")
+    with open(f"{result.checkpoint.path}/node.txt") as f:
+        written_on = f.read()
+    assert written_on == result.metrics["node"] != ray_two_nodes.head_node.node_id

@@ -112,7 +112,7 @@ class FakeGroup:
     def stop(self):
         self.stopped = True
 
-    def deliver_logs(self, callbacks):
+    def deliver_logs(self, callbacks, flush=False):
         pass
 
     # -- scripting what workers do --------------------------------------------------------------

@@ -37,6 +37,18 @@ def test_history_keeps_rank_zero_rows_with_a_step():
         history.series("f1")
 
 
+def test_history_dataframe_has_a_column_per_key_and_series_skip_rows_without_the_metric():
+    history = _history()
+    history({"rank": 0, "epoch": 4, "accuracy": 0.9, "converged": True})  # no loss this step; a bool is no metric
+    frame = history.dataframe()
+    assert list(frame.columns) == ["rank", "epoch", "loss", "accuracy", "phase", "converged"]
+    assert frame["epoch"].tolist() == [1, 2, 3, 4] and frame["loss"].isna().tolist() == [False, False, False, True]
+    assert history.metric_names() == ["loss", "accuracy"]
+    assert history.series("loss") == ([1, 2, 3], [2.0, 1.0, 0.5])
+    assert history.series("accuracy") == ([1, 2, 3, 4], [0.5, 0.75, 0.875, 0.9])
+    assert MetricsHistory().dataframe().empty
+
+
 def test_history_saves_csv_json_and_png(tmp_path):
     history = _history()
     with history.to_csv(tmp_path / "h.csv").open() as f:

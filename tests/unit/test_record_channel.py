@@ -1,0 +1,52 @@
+"""The worker record channel on its own: the coordinator numbers records, hands them out from a cursor
+(waiting for the next one), drops those the driver acknowledged; the driver hands each on once."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from hvdray.driver.coordinator import Coordinator
+from hvdray.driver.worker_group import WorkerGroup
+from hvdray.settings import make_settings
+
+TOKEN = b"t" * 32
+
+
+def test_records_are_numbered_waited_for_and_dropped_once_acknowledged():
+    async def scenario() -> None:
+        coordinator = Coordinator(hashlib.sha256(TOKEN).digest())
+        await coordinator.push_log(TOKEN, 1, {"epoch": 0})
+        await coordinator.push_report(TOKEN, 0, {"loss": 1.0}, "/storage/checkpoint_000000")
+        log = ({"rank": 1, "epoch": 0}, None)
+        report = ({"rank": 0, "loss": 1.0}, ({"loss": 1.0}, "/storage/checkpoint_000000"))
+        assert await coordinator.records(TOKEN, None, 0.0) == (0, [log, report])
+        assert await coordinator.records(TOKEN, 1, 0.0) == (1, [report])  # record 0 acknowledged: dropped
+        assert await coordinator.records(TOKEN, None, 0.0) == (1, [report])  # a new reader: the oldest kept
+        assert await coordinator.records(TOKEN, 0, 0.0) == (1, [report])  # a stale cursor gets no dropped one
+
+        waiting = asyncio.ensure_future(coordinator.records(TOKEN, 2, 30.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing new: it waits ...
+        await coordinator.push_log(TOKEN, 0, {"epoch": 1})
+        assert await asyncio.wait_for(waiting, 5.0) == (2, [({"rank": 0, "epoch": 1}, None)])  # ... until one comes
+        assert await coordinator.records(TOKEN, 3, 0.05) == (3, [])  # or its timeout passes
+
+    asyncio.run(scenario())
+
+
+def test_the_driver_hands_overlapping_answers_on_once_each_in_order():
+    group = WorkerGroup("x", make_settings(), coordinator=None, runtime_env=None, elastic=False, owns_coordinator=False)
+    seen, reports = [], []
+    group.on_report = lambda metrics, path: reports.append((metrics, path))
+    record = lambda n: ({"rank": 0, "n": n}, ({"n": n}, None) if n == 1 else None)  # noqa: E731
+    group._hand_on((3, [record(3), record(4)]), [seen.append])  # the first answer starts at the oldest kept
+    group._hand_on((3, [record(3), record(4), record(5)]), [seen.append])  # a waiting call's, overlapping
+    group._hand_on((6, []), [seen.append])
+    assert [r["n"] for r in seen] == [3, 4, 5] and group._records_after == 6
+    group._hand_on((6, [record(6)]), [seen.append])
+    assert [r["n"] for r in seen] == [3, 4, 5, 6] and reports == []
+    other = WorkerGroup("y", make_settings(), coordinator=None, runtime_env=None, elastic=False, owns_coordinator=False)
+    other.on_report = lambda metrics, path: reports.append((metrics, path))
+    other._hand_on((1, [record(1)]), [])
+    assert reports == [({"n": 1}, None)] and other._records_after == 2
