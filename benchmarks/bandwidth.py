@@ -50,14 +50,12 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
         "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
-        "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.ar"), iterations),
+        "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
     }
-    del other
     gathered = torch.empty(hvd.size() * numel)
     times["allgather raw gloo"] = timed(lambda: dist.all_gather_single(gathered, tensor), iterations)
-    del gathered
     times["allgather hvdray"] = timed(lambda: hvd.allgather(tensor, name="bw.ag"), iterations)
     return times
 
