@@ -69,10 +69,16 @@ class Executor:
             req = requests[0]
             src = req.tensor if req is not None else torch.zeros(desc.shape, dtype=desc.dtype)
             buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
-            if buf is not src:
-                buf.copy_(src)
-            t_copied = time.perf_counter() if timeline is not None else 0.0
-            self._reduce(buf, desc)
+            if buf is not src and desc.prescale == 1.0:
+                # out of place: the transport reads the input and writes the output (no copy between them)
+                t_copied = time.perf_counter() if timeline is not None else 0.0
+                comm.allreduce_into(src, buf, desc.reduce_op)
+                postscale([buf], desc, self._size)
+            else:
+                if buf is not src:
+                    buf.copy_(src)
+                t_copied = time.perf_counter() if timeline is not None else 0.0
+                self._reduce(buf, desc)
             t_reduced = time.perf_counter() if timeline is not None else 0.0
             self.tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:

@@ -172,6 +172,12 @@ class Communicator:
         transport_op = TRANSPORT_OPS[op]
         first_serving(self._allreduces, tensor, transport_op).run(tensor, transport_op)
 
+    def allreduce_into(self, source: torch.Tensor, output: torch.Tensor, op: Reduction) -> None:
+        """Reduce ``source`` across all ranks into ``output`` (same shape and dtype, not overlapping it),
+        as :meth:`allreduce`; strategies that can read ``source`` directly skip copying it into ``output``."""
+        transport_op = TRANSPORT_OPS[op]
+        first_serving(self._allreduces, output, transport_op).run_into(source, output, transport_op)
+
     @property
     def fused_message_bytes(self) -> int:
         """The largest message :meth:`allreduce_tensors` takes (one slot of the node's shared-memory

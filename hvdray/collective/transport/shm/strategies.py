@@ -38,6 +38,12 @@ class SharedMemoryAllreduce(AllreduceStrategy):
         node = self._node
         on_contiguous(tensor, lambda flat: node.allreduce(flat, op))
 
+    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+        if source.is_contiguous() and output.is_contiguous():  # no copy of source into output first
+            self._node.allreduce(output.view(-1), op, source=source.view(-1))
+        else:
+            super().run_into(source, output, op)
+
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
         finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
