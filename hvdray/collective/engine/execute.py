@@ -180,13 +180,13 @@ class Executor:
         tensor = request.tensor.contiguous()
         rows = [descs[r].shape[0] for r in range(self._size)]
         longest = max(rows)
-        if all(n == longest for n in rows):
-            parts = self.comm.allgather(tensor)
-        else:
-            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-            padded[: tensor.shape[0]] = tensor
-            parts = [p[:n] for p, n in zip(self.comm.allgather(padded), rows)]
-        return torch.cat(parts)
+        if all(n == longest for n in rows):  # gathered straight into the result
+            out = tensor.new_empty((self._size * longest, *tensor.shape[1:]))
+            self.comm.allgather_into(tensor, out.view(self._size, *tensor.shape))
+            return out
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        return torch.cat([p[:n] for p, n in zip(self.comm.allgather(padded), rows)])
 
     def _alltoall(self, request: Request, descs: RankDescs) -> tuple[torch.Tensor, torch.Tensor]:
         tensor = request.tensor.contiguous()

@@ -58,8 +58,9 @@ class AllgatherStrategy:
         """Whether this strategy runs the allgather of ``tensor``."""
         raise NotImplementedError
 
-    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor``, in rank order."""
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Write every rank's ``tensor``, in rank order, into the contiguous ``out`` of shape
+        ``(size, *tensor.shape)`` (the caller's result: no copy after the gather)."""
         raise NotImplementedError
 
 

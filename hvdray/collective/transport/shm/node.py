@@ -56,6 +56,9 @@ _YIELDS_BEFORE_SLEEP = 200
 #: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
 #: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
 PIECE_BYTES = 4 << 20
+#: a broadcast goes in pieces of at most this much: the root copies piece k+1 into its slot while the
+#: others copy piece k out, so a message of k pieces takes about (k+1)/k of one copy
+BROADCAST_PIECE_BYTES = 1 << 20
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
@@ -141,8 +144,8 @@ class NodeCollectives:
         self.rounds += 1
         return self.rounds & 1
 
-    def _pieces(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
-        step = min(self.slot_bytes, PIECE_BYTES) // itemsize
+    def _pieces(self, numel: int, itemsize: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+        step = min(self.slot_bytes, piece_bytes) // itemsize
         return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
     # -- ops ----------------------------------------------------------------------------------
@@ -343,7 +346,7 @@ class NodeCollectives:
 
     def _broadcast(self, flat: torch.Tensor, root: int) -> None:
         isz, at = flat.element_size(), flat.data_ptr()
-        for start, stop in self._pieces(flat.numel(), isz):
+        for start, stop in self._pieces(flat.numel(), isz, BROADCAST_PIECE_BYTES):
             slot_at = self._base + self._slot_offset(self.next_half(), root)
             length = (stop - start) * isz
             if self.local_rank == root:

@@ -58,16 +58,13 @@ class SharedMemoryAllgather(AllgatherStrategy):
 
     def __init__(self, node: NodeCollectives) -> None:
         self._node = node
-        self._size = node.local_size
 
     def serves(self, tensor: torch.Tensor) -> bool:
         return True
 
-    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         if tensor.numel():
             self._node.allgather(tensor.contiguous().view(-1), out.view(-1))
-        return list(out.unbind(0))
 
 
 class SharedMemoryBroadcast(BroadcastStrategy):
