@@ -7,7 +7,8 @@ The ideal is what a rank must at the least do with memory, at the speed its core
 
 - allreduce of S bytes on n ranks: add its 1/n of every peer's data once and copy every peer's reduced
   1/n once, ``(n-1)/n * S`` at add speed plus ``(n-1)/n * S`` at copy speed (n=2: S/2 + S/2);
-- allgather of S bytes per rank: copy every peer's S once, ``(n-1) * S`` at copy speed;
+- allgather of S bytes per rank: write its n*S-byte result once (its own S and every peer's),
+  ``n * S`` at copy speed;
 - broadcast of S bytes: copy the root's S once, ``S`` at copy speed.
 
 Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, allgather ``(n-1) * S / t``, broadcast
@@ -65,7 +66,7 @@ def ideal_seconds(collective: str, size_bytes: float, ranks: int, copy_s: float,
     if collective == "allreduce":
         return (ranks - 1) / ranks * (add_s + copy_s)
     if collective == "allgather":
-        return (ranks - 1) * copy_s
+        return ranks * copy_s
     if collective == "broadcast":
         return copy_s
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
