@@ -39,6 +39,7 @@ from harness import MODELS, alternate, setup_raw_gloo, timed, training_round
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 RESULTS = Path("benchmarks") / "results"
+SECTIONS = ("bandwidth", "steps", "training", "start", "idle", "shm")
 
 
 def resnet50_gradient_shapes() -> list[tuple[int, ...]]:
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--address", default="local", help="Ray address (default: start a local instance)")
     parser.add_argument("--no-shm-rows", action="store_true", help="skip the shared-memory transport's rows")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="which sections to measure (all): (a) bandwidth, (b) steps, (c) training, "
+                             "(d) start, (e) idle, and the shared-memory rows (shm)")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2")
@@ -242,26 +246,31 @@ def main(argv: list[str] | None = None) -> int:
         with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=args.workers) as ex:
             ex.run(setup_raw_gloo)
             n = args.workers
-            bandwidth.bandwidth_rows(record, ex, n, args.sizes_mb, args.repeats, args.quick)
-            small = [(4096,)] * 160  # 160 x 16 KB of float32
-            record("step of 160 x 16 KB gradients",
-                   alternate(ex, _many_small_round, [small, 3 if args.quick else 20], args.repeats),
-                   "s", "raw gloo hand-fused", higher_is_better=False)
-            record("step of ResNet-50's 161 gradients", alternate(
-                ex, _many_small_round, [resnet50_gradient_shapes(), 2 if args.quick else 5], args.repeats),
-                "s", "raw gloo hand-fused", higher_is_better=False)
-            with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=1) as single:
-                single.run(setup_raw_gloo)
-                training_rows(record, {1: single, n: ex}, args.repeats, args.quick)
-            record("idle CPU (no ops submitted)", alternate(ex, _idle_round, [1.0 if args.quick else 5.0], 1),
-                   "% of a core", None, higher_is_better=False)
-        starts: dict[str, list[float]] = {"raw gloo (Ray actors + init_process_group)": [], "hvdray": []}
-        for _ in range(1 if args.quick else 3):
-            starts["raw gloo (Ray actors + init_process_group)"].append(_raw_start_to_first_allreduce(args.workers))
-            starts["hvdray"].append(_hvdray_start_to_first_allreduce(args.workers))
-        record("start to first allreduce", starts, "s", "raw gloo (Ray actors + init_process_group)",
-               higher_is_better=False)
-        if not args.no_shm_rows:
+            if "bandwidth" in args.sections:
+                bandwidth.bandwidth_rows(record, ex, n, args.sizes_mb, args.repeats, args.quick)
+            if "steps" in args.sections:
+                small = [(4096,)] * 160  # 160 x 16 KB of float32
+                record("step of 160 x 16 KB gradients",
+                       alternate(ex, _many_small_round, [small, 3 if args.quick else 20], args.repeats),
+                       "s", "raw gloo hand-fused", higher_is_better=False)
+                record("step of ResNet-50's 161 gradients", alternate(
+                    ex, _many_small_round, [resnet50_gradient_shapes(), 2 if args.quick else 5], args.repeats),
+                    "s", "raw gloo hand-fused", higher_is_better=False)
+            if "training" in args.sections:
+                with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=1) as single:
+                    single.run(setup_raw_gloo)
+                    training_rows(record, {1: single, n: ex}, args.repeats, args.quick)
+            if "idle" in args.sections:
+                record("idle CPU (no ops submitted)", alternate(ex, _idle_round, [1.0 if args.quick else 5.0], 1),
+                       "% of a core", None, higher_is_better=False)
+        if "start" in args.sections:
+            starts: dict[str, list[float]] = {"raw gloo (Ray actors + init_process_group)": [], "hvdray": []}
+            for _ in range(1 if args.quick else 3):
+                starts["raw gloo (Ray actors + init_process_group)"].append(_raw_start_to_first_allreduce(args.workers))
+                starts["hvdray"].append(_hvdray_start_to_first_allreduce(args.workers))
+            record("start to first allreduce", starts, "s", "raw gloo (Ray actors + init_process_group)",
+                   higher_is_better=False)
+        if not args.no_shm_rows and "shm" in args.sections:
             bench_shm.shared_memory_rows(record, [2] if args.quick else [2, 4], args.repeats, args.quick)
     finally:
         ray.shutdown()
