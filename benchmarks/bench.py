@@ -140,7 +140,8 @@ def training_rows(record: Any, executors: dict[int, Any], repeats: int, quick: b
                 for impl, value in executor.run(training_round, args=[5 if quick else 40, 64, model])[0].items():
                     rates[workers].setdefault(impl, []).append(value)
         for workers, samples in rates.items():
-            record(f"training throughput ({label} on digits, batch 64/worker), {workers} workers", samples,
+            plural = "s" if workers > 1 else ""
+            record(f"training throughput ({label} on digits, batch 64/worker), {workers} worker{plural}", samples,
                    "samples/s", "DDP (gloo)", True)
         if most > fewest:
             efficiency = {impl: [100 * m / (most / fewest * f) for m, f in zip(rates[most][impl], rates[fewest][impl])]
