@@ -6,9 +6,12 @@ Every measurement runs inside the same Ray worker actors, alternating the implem
     python benchmarks/bench.py --workers 2 --repeats 5    # full run (several minutes)
     python benchmarks/bench.py --quick                   # a smoke run (well under two minutes)
 
-Measures (a) allreduce bus bandwidth at 4, 64 and 256 MB, (b) one step's gradient reduction for
-160 x 16 KB tensors and for ResNet-50's 161 parameter shapes, (c) training throughput of a small
-convolutional network on scikit-learn's digits with ``DistributedOptimizer`` vs DDP, and (d) the
+Measures (a) at 4, 16, 64 and 256 MB: one core's copy and add speed and, against the memory ideal they
+give (``bandwidth.py``), the bus bandwidth of allreduce (in place and out of place), allgather and
+broadcast, hvdray and raw Gloo, (b) one step's gradient reduction for
+160 x 16 KB tensors and for ResNet-50's 161 parameter shapes, (c) training throughput of a small CNN
+and an MLP on scikit-learn's digits with ``DistributedOptimizer`` vs DDP, with 1 and ``--workers``
+workers (alternating round by round), and the scaling efficiency between them, and (d) the
 time from starting workers to the first finished allreduce (hvdray's ``RayExecutor`` vs plain Ray
 actors with ``init_process_group``), and (e) the CPU an idle engine thread uses. Horovod itself is not measured: its Gloo controller needs its own
 launcher and cannot join workers that hvdray started (``meta.horovod`` says whether it is installed).
@@ -29,12 +32,14 @@ from typing import Any, Optional
 import ray
 import ray.cloudpickle
 
+import bandwidth
 import bench_shm
-from harness import alternate, timed, training_round, setup_raw_gloo
+from harness import MODELS, alternate, setup_raw_gloo, timed, training_round
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 RESULTS = Path("benchmarks") / "results"
+SECTIONS = ("bandwidth", "steps", "training", "start", "idle", "shm")
 
 
 def resnet50_gradient_shapes() -> list[tuple[int, ...]]:
@@ -54,19 +59,6 @@ def resnet50_gradient_shapes() -> list[tuple[int, ...]]:
 
 
 # -- what runs inside every worker ----------------------------------------------------------------
-def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
-    import torch
-    import torch.distributed as dist
-
-    import hvdray.torch as hvd
-
-    tensor = torch.ones(int(size_mb * 1024 * 1024 // 4))
-    return {
-        "raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
-        "hvdray": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bench.big"), iterations),
-    }
-
-
 def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[str, float]:
     """One step's gradient reduction: raw Gloo per tensor and hand-fused, DDP's buckets, hvdray with one
     async allreduce per gradient (as ``DistributedOptimizer``'s hooks submit them) and with one
@@ -134,6 +126,29 @@ def _idle_round(seconds: float) -> dict[str, float]:
     return {"hvdray engine thread": 100 * thread_used / seconds, "whole worker process": 100 * process_used / seconds}
 
 
+def training_rows(record: Any, executors: dict[int, Any], repeats: int, quick: bool) -> None:
+    """Samples per second of every model in :data:`MODELS` with DDP and ``DistributedOptimizer`` for each
+    number of workers (``executors``: workers -> an executor with that many), alternating the executors
+    round by round, and the scaling efficiency from the fewest to the most workers (rate with w workers
+    over w/v times the rate with v, from the same round)."""
+    fewest, most = min(executors), max(executors)
+    for model in MODELS:
+        label = {"cnn": "CNN", "mlp": "MLP"}[model]
+        rates: dict[int, dict[str, list[float]]] = {w: {} for w in executors}
+        for _ in range(repeats):
+            for workers, executor in executors.items():
+                for impl, value in executor.run(training_round, args=[5 if quick else 40, 64, model])[0].items():
+                    rates[workers].setdefault(impl, []).append(value)
+        for workers, samples in rates.items():
+            plural = "s" if workers > 1 else ""
+            record(f"training throughput ({label} on digits, batch 64/worker), {workers} worker{plural}", samples,
+                   "samples/s", "DDP (gloo)", True)
+        if most > fewest:
+            efficiency = {impl: [100 * m / (most / fewest * f) for m, f in zip(rates[most][impl], rates[fewest][impl])]
+                          for impl in rates[most]}
+            record(f"scaling efficiency {fewest} -> {most} workers ({label})", efficiency, "%", "DDP (gloo)", True)
+
+
 # -- driver -----------------------------------------------------------------------------------------
 def _hvdray_start_to_first_allreduce(workers: int) -> float:
     from hvdray import RayExecutor
@@ -193,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64, 256])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--quick", action="store_true", help="few iterations and small sizes (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--address", default="local", help="Ray address (default: start a local instance)")
     parser.add_argument("--no-shm-rows", action="store_true", help="skip the shared-memory transport's rows")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="which sections to measure (all): (a) bandwidth, (b) steps, (c) training, "
+                             "(d) start, (e) idle, and the shared-memory rows (shm)")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2")
@@ -207,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from hvdray import RayExecutor
 
     if args.address == "local":
-        ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(4, args.workers + 1), include_dashboard=False)
     else:
         ray.init(address=args.address)
     rows: list[dict[str, Any]] = []
@@ -229,30 +247,31 @@ def main(argv: list[str] | None = None) -> int:
         with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=args.workers) as ex:
             ex.run(setup_raw_gloo)
             n = args.workers
-            for size in args.sizes_mb:
-                iterations = 2 if args.quick else max(3, int(256 / size))
-                samples = alternate(ex, _allreduce_round, [size, iterations], args.repeats)
-                busbw = {k: [2 * (n - 1) / n * size * 1024 * 1024 / t / 1e9 for t in v] for k, v in samples.items()}
-                record(f"allreduce {size:g} MB bus bandwidth", busbw, "GB/s", "raw gloo", higher_is_better=True)
-            small = [(4096,)] * 160  # 160 x 16 KB of float32
-            record("step of 160 x 16 KB gradients",
-                   alternate(ex, _many_small_round, [small, 3 if args.quick else 20], args.repeats),
-                   "s", "raw gloo hand-fused", higher_is_better=False)
-            record("step of ResNet-50's 161 gradients", alternate(
-                ex, _many_small_round, [resnet50_gradient_shapes(), 2 if args.quick else 5], args.repeats),
-                "s", "raw gloo hand-fused", higher_is_better=False)
-            record("training throughput (CNN on digits, batch 64/worker)", alternate(
-                ex, training_round, [5 if args.quick else 40, 64], args.repeats),
-                "samples/s", "DDP (gloo)", higher_is_better=True)
-            record("idle CPU (no ops submitted)", alternate(ex, _idle_round, [1.0 if args.quick else 5.0], 1),
-                   "% of a core", None, higher_is_better=False)
-        starts: dict[str, list[float]] = {"raw gloo (Ray actors + init_process_group)": [], "hvdray": []}
-        for _ in range(1 if args.quick else 3):
-            starts["raw gloo (Ray actors + init_process_group)"].append(_raw_start_to_first_allreduce(args.workers))
-            starts["hvdray"].append(_hvdray_start_to_first_allreduce(args.workers))
-        record("start to first allreduce", starts, "s", "raw gloo (Ray actors + init_process_group)",
-               higher_is_better=False)
-        if not args.no_shm_rows:
+            if "bandwidth" in args.sections:
+                bandwidth.bandwidth_rows(record, ex, n, args.sizes_mb, args.repeats, args.quick)
+            if "steps" in args.sections:
+                small = [(4096,)] * 160  # 160 x 16 KB of float32
+                record("step of 160 x 16 KB gradients",
+                       alternate(ex, _many_small_round, [small, 3 if args.quick else 20], args.repeats),
+                       "s", "raw gloo hand-fused", higher_is_better=False)
+                record("step of ResNet-50's 161 gradients", alternate(
+                    ex, _many_small_round, [resnet50_gradient_shapes(), 2 if args.quick else 5], args.repeats),
+                    "s", "raw gloo hand-fused", higher_is_better=False)
+            if "training" in args.sections:
+                with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=1) as single:
+                    single.run(setup_raw_gloo)
+                    training_rows(record, {1: single, n: ex}, args.repeats, args.quick)
+            if "idle" in args.sections:
+                record("idle CPU (no ops submitted)", alternate(ex, _idle_round, [1.0 if args.quick else 5.0], 1),
+                       "% of a core", None, higher_is_better=False)
+        if "start" in args.sections:
+            starts: dict[str, list[float]] = {"raw gloo (Ray actors + init_process_group)": [], "hvdray": []}
+            for _ in range(1 if args.quick else 3):
+                starts["raw gloo (Ray actors + init_process_group)"].append(_raw_start_to_first_allreduce(args.workers))
+                starts["hvdray"].append(_hvdray_start_to_first_allreduce(args.workers))
+            record("start to first allreduce", starts, "s", "raw gloo (Ray actors + init_process_group)",
+                   higher_is_better=False)
+        if not args.no_shm_rows and "shm" in args.sections:
             bench_shm.shared_memory_rows(record, [2] if args.quick else [2, 4], args.repeats, args.quick)
     finally:
         ray.shutdown()

@@ -58,16 +58,29 @@ def timed(fn: Callable[[], Any], iterations: int) -> float:
     return (time.perf_counter() - started) / iterations
 
 
-def training_round(steps: int, batch: int) -> dict[str, float]:
-    """Samples per second of a small CNN on scikit-learn's digits, with DDP and with DistributedOptimizer."""
+#: the models ``training_round`` trains: a small CNN and an MLP, plain ``torch.nn`` (no torchvision)
+MODELS = ("cnn", "mlp")
+
+
+def training_round(steps: int, batch: int, model_name: str = "cnn") -> dict[str, float]:
+    """Samples per second of ``model_name`` (:data:`MODELS`) on scikit-learn's digits, with DDP and with
+    DistributedOptimizer."""
     import torch
     from sklearn.datasets import load_digits
     from torch.nn.parallel import DistributedDataParallel
 
     import hvdray.torch as hvd
 
+    if model_name not in MODELS:
+        raise ValueError(f"model_name must be one of {MODELS}, got {model_name!r}")
+
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
+        if model_name == "mlp":
+            return torch.nn.Sequential(
+                torch.nn.Flatten(), torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                torch.nn.ReLU(), torch.nn.Linear(512, 10),
+            )
         return torch.nn.Sequential(
             torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1),
             torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 256),

@@ -27,12 +27,21 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["rows"]
     sections = {r["section"] for r in rows}
+    training = {f"training throughput ({m} on digits, batch 64/worker), {w}" for m in ("CNN", "MLP")
+                for w in ("1 worker", "2 workers")}
     assert sections == {
-        "allreduce 4 MB bus bandwidth", "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
-        "training throughput (CNN on digits, batch 64/worker)", "idle CPU (no ops submitted)",
-        "start to first allreduce",
+        "one core's memory speed, 4 MB", "allreduce 4 MB bus bandwidth, 2 ranks", "allgather 4 MB bus bandwidth, 2 ranks",
+        "broadcast 4 MB bus bandwidth, 2 ranks", "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
+        *training, "scaling efficiency 1 -> 2 workers (CNN)", "scaling efficiency 1 -> 2 workers (MLP)",
+        "idle CPU (no ops submitted)", "start to first allreduce",
     }
     impls = {(r["section"], r["impl"]) for r in rows}
+    assert {impl for section, impl in impls if section.startswith("allreduce")} == {
+        "memory ideal", "raw gloo", "hvdray in place", "hvdray out of place"}
+    assert {impl for section, impl in impls if section.startswith(("allgather", "broadcast"))} == {
+        "memory ideal", "raw gloo", "hvdray"}
+    for section in training | {"scaling efficiency 1 -> 2 workers (CNN)"}:
+        assert {impl for s, impl in impls if s == section} == {"DDP (gloo)", "hvdray DistributedOptimizer"}
     assert ("step of 160 x 16 KB gradients", "DDP (gloo) backward") in impls
     assert ("step of 160 x 16 KB gradients", "hvdray") in impls
     assert ("step of 160 x 16 KB gradients", "hvdray grouped") in impls
@@ -59,3 +68,21 @@ def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters(monkeypatc
     assert len(shapes) == 161
     total = sum(math.prod(s) for s in shapes)
     assert total == 25_557_032  # torchvision's resnet50: 25,557,032 parameters
+
+
+def test_memory_ideal_is_the_least_a_rank_must_copy_and_add(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bandwidth import bus_bytes, ideal_seconds
+
+    copy_s, add_s = 0.010, 0.0125  # one core: S copied in 10 ms, S added in 12.5 ms
+    # two ranks: half of S added, half copied; bus bandwidth counts S
+    assert ideal_seconds("allreduce", 64e6, 2, copy_s, add_s) == pytest.approx(0.5 * add_s + 0.5 * copy_s)
+    assert bus_bytes("allreduce", 64e6, 2) == pytest.approx(64e6)
+    assert ideal_seconds("allreduce", 64e6, 4, copy_s, add_s) == pytest.approx(0.75 * (add_s + copy_s))
+    assert ideal_seconds("allgather", 64e6, 2, copy_s, add_s) == pytest.approx(2 * copy_s)
+    assert bus_bytes("allgather", 64e6, 4) == pytest.approx(3 * 64e6)
+    assert ideal_seconds("broadcast", 64e6, 3, copy_s, add_s) == pytest.approx(copy_s)
+    with pytest.raises(ValueError, match="collective must be one of"):
+        ideal_seconds("alltoall", 64e6, 2, copy_s, add_s)
+    with pytest.raises(ValueError, match="collective must be one of"):
+        bus_bytes("reduce", 64e6, 2)

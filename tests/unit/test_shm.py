@@ -22,7 +22,7 @@ from hvdray.collective.transport import shm
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_transport
 from hvdray.collective.transport.shm import barrier, shared_tensors
 from hvdray.collective.transport.shm.node import NodeCollectives
-from hvdray.collective.transport.shm.parts import part_bounds, slot_bytes_for
+from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
 from hvdray.settings import make_settings
 
 pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
@@ -182,6 +182,48 @@ def _every_dtype_and_op(node, rank, size):
 @pytest.mark.parametrize("local_size", [2, 5])
 def test_allreduce_every_dtype_and_op_matches_numpy(local_size):
     assert _run_node(local_size, _every_dtype_and_op) == [[]] * local_size
+
+
+def _out_of_place_and_blocked(node, rank, size):
+    """Out of place (``source=``) for every dtype and op, then messages whose parts span several reduce
+    blocks (``REDUCE_BLOCK_BYTES``), in place and out of place; the sources must stay untouched."""
+    failures = []
+    cases = [(dtype, op, n) for dtype in DTYPES for op in OPS for n in SIZES]
+    big = 3 * REDUCE_BLOCK_BYTES * size // 4 + 7  # float32 elements: every part holds 3 blocks or so
+    cases += [(torch.float32, ReduceOp.SUM, big), (torch.int32, ReduceOp.MAX, big), (torch.float64, ReduceOp.MIN, big)]
+    for dtype, op, n in cases:
+        stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+        want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+        want = torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()
+        source = _inputs(rank, dtype, n)
+        out = torch.full((n,), 7).to(dtype)
+        node.allreduce(out, op, source=source)
+        if not np.array_equal(out.double().numpy(), want) or not torch.equal(source, _inputs(rank, dtype, n)):
+            failures.append(("out of place", str(dtype), str(op), n))
+        if n == big:
+            node.allreduce(source, op)
+            if not np.array_equal(source.double().numpy(), want):
+                failures.append(("in place", str(dtype), str(op), n))
+    return failures
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_allreduce_out_of_place_and_in_blocks_matches_numpy(local_size):
+    assert _run_node(local_size, _out_of_place_and_blocked, slot_bytes=4 << 20) == [[]] * local_size
+
+
+def _mismatched_sources(node, rank, size):
+    with pytest.raises(ValueError, match="source must be contiguous and shaped like flat"):
+        node.allreduce(torch.zeros(4), ReduceOp.SUM, source=torch.zeros(5))
+    with pytest.raises(ValueError, match="source must be"):
+        node.allreduce(torch.zeros(4), ReduceOp.SUM, source=torch.zeros(4, dtype=torch.float64))
+    out = torch.zeros(4)
+    node.allreduce(out, ReduceOp.SUM, source=torch.ones(4))  # no barrier was taken: the group still works
+    return out.tolist()
+
+
+def test_allreduce_source_must_match_the_output():
+    assert _run_node(2, _mismatched_sources) == [[2.0] * 4] * 2
 
 
 # shapes of one fused message; float32 totals: ~0.3 KB (one-barrier path) and ~86 KB (two barriers; the

@@ -90,7 +90,7 @@ def test_an_op_runs_with_the_first_entry_that_serves_it():
 
 
 def test_what_each_entry_serves():
-    adasum, ring = AdasumAllreduce(()), GlooRing(_Group(4))
+    adasum, ring = AdasumAllreduce((), 4), GlooRing(_Group(4))
     assert adasum.serves(torch.ones(3), Reduction.ADASUM) and not adasum.serves(torch.ones(3), ReduceOp.SUM)
     assert ring.serves(torch.ones(1 << 20), ReduceOp.SUM)
     shm = SharedMemoryAllreduce(_Node())

@@ -69,10 +69,16 @@ class Executor:
             req = requests[0]
             src = req.tensor if req is not None else torch.zeros(desc.shape, dtype=desc.dtype)
             buf = req.output if req is not None and req.output.is_contiguous() else torch.empty_like(src)
-            if buf is not src:
-                buf.copy_(src)
-            t_copied = time.perf_counter() if timeline is not None else 0.0
-            self._reduce(buf, desc)
+            if buf is not src and desc.prescale == 1.0:
+                # out of place: the transport reads the input and writes the output (no copy between them)
+                t_copied = time.perf_counter() if timeline is not None else 0.0
+                comm.allreduce_into(src, buf, desc.reduce_op)
+                postscale([buf], desc, self._size)
+            else:
+                if buf is not src:
+                    buf.copy_(src)
+                t_copied = time.perf_counter() if timeline is not None else 0.0
+                self._reduce(buf, desc)
             t_reduced = time.perf_counter() if timeline is not None else 0.0
             self.tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
@@ -174,13 +180,13 @@ class Executor:
         tensor = request.tensor.contiguous()
         rows = [descs[r].shape[0] for r in range(self._size)]
         longest = max(rows)
-        if all(n == longest for n in rows):
-            parts = self.comm.allgather(tensor)
-        else:
-            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-            padded[: tensor.shape[0]] = tensor
-            parts = [p[:n] for p, n in zip(self.comm.allgather(padded), rows)]
-        return torch.cat(parts)
+        if all(n == longest for n in rows):  # gathered straight into the result
+            out = tensor.new_empty((self._size * longest, *tensor.shape[1:]))
+            self.comm.allgather_into(tensor, out.view(self._size, *tensor.shape))
+            return out
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        return torch.cat([p[:n] for p, n in zip(self.comm.allgather(padded), rows)])
 
     def _alltoall(self, request: Request, descs: RankDescs) -> tuple[torch.Tensor, torch.Tensor]:
         tensor = request.tensor.contiguous()

@@ -59,11 +59,14 @@ class AdasumAllreduce(AllreduceStrategy):
 
     name = "adasum"
 
-    def __init__(self, allgather: Sequence[AllgatherStrategy]) -> None:
+    def __init__(self, allgather: Sequence[AllgatherStrategy], size: int) -> None:
         self._allgather = tuple(allgather)
+        self._size = size
 
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return op is _ADASUM
 
     def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
-        tensor.copy_(adasum_tree(first_serving(self._allgather, tensor).run(tensor)))
+        gathered = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
+        first_serving(self._allgather, tensor).run(tensor, gathered)
+        tensor.copy_(adasum_tree(list(gathered.unbind(0))))

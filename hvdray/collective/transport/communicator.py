@@ -172,6 +172,12 @@ class Communicator:
         transport_op = TRANSPORT_OPS[op]
         first_serving(self._allreduces, tensor, transport_op).run(tensor, transport_op)
 
+    def allreduce_into(self, source: torch.Tensor, output: torch.Tensor, op: Reduction) -> None:
+        """Reduce ``source`` across all ranks into ``output`` (same shape and dtype, not overlapping it),
+        as :meth:`allreduce`; strategies that can read ``source`` directly skip copying it into ``output``."""
+        transport_op = TRANSPORT_OPS[op]
+        first_serving(self._allreduces, output, transport_op).run_into(source, output, transport_op)
+
     @property
     def fused_message_bytes(self) -> int:
         """The largest message :meth:`allreduce_tensors` takes (one slot of the node's shared-memory
@@ -193,9 +199,16 @@ class Communicator:
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Equal-shaped allgather; returns one tensor per rank (any dtype: see :func:`as_bytes`)."""
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
+        self.allgather_into(tensor, out)
+        return list(out.unbind(0))
+
+    def allgather_into(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Equal-shaped allgather into the contiguous ``out`` of shape ``(size, *tensor.shape)``, rank
+        ``r``'s tensor at ``out[r]``, with no copy after the gather (any dtype: see :func:`as_bytes`)."""
         if tensor.dtype not in _GLOO_DTYPE_SET:
-            return [from_bytes(part, tensor.dtype) for part in self.allgather(as_bytes(tensor))]
-        return first_serving(self._allgathers, tensor).run(tensor)
+            tensor, out = as_bytes(tensor.contiguous()), as_bytes(out)
+        first_serving(self._allgathers, tensor).run(tensor, out)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Every rank's contiguous ``tensor`` becomes rank ``root``'s, in place (any dtype)."""

@@ -120,7 +120,7 @@ class GlooRing(AllreduceStrategy):
 
 
 class GlooAllgather(AllgatherStrategy):
-    """Gloo's allgather into one fresh tensor per rank."""
+    """Gloo's allgather, straight into the rows of the output."""
 
     name = "gloo allgather"
 
@@ -131,10 +131,8 @@ class GlooAllgather(AllgatherStrategy):
     def serves(self, tensor: torch.Tensor) -> bool:
         return True
 
-    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        outs = [torch.empty_like(tensor) for _ in range(self._size)]
-        self._group.allgather([outs], [tensor]).wait()
-        return outs
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        self._group.allgather([list(out.unbind(0))], [tensor.contiguous()]).wait()
 
 
 class GlooBroadcast(BroadcastStrategy):

@@ -60,7 +60,7 @@ def ordered_strategies(
         GlooBroadcast(world),
     )
     allreduce = _present(
-        AdasumAllreduce(allgather),
+        AdasumAllreduce(allgather, world.size()),
         SharedMemoryAllreduce(one_node) if one_node is not None else None,
         HierarchicalAllreduce(node, (GlooGatherReduce(cross), GlooRing(cross)))
         if node is not None and cross is not None else None,

@@ -35,6 +35,12 @@ class AllreduceStrategy:
         """Reduce ``tensor`` in place across every rank."""
         raise NotImplementedError
 
+    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+        """Reduce ``source`` across every rank into ``output`` (same shape and dtype, no overlap); a
+        strategy that reads its input and writes its result in separate passes overrides this copy."""
+        output.copy_(source)
+        self.run(output, op)
+
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
         finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
@@ -52,8 +58,9 @@ class AllgatherStrategy:
         """Whether this strategy runs the allgather of ``tensor``."""
         raise NotImplementedError
 
-    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor``, in rank order."""
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Write every rank's ``tensor``, in rank order, into the contiguous ``out`` of shape
+        ``(size, *tensor.shape)`` (the caller's result: no copy after the gather)."""
         raise NotImplementedError
 
 

@@ -34,7 +34,7 @@ from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
-from hvdray.collective.transport.shm.parts import SMALL_ALLREDUCE_BYTES, memmove, part_bounds
+from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, SMALL_ALLREDUCE_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError
 from hvdray.collective.transport.shm.shared_tensors import (
     PEER_STORAGES_PER_RANK,
@@ -56,6 +56,9 @@ _YIELDS_BEFORE_SLEEP = 200
 #: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
 #: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
 PIECE_BYTES = 4 << 20
+#: a broadcast goes in pieces of at most this much: the root copies piece k+1 into its slot while the
+#: others copy piece k out, so a message of k pieces takes about (k+1)/k of one copy
+BROADCAST_PIECE_BYTES = 1 << 20
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
@@ -141,44 +144,57 @@ class NodeCollectives:
         self.rounds += 1
         return self.rounds & 1
 
-    def _pieces(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
-        step = min(self.slot_bytes, PIECE_BYTES) // itemsize
+    def _pieces(self, numel: int, itemsize: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+        step = min(self.slot_bytes, piece_bytes) // itemsize
         return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
     # -- ops ----------------------------------------------------------------------------------
     # Copies go through memmove on raw addresses (glibc's large-copy path beats a torch copy_, and
     # ctypes releases the GIL for it); reductions are torch ops on views of the slots.
-    def allreduce(self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None) -> None:
+    def allreduce(
+        self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None,
+        source: Optional[torch.Tensor] = None,
+    ) -> None:
         """Reduce the contiguous 1-D ``flat`` in place across the local ranks (and ``cross``, if given,
-        across nodes: it is called on this rank's reduced part of every piece)."""
+        across nodes: it is called on this rank's reduced part of every piece). With ``source`` (contiguous,
+        1-D, ``flat``'s size and dtype, not overlapping it) the reduction reads this rank's data from
+        ``source`` and writes the result to ``flat``, without copying ``source`` into ``flat`` first."""
         reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        if source is None:
+            source = flat
+        elif source.shape != flat.shape or source.dtype != flat.dtype or not source.is_contiguous():
+            raise ValueError(
+                f"allreduce: source must be contiguous and shaped like flat ({flat.dtype} {tuple(flat.shape)}), "
+                f"got {source.dtype} {tuple(source.shape)}"
+            )
         if cross is None and flat.numel() * flat.element_size() <= min(SMALL_ALLREDUCE_BYTES, self.slot_bytes):
-            self._run(lambda: self._allreduce_small(flat, reducer))
+            self._run(lambda: self._allreduce_small(flat, source, reducer))
         else:
-            self._run(lambda: self._allreduce(flat, reducer, cross))
+            self._run(lambda: self._allreduce(flat, source, reducer, cross))
 
-    def _allreduce_small(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+    def _allreduce_small(self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
         """One round, one barrier: every rank publishes its whole message and reduces all of them, in
         rank order (so the results are bit-identical). Cheaper than two barriers for small messages."""
         half, nbytes, n = self.next_half(), flat.numel() * flat.element_size(), flat.numel()
         slots = self.slot_views(flat.dtype)[half]
-        memmove(self._base + self._slot_offset(half, self.local_rank), flat.data_ptr(), nbytes)
+        memmove(self._base + self._slot_offset(half, self.local_rank), source.data_ptr(), nbytes)
         self.barrier.wait()
         memmove(flat.data_ptr(), self._base + self._slot_offset(half, 0), nbytes)
         for peer in range(1, self.local_size):
             reducer(flat, slots[peer][:n], out=flat)
 
     def _allreduce(
-        self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce]
+        self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor],
+        cross: Optional[CrossReduce],
     ) -> None:
-        place = shared_place(flat)
+        place = shared_place(flat) if source is flat else None
         self.segment.publish_tensor(self.local_rank, place)
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         if place is None:
-            self._expose(flat, pieces[0], half)
+            self._expose(source, pieces[0], half)
         self.barrier.wait()
         places = [self.segment.published_tensor(r) for r in range(self.local_size)]
         if all(p is not None for p in places):
@@ -191,12 +207,12 @@ class NodeCollectives:
         for i, piece in enumerate(pieces):
             if i:
                 half = self.next_half()
-                self._expose(flat, piece, half)
+                self._expose(source, piece, half)
                 self.barrier.wait()
-            self._reduce_piece(flat, piece, half, reducer, cross)
+            self._reduce_piece(flat, source, piece, half, reducer, cross)
 
     def _expose(self, flat: torch.Tensor, piece: tuple[int, int], half: int) -> None:
-        """Copy the parts of ``piece`` that the peers reduce into this rank's slot of ``half``."""
+        """Copy the parts of ``piece`` of ``flat`` that the peers reduce into this rank's slot of ``half``."""
         start, stop = piece
         isz = flat.element_size()
         bounds = part_bounds(stop - start, self.local_size, isz)
@@ -206,24 +222,32 @@ class NodeCollectives:
         memmove(own_at + hi * isz, piece_at + hi * isz, (stop - start - hi) * isz)
 
     def _reduce_piece(
-        self, flat: torch.Tensor, piece: tuple[int, int], half: int, reducer: Callable[..., torch.Tensor],
-        cross: Optional[CrossReduce],
+        self, flat: torch.Tensor, source: torch.Tensor, piece: tuple[int, int], half: int,
+        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce],
     ) -> None:
-        """After the peers exposed ``piece``: reduce and publish this rank's part, collect the others'."""
+        """After the peers exposed ``piece``: reduce this rank's part of ``source`` and the peers' slots
+        into ``flat`` and publish it, then collect the others' parts. Without ``cross`` the part goes in
+        blocks that stay in the core's cache between the reduction and the publishing copy."""
         start, stop = piece
         me, size, isz, data = self.local_rank, self.local_size, flat.element_size(), self._base
         slots = self.slot_views(flat.dtype)[half]
         bounds = part_bounds(stop - start, size, isz)
         lo, hi = bounds[me], bounds[me + 1]
         piece_at, own_at = flat.data_ptr() + start * isz, data + self._slot_offset(half, me)
-        if hi > lo:
-            acc = flat[start + lo : start + hi]
-            for peer in range(size):
-                if peer != me:
-                    reducer(acc, slots[peer][lo:hi], out=acc)
+        peers = [slots[peer] for peer in range(size) if peer != me]
+        step = hi - lo if cross is not None else max(1, REDUCE_BLOCK_BYTES // isz)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            acc = flat[start + a : start + b]
+            if peers:
+                reducer(source[start + a : start + b], peers[0][a:b], out=acc)
+            elif source is not flat:
+                acc.copy_(source[start + a : start + b])
+            for peer in peers[1:]:
+                reducer(acc, peer[a:b], out=acc)
             if cross is not None:
                 cross(acc)  # the same local rank on every node holds the same part: sizes agree
-            memmove(own_at + lo * isz, piece_at + lo * isz, (hi - lo) * isz)
+            memmove(own_at + a * isz, piece_at + a * isz, (b - a) * isz)
         self.barrier.wait()
         for peer in range(size):
             if peer != me:
@@ -322,7 +346,7 @@ class NodeCollectives:
 
     def _broadcast(self, flat: torch.Tensor, root: int) -> None:
         isz, at = flat.element_size(), flat.data_ptr()
-        for start, stop in self._pieces(flat.numel(), isz):
+        for start, stop in self._pieces(flat.numel(), isz, BROADCAST_PIECE_BYTES):
             slot_at = self._base + self._slot_offset(self.next_half(), root)
             length = (stop - start) * isz
             if self.local_rank == root:

@@ -16,15 +16,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.multiprocessing
 
-from hvdray.collective.transport.shm.parts import memmove, part_bounds
+from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
 
-#: a rank's part is reduced in blocks of this size, which stay in the core's cache while the peers'
-#: blocks are added and the sum is written back to every peer
-_REDUCE_BLOCK_BYTES = 512 << 10
 #: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
 PEER_STORAGES_PER_RANK = 4
 
@@ -52,7 +49,7 @@ def allreduce_shared_tensors(
     lo, hi = bounds[me], bounds[me + 1]
     acc = flat[lo:hi]
     others = [peer[lo:hi] for peer in peers]
-    step = max(1, _REDUCE_BLOCK_BYTES // isz)
+    step = max(1, REDUCE_BLOCK_BYTES // isz)
     for a in range(0, hi - lo, step):
         block = acc[a : a + step]
         for other in others:

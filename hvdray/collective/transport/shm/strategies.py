@@ -38,6 +38,12 @@ class SharedMemoryAllreduce(AllreduceStrategy):
         node = self._node
         on_contiguous(tensor, lambda flat: node.allreduce(flat, op))
 
+    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+        if source.is_contiguous() and output.is_contiguous():  # no copy of source into output first
+            self._node.allreduce(output.view(-1), op, source=source.view(-1))
+        else:
+            super().run_into(source, output, op)
+
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
         finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],
@@ -52,16 +58,13 @@ class SharedMemoryAllgather(AllgatherStrategy):
 
     def __init__(self, node: NodeCollectives) -> None:
         self._node = node
-        self._size = node.local_size
 
     def serves(self, tensor: torch.Tensor) -> bool:
         return True
 
-    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         if tensor.numel():
             self._node.allgather(tensor.contiguous().view(-1), out.view(-1))
-        return list(out.unbind(0))
 
 
 class SharedMemoryBroadcast(BroadcastStrategy):

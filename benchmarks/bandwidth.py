@@ -1,0 +1,141 @@
+"""Collective bandwidth against this machine's memory ideal: allreduce (in place and out of place),
+allgather and broadcast of hvdray and raw ``torch.distributed`` Gloo, beside one core's copy and add
+speed measured in the same round, in the same worker processes.
+
+The ideal is what a rank must at the least do with memory, at the speed its core copies and adds
+(every rank measuring at once, as in a collective), and nothing else:
+
+- allreduce of S bytes on n ranks: add its 1/n of every peer's data once and copy every peer's reduced
+  1/n once, ``(n-1)/n * S`` at add speed plus ``(n-1)/n * S`` at copy speed (n=2: S/2 + S/2);
+- allgather of S bytes per rank: write its n*S-byte result once (its own S and every peer's),
+  ``n * S`` at copy speed;
+- broadcast of S bytes: copy the root's S once, ``S`` at copy speed.
+
+Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, allgather ``(n-1) * S / t``, broadcast
+``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
+speeds are operand bytes per second (an add of two S-byte tensors in S / t).
+
+    python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Callable
+
+import ray
+import ray.cloudpickle
+
+from harness import alternate, setup_raw_gloo, timed
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
+IDEAL = "memory ideal"
+COLLECTIVES = ("allreduce", "allgather", "broadcast")
+
+
+def _round(size_mb: float, iterations: int) -> dict[str, float]:
+    """Seconds per call of every implementation, and of one core's copy and add of ``size_mb``."""
+    import torch
+    import torch.distributed as dist
+
+    import hvdray.torch as hvd
+
+    numel = max(16, int(size_mb * (1 << 20)) // 4)
+    tensor, other = torch.ones(numel), torch.ones(numel)
+    times = {
+        "copy": timed(lambda: other.copy_(tensor), iterations),
+        "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
+        "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
+        "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
+        "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),
+        "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
+        "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
+    }
+    gathered = torch.empty(hvd.size() * numel)
+    times["allgather raw gloo"] = timed(lambda: dist.all_gather_single(gathered, tensor), iterations)
+    times["allgather hvdray"] = timed(lambda: hvd.allgather(tensor, name="bw.ag"), iterations)
+    return times
+
+
+def ideal_seconds(collective: str, size_bytes: float, ranks: int, copy_s: float, add_s: float) -> float:
+    """Per-rank seconds of the ideal (module docstring), from one core's copy and add of ``size_bytes``."""
+    if collective == "allreduce":
+        return (ranks - 1) / ranks * (add_s + copy_s)
+    if collective == "allgather":
+        return ranks * copy_s
+    if collective == "broadcast":
+        return copy_s
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+
+
+def bus_bytes(collective: str, size_bytes: float, ranks: int) -> float:
+    """The bytes a collective's bus bandwidth counts (module docstring)."""
+    if collective == "allreduce":
+        return 2 * (ranks - 1) / ranks * size_bytes
+    if collective == "allgather":
+        return (ranks - 1) * size_bytes
+    if collective == "broadcast":
+        return size_bytes
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+
+
+def bandwidth_rows(
+    record: Record, executor, ranks: int, sizes_mb: list[float], repeats: int, quick: bool
+) -> None:
+    """For each size: one core's copy and add speed, then every collective's bus bandwidth with its
+    ideal as the baseline (the ratio is the fraction of the ideal reached), all from the same rounds."""
+    for size in sizes_mb:
+        size_bytes = max(16, int(size * (1 << 20)) // 4) * 4
+        iterations = 2 if quick else max(3, int(128 / size))
+        samples = alternate(executor, _round, [size, iterations], repeats)
+        copies, adds = samples["copy"], samples["add"]
+        record(f"one core's memory speed, {size:g} MB", {
+            "copy": [size_bytes / t / 1e9 for t in copies], "add (operand bytes)": [size_bytes / t / 1e9 for t in adds],
+        }, "GB/s", "copy", True)
+        for collective in COLLECTIVES:
+            moved = bus_bytes(collective, size_bytes, ranks)
+            busbw = {IDEAL: [moved / ideal_seconds(collective, size_bytes, ranks, c, a) / 1e9
+                             for c, a in zip(copies, adds)]}
+            for impl, values in samples.items():
+                if impl.startswith(collective + " "):
+                    busbw[impl[len(collective) + 1:]] = [moved / t / 1e9 for t in values]
+            record(f"{collective} {size:g} MB bus bandwidth, {ranks} ranks", busbw, "GB/s", IDEAL, True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
+    args = parser.parse_args(argv)
+    if args.workers < 2:
+        parser.error("--workers must be at least 2")
+    if args.quick:
+        args.repeats = 2
+    ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
+
+    def record(section: str, samples: dict[str, list[float]], unit: str, baseline: str, higher: bool) -> None:
+        base = statistics.median(samples[baseline])
+        for impl, values in samples.items():
+            median = statistics.median(values)
+            ratio = median / base if higher else base / median
+            print(f"{section:40s} {impl:22s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}", flush=True)
+
+    from hvdray import RayExecutor
+
+    try:
+        with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=args.workers) as ex:
+            ex.run(setup_raw_gloo)
+            bandwidth_rows(record, ex, args.workers, args.sizes_mb, args.repeats, args.quick)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
