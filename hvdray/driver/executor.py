@@ -174,7 +174,8 @@ class RayExecutor:
             self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
             self._state = "started"
             return
-        self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg)
+        self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg,
+                                    name=actor_name(self._id, "pg"))
         try:
             self._start_group()
         except BaseException:

@@ -55,8 +55,9 @@ class WorkerLostError(RuntimeError):
 
 
 def actor_name(executor_id: str, role: str) -> str:
-    """The Ray actor name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``), so
-    that ``ray list actors`` and the dashboard show who is who."""
+    """The Ray name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``) or of its
+    placement group (``pg``), so that ``ray list actors`` / ``ray list placement-groups`` and the
+    dashboard show who is who."""
     return f"hvdray-{executor_id}-{role}"
 
 
