@@ -49,7 +49,8 @@ def _train(epochs: int) -> int:
 def test_worker_actors_are_named_by_executor_and_rank(ray_with_dashboard):
     from ray.util.state import list_actors, list_placement_groups
 
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20), num_workers=3)
+    # names are checked, not start-up time: a loaded machine may take longer than 20 s to start 3 actors
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=120), num_workers=3)
     try:
         executor.start()
         ranks = dict(executor.run(_actor_id_and_rank))
@@ -130,6 +131,7 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(tmp_path):
 
 _PROGRESS_DRIVER = """
 import json
+import ray
 from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
 from ray.util.state import list_actors, list_placement_groups
 
@@ -140,11 +142,12 @@ def train(epochs):
         ray_logger.log({"epoch": epoch, "loss": 1.0 / epoch})
     return hvd.rank()
 
-init_ray(num_cpus=4)  # a new local Ray, dashboard on: the state API answers without an address
-executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+init_ray(num_cpus=4)  # a new local Ray with its dashboard on: the state API needs it
+executor = RayExecutor(RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=120), num_workers=2)
 executor.start()
-alive = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")])]
-groups = [g.name for g in list_placement_groups(filters=[("state", "=", "CREATED")])]
+ours = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
+alive = [a.name for a in list_actors(address=ours, filters=[("state", "=", "ALIVE")])]
+groups = [g.name for g in list_placement_groups(address=ours, filters=[("state", "=", "CREATED")])]
 print("NAMES", json.dumps({"id": executor._id, "actors": alive, "groups": groups}), flush=True)
 with ProgressBar(total=3, desc="digits") as bar:  # on stderr, a pipe here
     print("RANKS", executor.run(train, args=[3], callbacks=[bar]), flush=True)
