@@ -25,6 +25,7 @@ _PUBLIC = {
     "TensorBoardCallback": "hvdray.driver.tracking",
     "WandbCallback": "hvdray.driver.tracking",
     "WorkerLostError": "hvdray.driver.worker_group",
+    "get_dataset_shard": "hvdray.worker.datasets",
     "init_ray": "hvdray.driver.cluster",
     "report": "hvdray.worker.reporting",
 }

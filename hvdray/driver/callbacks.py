@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -103,8 +104,36 @@ class MetricsHistory:
         return figure
 
 
+class _Discard:
+    """A file that drops what tqdm draws: in line mode the bar's lines are written by ProgressBar itself."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _draws_in_place(file: Any) -> bool:
+    """True where a bar can be redrawn in place: a notebook (a widget) or a terminal. A pipe, a file or a
+    job's log (``ray job logs``) would keep every redraw, so there the bar writes one line per step."""
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    if issubclass(tqdm, notebook_tqdm):
+        return True
+    isatty = getattr(file, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
 class ProgressBar:
-    """One tqdm bar fed by worker records (``hvdray.ray_logger.log``); close it, or use it as a context manager."""
+    """One tqdm bar fed by worker records (``hvdray.ray_logger.log``); close it, or use it as a context manager.
+
+    In a terminal or a notebook the bar is redrawn in place. Where the output is not a terminal (piped,
+    redirected to a file, a ``ray job submit`` driver's log) it writes one line per step instead, so a log
+    holds each state of the bar once, not every redraw."""
 
     def __init__(
         self, total: Optional[int] = None, step_key: str = "epoch", rank: int = 0, desc: str = "training", **tqdm_kwargs: Any
@@ -113,6 +142,10 @@ class ProgressBar:
             raise ValueError(f"total must be None or an int >= 0, got {total!r}")
         self.step_key = step_key
         self.rank = rank
+        target = tqdm_kwargs.get("file") or sys.stderr
+        self._lines: Optional[Any] = None if _draws_in_place(target) else target
+        if self._lines is not None:
+            tqdm_kwargs["file"] = _Discard()
         self.bar = tqdm(total=total, desc=desc, unit=step_key, **tqdm_kwargs)
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -125,6 +158,9 @@ class ProgressBar:
         }
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
+        if self._lines is not None:
+            self._lines.write(f"{self.bar}\n")
+            self._lines.flush()
 
     def close(self) -> None:
         """Finish the bar."""

@@ -29,7 +29,8 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kw
         ray.init(address=address, **kwargs)
         log.info("connected to the Ray cluster at %s", address)
         return
-    kwargs.setdefault("include_dashboard", False)
+    # The dashboard stays on (Ray's default): it serves the state API behind `ray list actors` and the job's
+    # actors and placement group by name; include_dashboard=False turns it off.
     # "local" always starts a new instance: without it, ray.init() joins whatever cluster the last
     # `ray start` on this machine recorded, which a script run alone must not do.
     ray.init(address="local", num_cpus=num_cpus, **kwargs)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
+from hvdray.driver.datasets import DatasetSplitter
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
@@ -138,10 +139,12 @@ class ElasticDriver:
         args: Sequence[Any],
         kwargs: dict[str, Any],
         callbacks: Sequence[Callable[[dict[str, Any]], None]],
+        datasets: Optional[DatasetSplitter] = None,
     ) -> list[Any]:
-        """Drive the job until every member of the last epoch returned; results in rank order."""
+        """Drive the job until every member of the last epoch returned; results in rank order. ``datasets``
+        are split anew over the members of every epoch."""
         self._call = (fn, list(args), dict(kwargs))
-        self._group.begin_call()  # every worker of this run, started now or later, runs this one call
+        self._group.begin_call(datasets)  # every worker of this run, started now or later, runs this one call
         self._callbacks = list(callbacks)
         self._report(None, DriverState.STARTING, "job started")
         try:

@@ -112,6 +112,11 @@ class Coordinator:
         self._host_updates = 0
         self._host_updates_at_epoch = 0
         self._abandoned = 0  # the newest epoch the driver gave up on (0: none)
+        # Ray Data (driver/datasets.py): the call whose datasets are offered, their names, and the current
+        # epoch's shards (one {name: DataIterator} per rank); older epochs' splits are dropped
+        self._data_call = 0
+        self._data_names: tuple[str, ...] = ()
+        self._shards: Optional[tuple[int, list[dict[str, Any]]]] = None
 
     def _admit(self, token: Any) -> None:
         """Refuse a caller that does not present the job's rendezvous token."""
@@ -259,6 +264,46 @@ class Coordinator:
     def kv_delete(self, token: bytes, key: str) -> bool:
         self._admit(token)
         return self._kv.pop(key, None) is not None
+
+    # -- Ray Data shards ------------------------------------------------------------------------
+    async def offer_datasets(self, token: bytes, call: int, names: Sequence[str]) -> None:
+        """Executor call ``call`` runs with these datasets (none: ``names`` empty); shards follow per epoch."""
+        self._admit(token)
+        async with self._changed:
+            self._data_call, self._data_names, self._shards = call, tuple(names), None
+            self._changed.notify_all()
+
+    async def publish_shards(self, token: bytes, call: int, epoch: int, shards: list[dict[str, Any]]) -> None:
+        """The shards of membership ``epoch`` for call ``call``, one per rank."""
+        self._admit(token)
+        async with self._changed:
+            if call == self._data_call:
+                self._shards = (epoch, shards)
+                self._changed.notify_all()
+
+    async def dataset_shard(
+        self, token: bytes, call: int, epoch: int, rank: int, timeout_s: float
+    ) -> tuple[str, Any]:
+        """Rank ``rank``'s shards in ``epoch`` of call ``call``: ``("ok", {name: iterator})``,
+        ``("none", None)`` when the call has no datasets (or a newer call runs), ``("superseded", None)`` once a newer epoch formed or the epoch was abandoned, or
+        ``("timeout", None)``; waits for the driver to publish the epoch's split."""
+        self._admit(token)
+
+        def answered() -> bool:
+            return (call != self._data_call or not self._data_names or epoch != self._epoch
+                    or not self._joinable() or (self._shards is not None and self._shards[0] == epoch))
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(answered), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                return "timeout", None
+            if call != self._data_call or not self._data_names:
+                return "none", None
+            if epoch != self._epoch or not self._joinable():
+                return "superseded", None
+            assert self._shards is not None
+            return "ok", self._shards[1][rank]
 
     # -- the worker record channel: ray_logger.log and hvdray.report ------------------------
     async def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Protocol
 
 import ray
 
-from hvdray.driver.placement import worker_slots
+from hvdray.driver.placement import free_resources_per_node, worker_slots
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,10 @@ class RayNodeDiscovery:
         self._held = held
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
-        from ray._private.state import available_resources_per_node  # Ray's per-node free resources
-
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         held = self._held()
         slots = {}
-        for node_id, free in available_resources_per_node().items():
+        for node_id, free in free_resources_per_node().items():
             if node_id in alive:
                 total = worker_slots(free, self._cpus, self._gpus) + held.get(node_id, 0)
                 if total:

@@ -30,6 +30,7 @@ from hvdray.driver.arguments import (
 from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
 from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
+from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
@@ -39,7 +40,8 @@ from hvdray.driver.worker_group import Callback, GroupState, WorkerGroup, Worker
 from hvdray.settings import Settings, make_settings
 
 if TYPE_CHECKING:
-    from ray.train import CheckpointConfig, Result
+    from ray.data import Dataset
+    from ray.train import CheckpointConfig, DataConfig, Result
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class RayExecutor:
         override_discovery: bool = True,
         storage_path: Optional[str] = None,
         checkpoint_config: Optional["CheckpointConfig"] = None,
+        dataset_config: Optional["DataConfig"] = None,
     ) -> None:
         if settings is None:
             settings = make_settings()
@@ -96,6 +99,8 @@ class RayExecutor:
             min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery,
         )
         storage = check_storage_arguments(settings, storage_path, checkpoint_config)
+        check_data_config(dataset_config)
+        self._dataset_config = dataset_config  # how run(datasets=...) splits them (Ray Train's DataConfig)
         if storage != settings.storage_path:  # made absolute: the workers' working directory is not ours
             settings = settings.model_copy(update={"storage_path": storage})
         self.settings = settings
@@ -169,7 +174,8 @@ class RayExecutor:
             self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
             self._state = "started"
             return
-        self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg)
+        self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg,
+                                    name=actor_name(self._id, "pg"))
         try:
             self._start_group()
         except BaseException:
@@ -239,16 +245,23 @@ class RayExecutor:
         args: Optional[Sequence[Any]] = None,
         kwargs: Optional[dict[str, Any]] = None,
         callbacks: Optional[Sequence[Callback]] = None,
+        datasets: Optional[dict[str, "Dataset"]] = None,
     ) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every worker; results in rank order.
 
         Elastic executors run ``fn`` on as many workers as the cluster offers (between min_workers and
         max_workers), re-forming the ring as nodes come and go; callbacks also receive every driver
-        transition as ``{"event": "elastic", ...}``."""
+        transition as ``{"event": "elastic", ...}``. ``datasets`` (name -> ``ray.data.Dataset``) are
+        split into one equal shard per rank, which ``hvdray.get_dataset_shard(name)`` returns in ``fn``."""
         check_callbacks(callbacks)
+        splitter = self._splitter(datasets)
         if self._limits is not None:
-            return self._run_elastic(fn, args, kwargs, callbacks)
-        return self._gather(self._send_run(fn, args, kwargs, "run()"), callbacks)
+            return self._run_elastic(fn, args, kwargs, callbacks, splitter)
+        return self._gather(self._send_run(fn, args, kwargs, "run()", splitter), callbacks)
+
+    def _splitter(self, datasets: Optional[dict[str, "Dataset"]]) -> Optional[DatasetSplitter]:
+        checked = check_datasets(datasets)
+        return DatasetSplitter(checked, self._dataset_config) if checked is not None else None
 
     def _run_elastic(
         self,
@@ -256,6 +269,7 @@ class RayExecutor:
         args: Optional[Sequence[Any]],
         kwargs: Optional[dict[str, Any]],
         callbacks: Optional[Sequence[Callback]],
+        datasets: Optional[DatasetSplitter],
     ) -> list[Any]:
         check_callable(fn)
         self._payload.check("run()", self.num_workers, fn, call_pieces(args, kwargs))
@@ -279,7 +293,7 @@ class RayExecutor:
         self._driver = driver
         self._collect_results(group)
         try:
-            values = driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()))
+            values = driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()), datasets)
         except BaseException as exc:
             self._finish_results(group, error=exc)
             raise
@@ -322,17 +336,19 @@ class RayExecutor:
         fn: Callable[..., Any],
         args: Optional[Sequence[Any]] = None,
         kwargs: Optional[dict[str, Any]] = None,
+        datasets: Optional[dict[str, "Dataset"]] = None,
     ) -> list[ray.ObjectRef]:
         """Like ``run`` but returns the ObjectRefs (rank order) without waiting."""
-        return self._send_run(fn, args, kwargs, "run_remote()")
+        return self._send_run(fn, args, kwargs, "run_remote()", self._splitter(datasets))
 
     def _send_run(
-        self, fn: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[dict[str, Any]], what: str
+        self, fn: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[dict[str, Any]], what: str,
+        datasets: Optional[DatasetSplitter],
     ) -> list[ray.ObjectRef]:
         check_call_arguments(fn, args, kwargs)
         workers = self._ready_workers()
         self._payload.check(what, len(workers), fn, call_pieces(args, kwargs))  # the caller's caller: the user
-        call = self._group_call()
+        call = self._group_call(datasets)
         return [w.run.remote(fn, list(args or ()), dict(kwargs or {}), call) for w in workers]
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[Sequence[Callback]] = None) -> list[Any]:
@@ -351,13 +367,14 @@ class RayExecutor:
         self._payload.check("execute_single()", 1, fn, stacklevel=3)
         return self._gather([worker.execute.remote(fn, self._group_call())], None)[0]
 
-    def _group_call(self) -> int:
+    def _group_call(self, datasets: Optional[DatasetSplitter] = None) -> int:
         """A new call to the workers: numbered, its reports collected (``run``, ``execute`` and
-        ``execute_single`` wait for them and set ``self.result``; ``run_remote`` leaves them to the next)."""
+        ``execute_single`` wait for them and set ``self.result``; ``run_remote`` leaves them to the next),
+        ``datasets`` split over the ranks."""
         group = self._group
         assert group is not None, "the workers were started"
         self._collect_results(group)
-        return group.begin_call()
+        return group.begin_call(datasets)
 
     def _gather(self, calls: list[ray.ObjectRef], callbacks: Optional[Sequence[Callback]]) -> list[Any]:
         group = self._group
@@ -442,7 +459,9 @@ class ElasticRayExecutor(RayExecutor):
         super().start(extra_env_vars=self._env_vars)
 
     def run(  # type: ignore[override]
-        self, worker_fn: Callable[[], Any], callbacks: Optional[Sequence[Callback]] = None
+        self, worker_fn: Callable[[], Any], callbacks: Optional[Sequence[Callback]] = None,
+        datasets: Optional[dict[str, "Dataset"]] = None,
     ) -> list[Any]:
-        """Run ``worker_fn()`` elastically; results of the final workers in rank order."""
-        return super().run(worker_fn, callbacks=callbacks)
+        """Run ``worker_fn()`` elastically; results of the final workers in rank order. ``datasets`` are
+        split anew over the workers of every membership epoch (``hvdray.get_dataset_shard``)."""
+        return super().run(worker_fn, callbacks=callbacks, datasets=datasets)

@@ -36,6 +36,7 @@ import ray
 from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
+from hvdray.driver.datasets import DatasetSplitter
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker
 
@@ -58,8 +59,9 @@ class CoordinatorLostError(RuntimeError):
 
 
 def actor_name(executor_id: str, role: str) -> str:
-    """The Ray actor name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``), so
-    that ``ray list actors`` and the dashboard show who is who."""
+    """The Ray name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``) or of its
+    placement group (``pg``), so that ``ray list actors`` / ``ray list placement-groups`` and the
+    dashboard show who is who."""
     return f"hvdray-{executor_id}-{role}"
 
 
@@ -231,6 +233,8 @@ class WorkerGroup:
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
+        self.epoch = 0  # the membership epoch the coordinator formed last
+        self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
         #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
@@ -336,6 +340,7 @@ class WorkerGroup:
                     still_feasible()
             workers = [self.workers[str(index)] for index in range(num_workers)]
             epoch, infos, gpus = ray.get(self.coordinator.assign.remote([w.slot for w in workers]), timeout=timeout)
+            self.epoch = epoch
             ray.get(
                 [
                     w.actor.configure.remote(info, epoch, self._settings, self._secret, self.coordinator, node_gpus)
@@ -358,11 +363,25 @@ class WorkerGroup:
         """Workers in the ring, in rank order."""
         return sorted((w for w in self.workers.values() if w.rank is not None), key=lambda w: w.rank)
 
-    def begin_call(self) -> int:
+    def begin_call(self, datasets: Optional[DatasetSplitter] = None) -> int:
         """Number a new call of the user's functions on the workers (1, 2, ...: the same on every rank, so
-        that a rank leaving its function tells its peers which call's ops will never come)."""
+        that a rank leaving its function tells its peers which call's ops will never come). With
+        ``datasets`` the call's workers get one shard each, split anew for every membership epoch (the
+        running ranks of a fixed group get theirs now)."""
         self.call += 1
+        self._datasets = datasets
+        if datasets is not None:
+            ray.get(self.coordinator.offer_datasets.remote(self.call, datasets.names), timeout=self._settings.timeout_s)
+            if not self._elastic:
+                self._publish_shards(self.epoch, self.ranked())
         return self.call
+
+    def _publish_shards(self, epoch: int, ranked: Sequence[GroupWorker]) -> None:
+        """Split the call's datasets over ``ranked`` (the members of ``epoch``, in rank order) and hand
+        the shards to the coordinator, where each rank picks up its own."""
+        assert self._datasets is not None
+        shards = self._datasets.split([w.actor for w in ranked], [w.node_id for w in ranked])
+        ray.get(self.coordinator.publish_shards.remote(self.call, epoch, shards), timeout=self._settings.timeout_s)
 
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
@@ -492,6 +511,9 @@ class WorkerGroup:
         )
         for worker, info in zip(order, infos):
             worker.rank = info.rank
+        self.epoch = epoch
+        if self._datasets is not None:
+            self._publish_shards(epoch, self.ranked())
         return epoch
 
     def announce_new_hosts(self) -> None:

@@ -13,7 +13,7 @@ import ray
 from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
 
 from hvdray import ray_logger
-from hvdray.worker import reporting
+from hvdray.worker import datasets, reporting
 from hvdray.worker.membership import CoordinatorMembership, export_rank_env
 from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
@@ -96,6 +96,7 @@ class Worker:
         )
         ray_logger.set_sink(self._send_log)
         reporting.set_sink(reporting.ExecutorReports(coordinator, settings.storage_path, self._track_send))
+        datasets.set_source(datasets.ShardSource(coordinator, settings.timeout_s))
         self._took_rank(rank_info.rank if rank_info is not None else None)
         # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
         # cyclic collector's full passes, which otherwise scan it all (over 100 ms in a worker) in the

@@ -47,9 +47,10 @@ def _train(epochs: int) -> int:
 
 
 def test_worker_actors_are_named_by_executor_and_rank(ray_with_dashboard):
-    from ray.util.state import list_actors
+    from ray.util.state import list_actors, list_placement_groups
 
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20), num_workers=3)
+    # names are checked, not start-up time: a loaded machine may take longer than 20 s to start 3 actors
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=120), num_workers=3)
     try:
         executor.start()
         ranks = dict(executor.run(_actor_id_and_rank))
@@ -57,6 +58,8 @@ def test_worker_actors_are_named_by_executor_and_rank(ray_with_dashboard):
         for actor_id, rank in ranks.items():
             assert alive[actor_id] == f"hvdray-{executor._id}-rank-{rank}"
         assert f"hvdray-{executor._id}-coordinator" in alive.values()
+        groups = {g.name: g.state for g in list_placement_groups(address=ray_with_dashboard)}
+        assert groups.get(f"hvdray-{executor._id}-pg") == "CREATED", groups
     finally:
         executor.shutdown()
 
@@ -124,3 +127,57 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(tmp_path):
         assert re.search(rf"\(rank {rank} pid=\d+\)\S* fixed on stderr from {rank}\n", output), output
         assert re.search(rf"\(rank {rank}, worker \w+ pid=\d+\)\S* elastic from {rank}\n", output), output
     assert not re.search(r"\(Worker pid=\d+\)", output), output
+
+
+_PROGRESS_DRIVER = """
+import json
+import ray
+from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
+from ray.util.state import list_actors, list_placement_groups
+
+def train(epochs):
+    import hvdray.torch as hvd
+    hvd.init()
+    for epoch in range(1, epochs + 1):
+        ray_logger.log({"epoch": epoch, "loss": 1.0 / epoch})
+    return hvd.rank()
+
+init_ray(num_cpus=4)  # a new local Ray with its dashboard on: the state API needs it
+executor = RayExecutor(RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=120), num_workers=2)
+executor.start()
+ours = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
+alive = [a.name for a in list_actors(address=ours, filters=[("state", "=", "ALIVE")])]
+groups = [g.name for g in list_placement_groups(address=ours, filters=[("state", "=", "CREATED")])]
+print("NAMES", json.dumps({"id": executor._id, "actors": alive, "groups": groups}), flush=True)
+with ProgressBar(total=3, desc="digits") as bar:  # on stderr, a pipe here
+    print("RANKS", executor.run(train, args=[3], callbacks=[bar]), flush=True)
+executor.shutdown()
+"""
+
+
+def test_init_ray_keeps_the_dashboard_and_a_piped_progress_bar_writes_one_line_per_step(tmp_path):
+    """A script started with its output piped (as ``ray job submit`` runs a driver): ``init_ray`` leaves
+    the dashboard on, so the state API lists the job's actors and placement group by name, and the
+    progress bar writes each step once as a line of its own, never redrawn with carriage returns."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(root), os.environ.get("PYTHONPATH")] if p))
+    env.pop("RAY_ADDRESS", None)
+    script = tmp_path / "driver.py"
+    script.write_text(_PROGRESS_DRIVER)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    names = json.loads(done.stdout.split("NAMES ", 1)[1].splitlines()[0])
+    job = f"hvdray-{names['id']}"
+    assert {f"{job}-rank-0", f"{job}-rank-1", f"{job}-coordinator"} <= set(names["actors"]), names
+    assert f"{job}-pg" in names["groups"], names
+    assert "RANKS [0, 1]" in done.stdout
+    steps = re.findall(r"^digits: .*\| (\d)/3 \[.*loss=([\d.]+)\]$", done.stderr, flags=re.MULTILINE)
+    assert steps == [("1", "1"), ("2", "0.5"), ("3", "0.3333")], done.stderr
+    assert "\r" not in done.stderr
