@@ -5,11 +5,13 @@ reach the same engine as ``hvdray.torch``'s through DLPack, sharing their memory
 """
 
 from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
-from hvdray.collective.compression import Compression
-from hvdray.collective.errors import HorovodInternalError, NotInitializedError, PeerFinishedError, TensorMismatchError
+from hvdray.collective.errors import HorovodInternalError, NotInitializedError, PeerFinishedError
 from hvdray.tensorflow import elastic
-from hvdray.tensorflow.functions import broadcast_variables
+from hvdray.tensorflow.compression import Compression
+from hvdray.tensorflow.errors import TensorMismatchError
+from hvdray.tensorflow.functions import broadcast_, broadcast_global_variables, broadcast_variables
 from hvdray.tensorflow.gradients import DistributedGradientTape
+from hvdray.tensorflow.job_ops import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
 from hvdray.tensorflow.ops import *  # noqa: F401,F403 - every op in its blocking form, and the reduce ops
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from hvdray.tensorflow.errors import as_tensorflow_error
+
 try:  # private, but the only way to tell an XLA-compiled function before XLA fails on py_function
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 except ImportError:  # pragma: no cover - a TensorFlow without it: XLA reports the problem itself
@@ -31,7 +33,9 @@ def run(
     out_shapes: Sequence[tf.TensorShape],
     what: str,
 ) -> list[tf.Tensor]:
-    """``kernel(inputs)`` on eager tensors: now, or, while a graph is being built, each time it runs."""
+    """``kernel(inputs)`` on eager tensors: now, or, while a graph is being built, each time it runs.
+    Its errors are raised as Horovod's TensorFlow ops raise them (see errors.py)."""
+    kernel = _horovod_errors(kernel)
     if tf.executing_eagerly():
         return list(kernel(list(inputs)))
     graph = tf.compat.v1.get_default_graph()
@@ -58,3 +62,16 @@ def run(
         output.set_shape(shape)
     _last_node[graph] = outputs[0].op if outputs else None
     return outputs
+
+
+def _horovod_errors(kernel: Kernel) -> Kernel:
+    def translated(inputs: list[tf.Tensor]) -> list[tf.Tensor]:
+        try:
+            return kernel(inputs)
+        except Exception as exc:  # noqa: BLE001 - re-raised, as the type Horovod raises where it has one
+            translated_exc = as_tensorflow_error(exc)
+            if translated_exc is exc:
+                raise
+            raise translated_exc from exc
+
+    return translated

@@ -1,4 +1,5 @@
-"""Broadcasting variables (a model's weights, an optimizer's slots) from one rank to all."""
+"""Broadcasting variables (a model's weights, an optimizer's slots) from one rank to all: all at once
+(``broadcast_variables``), in place returning their values (``broadcast_``), or a TF1 graph's globals."""
 
 from __future__ import annotations
 
@@ -9,6 +10,26 @@ import tensorflow as tf
 from hvdray.collective import ops as _c
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.convert import as_tensor
+
+
+def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None, process_set: Any = None) -> list[tf.Tensor]:
+    """Assign root's value to every variable in ``variables``, in place; returns their new values."""
+    variables = list(variables) if isinstance(variables, Iterable) and not isinstance(variables, (str, bytes)) else variables
+    assign = broadcast_variables(variables, root_rank, process_set=process_set, name=name)
+    with tf.control_dependencies([assign] if assign is not None else []):
+        return [var.read_value() for var in variables]
+
+
+def broadcast_global_variables(root_rank: int) -> tf.Operation:
+    """Broadcast every global variable of the TensorFlow 1 graph being built (``tf.compat.v1``); in eager
+    mode there are none, and Horovod's ``RuntimeError`` says what to call instead."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution; use "
+            "hvd.broadcast_variables(model.variables + optimizer.variables, root_rank) instead"
+        )
+    assign = broadcast_variables(tf.compat.v1.global_variables(), root_rank, name="broadcast_global_variables")
+    return assign if assign is not None else tf.no_op(name="broadcast_global_variables")
 
 
 def broadcast_variables(

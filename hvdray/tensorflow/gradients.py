@@ -71,12 +71,14 @@ class GradientReducer:
             )
             for i, value in zip(members, reduced):
                 out[i] = value
-        for i, g in enumerate(grads):
-            if isinstance(g, tf.IndexedSlices):
-                out[i] = _ops.allreduce(
-                    g, op=self.op, prescale_factor=self.prescale, postscale_factor=self.postscale,
-                    name=f"{self.name}.sparse.{i}", process_set=self.process_set,
-                )
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            _ops.check_sparse(self.op, 1.0, 1.0)
+            reduced = _ops.sparse_allreduce(
+                [grads[i] for i in sparse], self.op, self.prescale * self.postscale, self.name, self.process_set
+            )
+            for i, value in zip(sparse, reduced):
+                out[i] = value
         return out
 
 
