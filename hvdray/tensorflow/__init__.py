@@ -10,8 +10,9 @@ from hvdray.tensorflow import elastic
 from hvdray.tensorflow.compression import Compression
 from hvdray.tensorflow.errors import TensorMismatchError
 from hvdray.tensorflow.functions import broadcast_, broadcast_global_variables, broadcast_variables
-from hvdray.tensorflow.gradients import DistributedGradientTape
+from hvdray.tensorflow.gradients import DistributedGradientTape, PartialDistributedGradientTape
 from hvdray.tensorflow.job_ops import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
+from hvdray.tensorflow.sync_batch_norm import SyncBatchNormalization
 from hvdray.tensorflow.ops import *  # noqa: F401,F403 - every op in its blocking form, and the reduce ops
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -17,7 +17,7 @@ from hvdray.tensorflow.compression import Compression
 from hvdray.tensorflow.errors import TensorMismatchError
 from hvdray.tensorflow.functions import broadcast_global_variables, broadcast_variables
 from hvdray.tensorflow.keras import callbacks, elastic
-from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
+from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from hvdray.tensorflow.ops import Adasum, Average, Max, Min, Product, Sum, allgather_object, broadcast_object
 
 
