@@ -3,13 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import tensorflow as tf
 
 from hvdray.collective import ops as _c
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.convert import as_tensor
+
+
+def broadcast_object_fn(
+    root_rank: int = 0, session: Any = None, name: Optional[str] = None, process_set: Any = None
+) -> Callable[[Any], Any]:
+    """A function that broadcasts a picklable object from ``root_rank`` each time it is called (Horovod's
+    TensorFlow 1 helper; here each call is one :func:`broadcast_object`, in eager mode)."""
+    _ops.check_session(session)
+    ps = _ops.check_common(process_set=process_set)
+    _c.check_root(root_rank, ps)
+    base = _c.check_name(name, "op") if name is not None else "broadcast_object_fn"
+
+    def broadcast(obj: Any) -> Any:
+        return _ops.broadcast_object(obj, root_rank, name=base, process_set=ps)
+
+    return broadcast
 
 
 def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None, process_set: Any = None) -> list[tf.Tensor]:

@@ -468,7 +468,7 @@ def join() -> tf.Tensor:
     return _no_input_op(_c.join, "join")
 
 
-def _check_session(session: Any) -> None:
+def check_session(session: Any) -> None:
     if session is not None:
         raise ValueError("session: TensorFlow 1 sessions are not supported; call this in eager mode")
 
@@ -476,13 +476,13 @@ def _check_session(session: Any) -> None:
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
                      process_set: Any = None) -> Any:
     """Root's picklable ``obj`` on every rank (pickled and authenticated with the job's secret)."""
-    _check_session(session)
+    check_session(session)
     ps = check_common(process_set=process_set)
     return _c.broadcast_object(obj, root_rank, name, process_set=ps)
 
 
 def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
-    _check_session(session)
+    check_session(session)
     ps = check_common(process_set=process_set)
     return _c.allgather_object(obj, name, process_set=ps)

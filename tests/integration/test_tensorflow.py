@@ -866,3 +866,122 @@ def test_horovod_tensorflow_names_and_semantics(ex):
             assert kinds[key][:4] == (False, True, False, True), (key, kinds[key])
         assert "tf.mismatch.shape" in kinds["shape"][4] and "splits" in kinds["splits"][4]
         np.testing.assert_array_equal(o["after_errors"], [float(SIZE)])
+
+
+def _horovod_training() -> dict:
+    tf, keras, hk = _setup_keras()
+    import hvdray.tensorflow as hvd
+
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    # PartialDistributedGradientTape: the local layer's gradients stay this rank's (divided by size)
+    keras.utils.set_random_seed(3)
+    shared, local = keras.layers.Dense(2, dtype="float64"), keras.layers.Dense(1, dtype="float64")
+    x = tf.constant(_make("pt.x", r, "float64", (4, 3)))
+    shared.build((None, 3))
+    local.build((None, 2))
+    variables = shared.trainable_weights + local.trainable_weights
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(local(shared(x)) ** 2)
+    plain = [g.numpy() for g in tape.gradient(loss, variables)]
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=local)
+    out["partial_tape"] = (plain, [g.numpy() for g in tape.gradient(loss, variables)])
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, variables)
+    out["local_and_global"] = (len(local_pairs), len(global_pairs))
+    # SyncBatchNormalization: the statistics of every rank's batch together
+    xb = tf.constant(_make("sbn", r, "float32", (4, 3)))
+    sync_bn, bn = hvd.SyncBatchNormalization(axis=1, momentum=0.5), keras.layers.BatchNormalization(axis=1, momentum=0.5)
+    whole = hvd.allgather(xb)
+    out["sync_bn"] = (sync_bn(xb, training=True).numpy(), bn(whole, training=True).numpy()[4 * r : 4 * r + 4],
+                      sync_bn.moving_mean.numpy(), bn.moving_mean.numpy(), sync_bn.moving_variance.numpy(),
+                      bn.moving_variance.numpy())
+    # Keras backward_passes_per_step: every 2nd step applies the sum (or mean) of 2 steps' averaged gradients
+    for average in (False, True):
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                      average_aggregated_gradients=average)
+        var = keras.Variable([0.0])
+        seen = []
+        for _ in range(4):
+            opt.apply([tf.constant([float(r + 1)])], [var])
+            seen.append(float(var.numpy()[0]))
+        out[f"passes.{average}"] = seen
+    # register_local_var / PartialDistributedOptimizer: those variables' gradients are not reduced
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    own, common = keras.Variable([0.0]), keras.Variable([0.0])
+    opt.register_local_var(own)
+    opt.apply([tf.constant([float(r + 1)]), tf.constant([float(r + 1)])], [own, common])
+    out["local_var"] = (float(own.numpy()[0]), float(common.numpy()[0]))
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    layer.build((None, 1))
+    popt = hk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[layer])
+    other = keras.Variable([0.0])
+    popt.apply([tf.constant([[float(r + 1)]]), tf.constant([float(r + 1)])], [layer.kernel, other])
+    out["partial_optimizer"] = (float(layer.kernel.numpy()[0, 0]), float(other.numpy()[0]))
+    # BroadcastGlobalVariablesCallback(local_variables=...): those keep each rank's own values
+    model = _model(keras, 100 + r)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse", jit_compile=False)
+    kept = model.layers[0].kernel
+    before = [w.numpy() for w in model.weights]
+    callback = hk.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[kept])
+    callback.set_model(model)
+    callback.on_train_begin()
+    out["callback_local"] = (before, [w.numpy() for w in model.weights], [w.path for w in model.weights], kept.path)
+    # TensorFlow 1 DistributedOptimizer in a graph: reduced gradients; backward_passes_per_step=4
+    with tf.Graph().as_default():
+        class Constant(tf.compat.v1.train.Optimizer):
+            def __init__(self):
+                super().__init__(use_locking=False, name="constant")
+                self.variable = tf.Variable([0.0])
+
+            def compute_gradients(self, *args, **kwargs):
+                return [(tf.constant([float(r + 1)]), self.variable)]
+
+            def _resource_apply_dense(self, grad, var, apply_state=None):
+                return var.assign_add(grad)
+
+        opt = hvd.DistributedOptimizer(Constant(), backward_passes_per_step=4, average_aggregated_gradients=True)
+        step = tf.compat.v1.get_variable("step", initializer=tf.constant(0, tf.int64), trainable=False)
+        update = opt.apply_gradients(opt.compute_gradients(), global_step=step)
+        w = tf.compat.v1.Variable([1.0, 2.0])
+        sgd = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        train = sgd.apply_gradients(sgd.compute_gradients(tf.reduce_sum(w * float(r + 1)), var_list=[w]))
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(), tf.compat.v1.local_variables_initializer()])
+            values = []
+            for _ in range(8):
+                sess.run(update)
+                values.append(float(sess.run(opt._optimizer.variable)[0]))
+            sess.run(train)
+            out["tf1"] = (values, int(sess.run(step)), sess.run(w).tolist())
+    return out
+
+
+def test_horovod_training_names(ex):
+    res = ex.run(_horovod_training)
+    mean = (1.0 + 2.0) / SIZE  # the ranks' gradients are rank + 1
+    for r, o in enumerate(res):
+        plain, partial = o["partial_tape"]
+        for i in range(2):  # the shared layer's kernel and bias: averaged over the ranks
+            want = sum(res[k]["partial_tape"][0][i] for k in range(SIZE)) / SIZE
+            np.testing.assert_allclose(partial[i], want, rtol=1e-12, err_msg=f"shared {i}")
+        for i in range(2, 4):  # the local layer's: this rank's own, divided by size (Horovod's scale_local_gradients)
+            np.testing.assert_allclose(partial[i], plain[i] / SIZE, rtol=1e-12, err_msg=f"local {i}")
+        assert not np.allclose(res[0]["partial_tape"][0][2], res[1]["partial_tape"][0][2])
+        assert o["local_and_global"] == (2, 2)
+        out, want, mm, want_mm, mv, want_mv = o["sync_bn"]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(mm, want_mm, rtol=1e-5, atol=1e-6)
+        # Keras' own BN uses the unbiased batch variance for its moving variance only if told; both divide by N
+        np.testing.assert_allclose(mv, want_mv, rtol=1e-4, atol=1e-5)
+        assert o["passes.False"] == [0.0, -2 * mean, -2 * mean, -4 * mean]
+        assert o["passes.True"] == [0.0, -mean, -mean, -2 * mean]
+        assert o["local_var"] == (-(r + 1) / SIZE, -mean)
+        assert o["partial_optimizer"] == (-(r + 1) / SIZE, -mean)
+        before, after, paths, kept = o["callback_local"]
+        for i, path in enumerate(paths):
+            want = before[i] if path == kept else res[0]["callback_local"][0][i]
+            np.testing.assert_array_equal(after[i], want, err_msg=path)
+        assert not np.array_equal(res[0]["callback_local"][1][0], res[1]["callback_local"][1][0])
+        values, steps, w = o["tf1"]
+        assert values == [0.0, 0.0, 0.0, mean, mean, mean, mean, 2 * mean] and steps == 8
+        assert w == [1.0 - mean, 2.0 - mean]
