@@ -164,12 +164,16 @@ def load_model(
     custom_optimizers: Optional[list[type]] = None,
     custom_objects: Optional[dict[str, Any]] = None,
     compression: Any = Compression.none,
+    legacy_opts: bool = False,
 ) -> keras.Model:
     """Load a model saved with a ``DistributedOptimizer``; its optimizer (state included) comes back distributed.
 
-    Keras' own optimizers are known; pass the classes of others as ``custom_optimizers``.
+    Keras' own optimizers are known; pass the classes of others as ``custom_optimizers``. Horovod's
+    ``legacy_opts`` (Keras 2's legacy optimizers) must stay False: Keras 3 has none.
     """
     check_common(compression)
+    if legacy_opts is not False:
+        raise ValueError("legacy_opts=True: Keras 3 has no legacy optimizers; save and load with Keras 3 optimizers")
     if custom_optimizers is not None and (
         not isinstance(custom_optimizers, (list, tuple))
         or not all(isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer) for c in custom_optimizers)
