@@ -3,14 +3,18 @@
 Inside ``tf.function`` (Keras' compiled train step included) the collective becomes a
 ``tf.py_function`` node with its static output shapes restored, so that Keras can keep compiling
 around it. Every rank must reach its collectives in the same order, but a graph's executor may run
-independent nodes in any order; so each graph chains its hvdray nodes with control dependencies in
-the order they were created, which is the program's order and the same on every rank.
+independent nodes in any order; so each function graph chains its hvdray nodes with control
+dependencies in the order they were created, which is the program's order and the same on every rank.
+
+A TensorFlow 1 graph, run piecewise by ``Session.run``, is not chained (running one node would run
+every earlier collective again); its unnamed collectives are named when the graph is built, from the
+graph's unique node names (the same on every rank that builds the same graph), as Horovod names them.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -24,6 +28,18 @@ except ImportError:  # pragma: no cover - a TensorFlow without it: XLA reports t
 Kernel = Callable[[list[tf.Tensor]], list[tf.Tensor]]
 
 _last_node: "weakref.WeakKeyDictionary[tf.Graph, tf.Operation]" = weakref.WeakKeyDictionary()
+
+
+def session_graph() -> bool:
+    """True while a TensorFlow 1 graph (run by a ``Session``, not a ``tf.function``) is being built."""
+    return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
+
+
+def build_name(name: Optional[str], what: str) -> Optional[str]:
+    """``name``; for an unnamed collective in a TensorFlow 1 graph, a name fixed when the graph is built."""
+    if name is None and session_graph():
+        return tf.compat.v1.get_default_graph().unique_name(f"hvdray.{what}")
+    return name
 
 
 def run(
@@ -54,13 +70,14 @@ def run(
                 raise ValueError(f"hvdray {what}: output {i} has shape {result.shape}, the graph expects {shape}")
         return results
 
-    previous = _last_node.get(graph)
+    previous = _last_node.get(graph) if graph.building_function else None
     with tf.control_dependencies([previous] if previous is not None else []):
         outputs = tf.py_function(node, list(inputs), list(out_dtypes), name=f"Hvdray{what.title().replace('_', '')}")
     outputs = list(outputs)
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
-    _last_node[graph] = outputs[0].op if outputs else None
+    if graph.building_function:
+        _last_node[graph] = outputs[0].op if outputs else None
     return outputs
 
 

@@ -80,6 +80,7 @@ class GradientReducer:
         """Keep ``variable``'s gradient on this rank: it is never reduced across ranks."""
         self.local[variable_key(variable, argument)] = variable
 
+    @tf.autograph.experimental.do_not_convert  # plain Python over lists: autograph would rewrite its returns
     def __call__(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> list[Any]:
         """``grads`` reduced across ranks; ``variables`` (in the same order) place them in their groups."""
         grads = list(grads)
@@ -154,6 +155,7 @@ class _DistributedTape:
         """Keep ``source``'s gradient on this rank: it is never reduced across ranks."""
         self._hvd_reduce.register_local(source, "source")
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(  # type: ignore[override]
         self,
         target: Any,

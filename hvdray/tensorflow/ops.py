@@ -104,6 +104,7 @@ def _differentiable(
 
 # -- allreduce -----------------------------------------------------------------------------------
 def _allreduce_raw(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet) -> tf.Tensor:
+    name = bridge.build_name(name, "allreduce")
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         return [to_tf(_c.synchronize(_c.allreduce_async(to_torch(xs[0]), name, op, pre, post, process_set=ps)))]
 
@@ -187,6 +188,8 @@ def sparse_allreduce(
 def _grouped_allreduce_raw(
     xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet
 ) -> list[tf.Tensor]:
+    name = bridge.build_name(name, "grouped_allreduce")
+
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         reduced = _c.synchronize(_c.grouped_allreduce_async([to_torch(x) for x in eager], name, op, pre, post, process_set=ps))
         return [to_tf(r) for r in reduced]
@@ -248,6 +251,7 @@ def grouped_allreduce(
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
 def _allgather_raw(xs: list[tf.Tensor], name: Optional[str], ps: ProcessSet) -> list[tf.Tensor]:
     """One allgather (one tensor) or a grouped one, as one node in a graph."""
+    name = bridge.build_name(name, "allgather")
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         if len(eager) == 1:
@@ -299,6 +303,7 @@ def broadcast_tensors(
 ) -> list[tf.Tensor]:
     """Root's values of ``xs`` on every rank, in one exchange (one node in a graph) and without a gradient:
     :func:`broadcast` and ``broadcast_variables`` run on it. ``ps`` is a checked process set."""
+    names = [bridge.build_name(n, "broadcast") for n in names]
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         handles = [_c.broadcast_async(to_torch(x), root_rank, n, process_set=ps) for x, n in zip(eager, names)]
@@ -327,6 +332,8 @@ def broadcast(
 def _alltoall_raw(
     x: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str], ps: ProcessSet
 ) -> list[tf.Tensor]:
+    name = bridge.build_name(name, "alltoall")
+
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         split_list = [int(s) for s in np.asarray(xs[1]).reshape(-1)] if splits is not None else None
         output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name, ps))
@@ -378,6 +385,7 @@ def _reducescatter_raw(
     xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet
 ) -> list[tf.Tensor]:
     """One reducescatter (one tensor) or a grouped one, as one node in a graph."""
+    name = bridge.build_name(name, "reducescatter")
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         if len(eager) == 1:
