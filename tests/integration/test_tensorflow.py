@@ -573,7 +573,9 @@ def _tapes() -> dict:
     out["errors"] = {
         "not_optimizer": _error(lambda: hvd.DistributedOptimizer(object())),
         "twice": _error(lambda: hvd.DistributedOptimizer(opt)),
-        "passes": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)),
+        "passes": _error(lambda: hvd.DistributedOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=3), backward_passes_per_step=2)),
+        "passes_zero": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)),
         "op": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Max)),
         "predivide_sum": _error(
             lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum, gradient_predivide_factor=2.0)
@@ -627,6 +629,7 @@ def test_distributed_gradient_tape_averages_every_ranks_gradients(ex):
             "not_optimizer": ("TypeError", "optimizer"),
             "twice": ("ValueError", "already"),
             "passes": ("ValueError", "gradient_accumulation_steps"),
+            "passes_zero": ("ValueError", "backward_passes_per_step"),
             "op": ("ValueError", "op="),
             "predivide_sum": ("ValueError", "gradient_predivide_factor"),
             "tape_twice": ("ValueError", "already"),
