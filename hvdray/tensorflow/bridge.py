@@ -5,10 +5,14 @@ Inside ``tf.function`` (Keras' compiled train step included) the collective beco
 around it. Every rank must reach its collectives in the same order, but a graph's executor may run
 independent nodes in any order; so each function graph chains its hvdray nodes with control
 dependencies in the order they were created, which is the program's order and the same on every rank.
+(A ``py_function`` holds one of the executor's threads until its collective completes; without the
+chain, ranks running several collectives at once in different orders could hold every thread and wait
+for each other forever.)
 
-A TensorFlow 1 graph, run piecewise by ``Session.run``, is not chained (running one node would run
-every earlier collective again); its unnamed collectives are named when the graph is built, from the
-graph's unique node names (the same on every rank that builds the same graph), as Horovod names them.
+A TensorFlow 1 graph, run piecewise by ``Session.run``, is chained too, so running one node runs the
+collectives created before it again (the cost of a synchronous ``py_function``); its unnamed
+collectives are named when the graph is built, from the graph's unique node names (the same on every
+rank that builds the same graph), as Horovod names them, so those reruns always match across ranks.
 """
 
 from __future__ import annotations
@@ -70,14 +74,13 @@ def run(
                 raise ValueError(f"hvdray {what}: output {i} has shape {result.shape}, the graph expects {shape}")
         return results
 
-    previous = _last_node.get(graph) if graph.building_function else None
+    previous = _last_node.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
         outputs = tf.py_function(node, list(inputs), list(out_dtypes), name=f"Hvdray{what.title().replace('_', '')}")
     outputs = list(outputs)
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
-    if graph.building_function:
-        _last_node[graph] = outputs[0].op if outputs else None
+    _last_node[graph] = outputs[0].op if outputs else None
     return outputs
 
 
