@@ -63,9 +63,9 @@ def broadcast_variables(
     for i, var in enumerate(variables):
         if not hasattr(var, "assign"):
             raise TypeError(f"variables[{i}] must be a tf.Variable or keras.Variable, got {type(var).__name__}")
-    _c.check_root(root_rank, ps)
-    if not variables:
+    if not variables:  # nothing to exchange: a graph may be built before hvd.init(), as in Horovod
         return None
+    _c.check_root(root_rank, ps)
     base = _c.check_name(name, "op") if name is not None else "broadcast_variables"
     values = [as_tensor(var, f"variables[{i}]") for i, var in enumerate(variables)]
     received = _ops.broadcast_tensors(values, root_rank, [f"{base}.{i}" for i in range(len(values))], ps)

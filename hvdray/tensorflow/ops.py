@@ -171,16 +171,17 @@ def sparse_allreduce(
     slices: list[tf.IndexedSlices], op: ReduceOp, scale: float, name: Optional[str], ps: ProcessSet
 ) -> list[tf.IndexedSlices]:
     """Reduce ``tf.IndexedSlices`` as Horovod does: every rank's values and indices, allgathered (in one
-    grouped allgather), values times ``scale`` (divided by the set's size for Average). ``op`` is Sum or
+    grouped allgather), values times ``scale``, then divided by the set's size for Average (TensorFlow's true
+    division: integer values become floats, as in Horovod). ``op`` is Sum or
     Average; gradient reducers pass their predivide factor as ``scale``."""
     values = [as_tensor(s.values, f"tensors[{i}].values") for i, s in enumerate(slices)]
     indices = [as_tensor(s.indices, f"tensors[{i}].indices") for i, s in enumerate(slices)]
     gathered = grouped_allgather(values + indices, name=f"{name}.sparse" if name else None, process_set=ps)
-    if op == Average:
-        scale /= ps.size()
     out = []
     for i, s in enumerate(slices):
         value = gathered[i] if scale == 1.0 else gathered[i] * tf.cast(scale, gathered[i].dtype)
+        if op == Average:  # TensorFlow's true division, as Horovod: integer values come back as floats
+            value = value / tf.cast(ps.size(), value.dtype)
         out.append(tf.IndexedSlices(value, gathered[len(slices) + i], dense_shape=s.dense_shape))
     return out
 
