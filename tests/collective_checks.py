@@ -66,7 +66,7 @@ def expected(size, dtype, n, op):
         return {"sum": np.any, "min": np.all, "max": np.any}[op](stack, axis=0)
     out = {"sum": np.sum, "average": np.sum, "min": np.min, "max": np.max, "product": np.prod}[op](stack, axis=0)
     if op == "average":
-        out = out / size if dtype.startswith(("float", "bfloat")) else np.floor_divide(out, size)
+        out = out / size if dtype.startswith(("float", "bfloat")) else np.trunc(out / size)  # toward zero, as Horovod
     return torch.from_numpy(np.asarray(out)).to(getattr(torch, dtype)).double().numpy()
 
 

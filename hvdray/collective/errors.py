@@ -16,6 +16,11 @@ class TensorMismatchError(HvdrayError, ValueError):
     """Ranks submitted the same tensor name with different shapes, dtypes, ops or arguments."""
 
 
+class UnsupportedReductionError(HvdrayError, ValueError):
+    """A reduce op the collective does not offer (reducescatter with Adasum or Product, or of bools): a
+    ``RuntimeError`` as Horovod raises it, and a ``ValueError`` as for any other bad argument."""
+
+
 class HorovodInternalError(HvdrayError):
     """The ring broke: a peer died, timed out or shut down. Elastic training catches this to reset."""
 

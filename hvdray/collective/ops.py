@@ -19,6 +19,7 @@ import torch
 from hvdray.collective import session
 from hvdray.collective.transport import GLOO_DTYPES
 from hvdray.collective.engine import Engine, Handle, Request
+from hvdray.collective.errors import UnsupportedReductionError
 from hvdray.collective.process_sets import ProcessSet, resolve
 from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc
 
@@ -435,7 +436,7 @@ def _check_reducescatter(
         raise ValueError(f"{_label(name)} is a scalar; reducescatter needs at least one dimension")
     if op in (Product, Adasum) or tensor.dtype == torch.bool:
         label = f"reducescatter {name!r}" if name else "reducescatter"
-        raise ValueError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
+        raise UnsupportedReductionError(f"{label}: op {op.name.lower()} on {tensor.dtype} is not supported")
     return check_scale(prescale_factor, "prescale_factor", tensor), check_scale(postscale_factor, "postscale_factor", tensor)
 
 

@@ -77,9 +77,6 @@ OPS: dict[str, OpSpec] = {
     )
 }
 
-#: ops the TensorFlow frontend does not offer yet (issue #21)
-NOT_IN_TENSORFLOW = ("grouped_allgather", "grouped_reducescatter")
-
 #: Horovod's names of the reduce ops (``hvd.Average`` ...), as every frontend exports them.
 REDUCE_OPS: tuple[str, ...] = tuple(op.name.title() for op in ReduceOp)
 

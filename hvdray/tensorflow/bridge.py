@@ -3,16 +3,26 @@
 Inside ``tf.function`` (Keras' compiled train step included) the collective becomes a
 ``tf.py_function`` node with its static output shapes restored, so that Keras can keep compiling
 around it. Every rank must reach its collectives in the same order, but a graph's executor may run
-independent nodes in any order; so each graph chains its hvdray nodes with control dependencies in
-the order they were created, which is the program's order and the same on every rank.
+independent nodes in any order; so each function graph chains its hvdray nodes with control
+dependencies in the order they were created, which is the program's order and the same on every rank.
+(A ``py_function`` holds one of the executor's threads until its collective completes; without the
+chain, ranks running several collectives at once in different orders could hold every thread and wait
+for each other forever.)
+
+A TensorFlow 1 graph, run piecewise by ``Session.run``, is chained too, so running one node runs the
+collectives created before it again (the cost of a synchronous ``py_function``); its unnamed
+collectives are named when the graph is built, from the graph's unique node names (the same on every
+rank that builds the same graph), as Horovod names them, so those reruns always match across ranks.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
+
+from hvdray.tensorflow.errors import as_tensorflow_error
 
 try:  # private, but the only way to tell an XLA-compiled function before XLA fails on py_function
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
@@ -24,6 +34,18 @@ Kernel = Callable[[list[tf.Tensor]], list[tf.Tensor]]
 _last_node: "weakref.WeakKeyDictionary[tf.Graph, tf.Operation]" = weakref.WeakKeyDictionary()
 
 
+def session_graph() -> bool:
+    """True while a TensorFlow 1 graph (run by a ``Session``, not a ``tf.function``) is being built."""
+    return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
+
+
+def build_name(name: Optional[str], what: str) -> Optional[str]:
+    """``name``; for an unnamed collective in a TensorFlow 1 graph, a name fixed when the graph is built."""
+    if name is None and session_graph():
+        return tf.compat.v1.get_default_graph().unique_name(f"hvdray.{what}")
+    return name
+
+
 def run(
     kernel: Kernel,
     inputs: Sequence[tf.Tensor],
@@ -31,7 +53,9 @@ def run(
     out_shapes: Sequence[tf.TensorShape],
     what: str,
 ) -> list[tf.Tensor]:
-    """``kernel(inputs)`` on eager tensors: now, or, while a graph is being built, each time it runs."""
+    """``kernel(inputs)`` on eager tensors: now, or, while a graph is being built, each time it runs.
+    Its errors are raised as Horovod's TensorFlow ops raise them (see errors.py)."""
+    kernel = _horovod_errors(kernel)
     if tf.executing_eagerly():
         return list(kernel(list(inputs)))
     graph = tf.compat.v1.get_default_graph()
@@ -58,3 +82,16 @@ def run(
         output.set_shape(shape)
     _last_node[graph] = outputs[0].op if outputs else None
     return outputs
+
+
+def _horovod_errors(kernel: Kernel) -> Kernel:
+    def translated(inputs: list[tf.Tensor]) -> list[tf.Tensor]:
+        try:
+            return kernel(inputs)
+        except Exception as exc:  # noqa: BLE001 - re-raised, as the type Horovod raises where it has one
+            translated_exc = as_tensorflow_error(exc)
+            if translated_exc is exc:
+                raise
+            raise translated_exc from exc
+
+    return translated

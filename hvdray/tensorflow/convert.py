@@ -13,7 +13,9 @@ import tensorflow as tf
 import torch
 from torch.utils import dlpack as _torch_dlpack
 
-#: TensorFlow dtypes the engine can move and reduce (torch's Gloo set), with their torch twins.
+#: TensorFlow dtypes the engine can move (Horovod's TensorFlow set), with their torch twins; the reducing ops
+#: further need one that Gloo reduces (every one here but int16 and uint16, which allgather, broadcast and
+#: alltoall move as bytes).
 TORCH_DTYPES: dict[tf.DType, torch.dtype] = {
     tf.float16: torch.float16,
     tf.bfloat16: torch.bfloat16,
@@ -21,6 +23,8 @@ TORCH_DTYPES: dict[tf.DType, torch.dtype] = {
     tf.float64: torch.float64,
     tf.uint8: torch.uint8,
     tf.int8: torch.int8,
+    tf.uint16: torch.uint16,
+    tf.int16: torch.int16,
     tf.int32: torch.int32,
     tf.int64: torch.int64,
     tf.bool: torch.bool,
@@ -42,7 +46,7 @@ def check_dtype(dtype: tf.DType, argument: str = "tensor") -> None:
     if dtype not in TORCH_DTYPES:
         supported = ", ".join(d.name for d in TORCH_DTYPES)
         raise ValueError(
-            f"{argument} has dtype {dtype.name}, which hvdray cannot reduce over Gloo; supported: {supported}"
+            f"{argument} has dtype {dtype.name}, which hvdray cannot move; supported: {supported}"
         )
 
 

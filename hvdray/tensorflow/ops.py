@@ -18,15 +18,15 @@ import torch
 from hvdray.collective import ops as _c
 from hvdray.collective import surface
 from hvdray.collective.basics import rank
-from hvdray.collective.compression import Compression
 from hvdray.collective.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - re-exported
 from hvdray.collective.process_sets import ProcessSet, global_process_set, resolve
 from hvdray.tensorflow import bridge
+from hvdray.tensorflow.compression import Compression, for_tensorflow
 from hvdray.tensorflow.convert import as_tensor, to_tf, to_torch, torch_dtype
 
 #: every op of the surface in its blocking form (the only one a TensorFlow graph can hold), and the reduce ops
 __all__ = [
-    *surface.names(surface.BLOCKING_ONLY, [op for op in surface.OPS if op not in surface.NOT_IN_TENSORFLOW]),
+    *surface.names(surface.BLOCKING_ONLY),
     *surface.REDUCE_OPS, "ReduceOp",
 ]
 
@@ -43,8 +43,7 @@ def check_common(
     ps = global_process_set if process_set is None else process_set
     if ps is not global_process_set:
         resolve(ps, "process_set")
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise TypeError(f"compression must be one of hvd.Compression.none/.fp16/.bf16, got {compression!r}")
+    for_tensorflow(compression)
     for argument, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
         if not isinstance(value, str):  # accepted for Horovod; the engine reduces on the host either way
             raise TypeError(f"{argument} must be a device string, got {type(value).__name__}")
@@ -104,14 +103,10 @@ def _differentiable(
 
 
 # -- allreduce -----------------------------------------------------------------------------------
-def _allreduce_raw(
-    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-    compression: Any = Compression.none,
-) -> tf.Tensor:
+def _allreduce_raw(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet) -> tf.Tensor:
+    name = bridge.build_name(name, "allreduce")
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        wire, ctx = compression.compress(to_torch(xs[0]))
-        reduced = _c.synchronize(_c.allreduce_async(wire, name, op, pre, post, process_set=ps))
-        return [to_tf(compression.decompress(reduced, ctx))]
+        return [to_tf(_c.synchronize(_c.allreduce_async(to_torch(xs[0]), name, op, pre, post, process_set=ps)))]
 
     return bridge.run(kernel, [x], [x.dtype], [x.shape], "allreduce")[0]
 
@@ -136,51 +131,69 @@ def allreduce(
 ) -> Any:
     """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise); differentiable.
 
-    A ``tf.IndexedSlices`` is reduced as Horovod does: its values and indices are allgathered.
+    A ``tf.IndexedSlices`` is reduced as Horovod does: its values and indices are allgathered (Sum and
+    Average only, without pre/postscale factors: ``NotImplementedError``, as Horovod).
     """
     ps = check_common(compression, process_set, device_dense, device_sparse)
     reduce_op = _c.resolve_op(op, average)
     name = _check_name(name)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name, ps)
+        check_sparse(reduce_op, prescale_factor, postscale_factor)
+        return sparse_allreduce([tensor], reduce_op, 1.0, name, ps)[0]
     x = as_tensor(tensor)
     pre, post = _check_allreduce(x, name, reduce_op, prescale_factor, postscale_factor)
 
     def backward(xs, ys, dys):
         return [_allreduce_raw(dys[0], None, _gradient_op(reduce_op, "allreduce"), pre, post, ps)]
 
-    forward = lambda xs: [_allreduce_raw(xs[0], name, reduce_op, pre, post, ps, compression)]  # noqa: E731
+    compressor = for_tensorflow(compression)
+
+    def forward(xs):
+        wire, ctx = compressor.compress(xs[0])
+        return [compressor.decompress(_allreduce_raw(wire, name, reduce_op, pre, post, ps), ctx)]
+
     return _differentiable(forward, backward, [x])[0]
 
 
-def _allreduce_sparse(
-    slices: tf.IndexedSlices, op: ReduceOp, prescale_factor: Any, postscale_factor: Any, name: Optional[str],
-    ps: ProcessSet,
-) -> tf.IndexedSlices:
+def check_sparse(op: ReduceOp, prescale_factor: Any, postscale_factor: Any) -> None:
+    """Horovod's limits on reducing ``tf.IndexedSlices``, raised as Horovod raises them."""
+    if op == Adasum:
+        raise NotImplementedError(
+            "op=hvd.Adasum does not support tf.IndexedSlices; pass sparse_as_dense=True to reduce them densely"
+        )
     if op not in (Average, Sum):
-        raise ValueError(f"allreduce of tf.IndexedSlices supports op=hvd.Average or hvd.Sum, got {op.name.lower()}")
-    values = as_tensor(slices.values, "tensor.values")
-    scale = _check_scale(prescale_factor, "prescale_factor", values) * _check_scale(
-        postscale_factor, "postscale_factor", values
-    )
-    if op == Average:
-        scale /= ps.size()
-    gathered = allgather(values, name=f"{name}.values" if name else None, process_set=ps)
-    indices = allgather(slices.indices, name=f"{name}.indices" if name else None, process_set=ps)
-    if scale != 1.0:
-        gathered = gathered * tf.cast(scale, gathered.dtype)
-    return tf.IndexedSlices(gathered, indices, dense_shape=slices.dense_shape)
+        raise NotImplementedError(f"tf.IndexedSlices support only op=hvd.Sum or hvd.Average, got {op.name.lower()}")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
+
+
+def sparse_allreduce(
+    slices: list[tf.IndexedSlices], op: ReduceOp, scale: float, name: Optional[str], ps: ProcessSet
+) -> list[tf.IndexedSlices]:
+    """Reduce ``tf.IndexedSlices`` as Horovod does: every rank's values and indices, allgathered (in one
+    grouped allgather), values times ``scale``, then divided by the set's size for Average (TensorFlow's true
+    division: integer values become floats, as in Horovod). ``op`` is Sum or
+    Average; gradient reducers pass their predivide factor as ``scale``."""
+    values = [as_tensor(s.values, f"tensors[{i}].values") for i, s in enumerate(slices)]
+    indices = [as_tensor(s.indices, f"tensors[{i}].indices") for i, s in enumerate(slices)]
+    gathered = grouped_allgather(values + indices, name=f"{name}.sparse" if name else None, process_set=ps)
+    out = []
+    for i, s in enumerate(slices):
+        value = gathered[i] if scale == 1.0 else gathered[i] * tf.cast(scale, gathered[i].dtype)
+        if op == Average:  # TensorFlow's true division, as Horovod: integer values come back as floats
+            value = value / tf.cast(ps.size(), value.dtype)
+        out.append(tf.IndexedSlices(value, gathered[len(slices) + i], dense_shape=s.dense_shape))
+    return out
 
 
 def _grouped_allreduce_raw(
-    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, compression: Any,
-    ps: ProcessSet,
+    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet
 ) -> list[tf.Tensor]:
+    name = bridge.build_name(name, "grouped_allreduce")
+
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
-        packed = [compression.compress(to_torch(x)) for x in eager]
-        wires = [w for w, _ in packed]
-        reduced = _c.synchronize(_c.grouped_allreduce_async(wires, name, op, pre, post, process_set=ps))
-        return [to_tf(compression.decompress(r, ctx)) for r, (_, ctx) in zip(reduced, packed)]
+        reduced = _c.synchronize(_c.grouped_allreduce_async([to_torch(x) for x in eager], name, op, pre, post, process_set=ps))
+        return [to_tf(r) for r in reduced]
 
     return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "grouped_allreduce")
 
@@ -197,51 +210,93 @@ def grouped_allreduce(
     name: Optional[str] = None,
     process_set: Any = None,
 ) -> list[tf.Tensor]:
-    """Reduce a list of tensors together (fused by the engine, one py_function in a graph); differentiable."""
+    """Reduce a list of tensors together (fused by the engine, one py_function in a graph); differentiable.
+
+    ``tf.IndexedSlices`` among them are reduced as :func:`allreduce` reduces them (one grouped allgather).
+    """
     ps = check_common(compression, process_set, device_dense, device_sparse)
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ValueError("tensors must be a non-empty list of tensors")
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        return list(tensors)  # Horovod returns an empty list as it is
     reduce_op = _c.resolve_op(op, average)
     name = _check_name(name)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out: list[Any] = [None] * len(tensors)
+    if sparse:
+        check_sparse(reduce_op, prescale_factor, postscale_factor)
+        for i, reduced in zip(sparse, sparse_allreduce([tensors[i] for i in sparse], reduce_op, 1.0, name, ps)):
+            out[i] = reduced
+    if not dense:
+        return out
     xs = []
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            raise ValueError(f"tensors[{i}] is a tf.IndexedSlices; reduce it with allreduce, or convert it to dense")
-        xs.append(as_tensor(t, f"tensors[{i}]"))
+    for i in dense:
+        xs.append(as_tensor(tensors[i], f"tensors[{i}]"))
         pre, post = _check_allreduce(xs[-1], name, reduce_op, prescale_factor, postscale_factor, f"tensors[{i}]")
+    compressor = for_tensorflow(compression)
 
     def backward(xs, ys, dys):
-        grad_op = _gradient_op(reduce_op, "grouped_allreduce")
-        return _grouped_allreduce_raw(dys, None, grad_op, pre, post, Compression.none, ps)
+        return _grouped_allreduce_raw(dys, None, _gradient_op(reduce_op, "grouped_allreduce"), pre, post, ps)
 
-    forward = lambda xs: _grouped_allreduce_raw(xs, name, reduce_op, pre, post, compression, ps)  # noqa: E731
-    return _differentiable(forward, backward, xs)
+    def forward(xs):
+        packed = [compressor.compress(x) for x in xs]
+        reduced = _grouped_allreduce_raw([w for w, _ in packed], name, reduce_op, pre, post, ps)
+        return [compressor.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
+
+    for i, reduced in zip(dense, _differentiable(forward, backward, xs)):
+        out[i] = reduced
+    return out
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------------
-def _allgather_raw(x: tf.Tensor, name: Optional[str], ps: ProcessSet) -> tf.Tensor:
-    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [to_tf(_c.synchronize(_c.allgather_async(to_torch(xs[0]), name, ps)))]
+def _allgather_raw(xs: list[tf.Tensor], name: Optional[str], ps: ProcessSet) -> list[tf.Tensor]:
+    """One allgather (one tensor) or a grouped one, as one node in a graph."""
+    name = bridge.build_name(name, "allgather")
 
-    return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "allgather")[0]
+    def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
+        if len(eager) == 1:
+            return [to_tf(_c.synchronize(_c.allgather_async(to_torch(eager[0]), name, ps)))]
+        return [to_tf(out) for out in _c.synchronize(_c.grouped_allgather_async([to_torch(x) for x in eager], name, ps))]
+
+    what = "allgather" if len(xs) == 1 else "grouped_allgather"
+    return bridge.run(kernel, xs, [x.dtype for x in xs], [_first_dim_unknown(x) for x in xs], what)
 
 
 def allgather(
     tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
 ) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
+    return _allgather([tensor], "tensor", name, process_set)[0]
+
+
+def grouped_allgather(
+    tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
+) -> list[tf.Tensor]:
+    """:func:`allgather` of each of ``tensors``, negotiated together (one node in a graph); differentiable."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        return list(tensors)  # Horovod returns an empty list as it is
+    return _allgather(tensors, "tensors", name, process_set)
+
+
+def _allgather(tensors: Sequence[Any], argument: str, name: Optional[str], process_set: Any) -> list[tf.Tensor]:
     ps = check_common(process_set=process_set)
     name = _check_name(name)
-    x = as_tensor(tensor)
-    _check_not_scalar(x, "allgather", name)
+    xs = [as_tensor(t, argument if argument == "tensor" else f"tensors[{i}]") for i, t in enumerate(tensors)]
+    for x in xs:
+        _check_not_scalar(x, "allgather", name)
 
     def backward(xs, ys, dys):
-        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0, ps)
-        rows = tf.shape(xs[0], out_type=tf.int64)[:1]
-        offset = tf.reduce_sum(_allgather_raw(rows, None, ps)[: ps.rank()])
-        return [summed[offset : offset + rows[0]]]
+        # Horovod's gradient: the upstream gradient averaged across ranks, this rank's rows of it
+        averaged = _grouped_allreduce_raw(dys, None, Average, 1.0, 1.0, ps)
+        rows = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])
+        every_rank = tf.reshape(_allgather_raw([rows], None, ps)[0], [ps.size(), len(xs)])
+        offsets = tf.reduce_sum(every_rank[: ps.rank()], axis=0)
+        return [a[offsets[i] : offsets[i] + rows[i]] for i, a in enumerate(averaged)]
 
-    return _differentiable(lambda xs: [_allgather_raw(xs[0], name, ps)], backward, [x])[0]
+    return _differentiable(lambda xs: _allgather_raw(xs, name, ps), backward, xs)
 
 
 def broadcast_tensors(
@@ -249,6 +304,7 @@ def broadcast_tensors(
 ) -> list[tf.Tensor]:
     """Root's values of ``xs`` on every rank, in one exchange (one node in a graph) and without a gradient:
     :func:`broadcast` and ``broadcast_variables`` run on it. ``ps`` is a checked process set."""
+    names = [bridge.build_name(n, "broadcast") for n in names]
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         handles = [_c.broadcast_async(to_torch(x), root_rank, n, process_set=ps) for x, n in zip(eager, names)]
@@ -260,15 +316,16 @@ def broadcast_tensors(
 def broadcast(
     tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False, process_set: Any = None
 ) -> tf.Tensor:
-    """Root's ``tensor`` on every rank; differentiable (the gradient reaches root only)."""
+    """Root's ``tensor`` on every rank; differentiable (as Horovod's: the upstream gradient averaged across
+    ranks reaches root, the others get zeros)."""
     ps = check_common(process_set=process_set)
     name = _check_name(name)
     x = as_tensor(tensor)
     _c.check_root(root_rank, ps)
 
     def backward(xs, ys, dys):
-        summed = _allreduce_raw(dys[0], None, Sum, 1.0, 1.0, ps)
-        return [summed if rank() == root_rank else tf.zeros_like(summed)]
+        averaged = _allreduce_raw(dys[0], None, Average, 1.0, 1.0, ps)
+        return [averaged if rank() == root_rank else tf.zeros_like(averaged)]
 
     return _differentiable(lambda xs: broadcast_tensors(xs, root_rank, [name], ps), backward, [x])[0]
 
@@ -276,6 +333,8 @@ def broadcast(
 def _alltoall_raw(
     x: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str], ps: ProcessSet
 ) -> list[tf.Tensor]:
+    name = bridge.build_name(name, "alltoall")
+
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         split_list = [int(s) for s in np.asarray(xs[1]).reshape(-1)] if splits is not None else None
         output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name, ps))
@@ -324,15 +383,19 @@ def alltoall(
 
 
 def _reducescatter_raw(
-    x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-    compression: Any = Compression.none,
-) -> tf.Tensor:
-    def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        wire, ctx = compression.compress(to_torch(xs[0]))
-        out = _c.synchronize(_c.reducescatter_async(wire, name, op, pre, post, process_set=ps))
-        return [to_tf(compression.decompress(out, ctx))]
+    xs: list[tf.Tensor], name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet
+) -> list[tf.Tensor]:
+    """One reducescatter (one tensor) or a grouped one, as one node in a graph."""
+    name = bridge.build_name(name, "reducescatter")
 
-    return bridge.run(kernel, [x], [x.dtype], [_first_dim_unknown(x)], "reducescatter")[0]
+    def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
+        if len(eager) == 1:
+            return [to_tf(_c.synchronize(_c.reducescatter_async(to_torch(eager[0]), name, op, pre, post, process_set=ps)))]
+        handle = _c.grouped_reducescatter_async([to_torch(x) for x in eager], name, op, pre, post, process_set=ps)
+        return [to_tf(out) for out in _c.synchronize(handle)]
+
+    what = "reducescatter" if len(xs) == 1 else "grouped_reducescatter"
+    return bridge.run(kernel, xs, [x.dtype for x in xs], [_first_dim_unknown(x) for x in xs], what)
 
 
 def reducescatter(
@@ -347,21 +410,55 @@ def reducescatter(
 ) -> tf.Tensor:
     """Reduce across ranks, then keep this rank's slice of dim 0 (the first ranks get any extra row);
     differentiable for Sum and Average."""
+    return _reducescatter([tensor], "tensor", device_dense, compression, op, name, process_set, prescale_factor,
+                          postscale_factor)[0]
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: ReduceOp = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: Optional[str] = None,
+) -> list[tf.Tensor]:
+    """:func:`reducescatter` of each of ``tensors``, negotiated together (one node in a graph); differentiable."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        return list(tensors)  # Horovod returns an empty list as it is
+    return _reducescatter(tensors, "tensors", device_dense, compression, op, name, process_set, prescale_factor,
+                          postscale_factor)
+
+
+def _reducescatter(
+    tensors: Sequence[Any], argument: str, device_dense: Any, compression: Any, op: Any, name: Optional[str],
+    process_set: Any, prescale_factor: Any, postscale_factor: Any,
+) -> list[tf.Tensor]:
     ps = check_common(compression, process_set, device_dense)
     reduce_op = _c.resolve_op(op)
     name = _check_name(name)
-    x = as_tensor(tensor)
-    _check_not_scalar(x, "reducescatter", name)
-    pre = _check_scale(prescale_factor, "prescale_factor", x)
-    post = _check_scale(postscale_factor, "postscale_factor", x)
+    xs = [as_tensor(t, argument if argument == "tensor" else f"tensors[{i}]") for i, t in enumerate(tensors)]
+    for x in xs:
+        _check_not_scalar(x, "reducescatter", name)
+        pre = _check_scale(prescale_factor, "prescale_factor", x)
+        post = _check_scale(postscale_factor, "postscale_factor", x)
+    compressor = for_tensorflow(compression)
 
     def backward(xs, ys, dys):
-        scale = pre * post / (ps.size() if _gradient_op(reduce_op, "reducescatter") == Average else 1)
-        gathered = _allgather_raw(dys[0], None, ps)
-        return [gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered]
+        # Horovod's gradient: every rank's upstream gradient gathered, times size() for Sum (not for Average)
+        scale = pre * post * (ps.size() if _gradient_op(reduce_op, "reducescatter") == Sum else 1)
+        gathered = _allgather_raw(dys, None, ps)
+        return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gathered]
 
-    forward = lambda xs: [_reducescatter_raw(xs[0], name, reduce_op, pre, post, ps, compression)]  # noqa: E731
-    return _differentiable(forward, backward, [x])[0]
+    def forward(xs):
+        packed = [compressor.compress(x) for x in xs]
+        out = _reducescatter_raw([w for w, _ in packed], name, reduce_op, pre, post, ps)
+        return [compressor.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
+
+    return _differentiable(forward, backward, xs)
 
 
 # -- synchronisation and Python objects -------------------------------------------------------------
@@ -380,7 +477,7 @@ def join() -> tf.Tensor:
     return _no_input_op(_c.join, "join")
 
 
-def _check_session(session: Any) -> None:
+def check_session(session: Any) -> None:
     if session is not None:
         raise ValueError("session: TensorFlow 1 sessions are not supported; call this in eager mode")
 
@@ -388,13 +485,13 @@ def _check_session(session: Any) -> None:
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
                      process_set: Any = None) -> Any:
     """Root's picklable ``obj`` on every rank (pickled and authenticated with the job's secret)."""
-    _check_session(session)
+    check_session(session)
     ps = check_common(process_set=process_set)
     return _c.broadcast_object(obj, root_rank, name, process_set=ps)
 
 
 def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
-    _check_session(session)
+    check_session(session)
     ps = check_common(process_set=process_set)
     return _c.allgather_object(obj, name, process_set=ps)

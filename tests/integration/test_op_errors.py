@@ -260,7 +260,7 @@ EXPECTED = {
     "splits_type": ("TypeError", ["splits"]),
     "scalar_allgather": ("ValueError", ["scalar"]),
     "scalar_reducescatter": ("ValueError", ["scalar"]),
-    "rs_product": ("ValueError", ["product"]),
+    "rs_product": ("UnsupportedReductionError", ["product"]),  # a RuntimeError (Horovod's type) and a ValueError
     "name": ("ValueError", ["name"]),
     "handle": ("TypeError", ["handle"]),
     "alltoall_uneven": ("ValueError", ["divisible"]),

@@ -89,7 +89,7 @@ def _reduce(arrays, op, dtype, size, pre=1.0, post=1.0):
         stack = stack * pre
     out = {"average": np.sum, "sum": np.sum, "min": np.min, "max": np.max, "product": np.prod}[op](stack, axis=0)
     if op == "average":
-        return out / size * post if dtype in FLOATS else np.floor_divide(out, size)
+        return out / size * post if dtype in FLOATS else _trunc_divide(out, size)
     return out * post if dtype in FLOATS else out
 
 
@@ -163,8 +163,14 @@ def test_allreduce_every_op_and_dtype(ex):
             _check(got, expected, dtype, f"{key} on rank {rank}")
 
 
-def test_integer_average_floors_like_horovod(ex):
-    """Integer Average is floor division of the sum by the size (negative sums round down)."""
+def _trunc_divide(a, n):
+    """Integer division rounding toward zero (Horovod's integer Average)."""
+    a = np.asarray(a)
+    return (np.sign(a) * (np.abs(a) // n)).astype(a.dtype)
+
+
+def test_integer_average_truncates_like_horovod(ex):
+    """Integer Average is the sum divided by the size, rounded toward zero (negative sums round up)."""
     size = ex.num_workers
 
     def fn():
@@ -175,7 +181,7 @@ def test_integer_average_floors_like_horovod(ex):
     total = np.array([sum(r * 7 - 5 for r in range(size)), size, -size, size * size])
     for results in ex.run(fn):
         for got, dtype in zip(results, ("int32", "int64")):
-            _check(got, np.floor_divide(total, size), dtype, f"integer average {dtype}")
+            _check(got, _trunc_divide(total, size), dtype, f"integer average {dtype}")
 
 
 def _allreduce_forms(n):
@@ -596,7 +602,7 @@ def test_join(ex):
         out = results[last]
         _check(out["sum"], x, "float32", "allreduce Sum with joined ranks")
         _check(out["avg"], x / size, "float32", "allreduce Average with joined ranks")
-        _check(out["int"], np.floor_divide(np.array([5, -7]) * (last + 1), size), "int64", "int Average with join")
+        _check(out["int"], _trunc_divide(np.array([5, -7]) * (last + 1), size), "int64", "int Average with join")
         _check(out["grouped"][0], x, "float32", "grouped allreduce with joined ranks")
         _check(out["grouped"][1], x, "float64", "grouped allreduce with joined ranks")
 

@@ -107,7 +107,8 @@ def _error(fn) -> str:
 def _reduce(values: list, op: str, dtype: str) -> np.ndarray:
     stack = np.stack([v.astype(np.float64) if dtype in FLOATS else v.astype(np.int64) for v in values])
     if op == "average":
-        return stack.mean(0) if dtype in FLOATS else np.floor_divide(stack.sum(0), len(values))
+        total = stack.sum(0)  # an integer average rounds toward zero, as Horovod's
+        return stack.mean(0) if dtype in FLOATS else np.sign(total) * (np.abs(total) // len(values))
     return {"sum": stack.sum, "min": stack.min, "max": stack.max, "product": stack.prod}[op](0)
 
 
@@ -276,13 +277,14 @@ def test_ops_inside_tf_function_with_static_shapes_and_gradients(ex):
         ag_all = np.concatenate([xs[k][: k + 1] for k in range(SIZE)])
         rows = slice(sum(k + 1 for k in range(r)), sum(k + 1 for k in range(r + 1)))
         want = np.zeros((3, 2))
-        want[: r + 1] = SIZE * 2 * ag_all[rows]  # every rank's loss is sum(allgather**2)
+        want[: r + 1] = 2 * ag_all[rows]  # every rank's loss is sum(allgather**2); Horovod averages its gradient
         _close(g["allgather"], want, "float64", "d allgather")
-        _close(g["broadcast"], sum(cs) if r == 0 else np.zeros((3, 2)), "float64", "d broadcast")
+        _close(g["broadcast"], sum(cs) / SIZE if r == 0 else np.zeros((3, 2)), "float64", "d broadcast")
         # alltoall: rank k's loss is sum(a2a_k**2); the gradient for x_r's rows sent to k is 2 * those rows
         _close(g["alltoall"], 2 * xs[r], "float64", "d alltoall")
         rs_all = np.concatenate([total[:2], total[2:]])
-        _close(g["reducescatter"], 2 * rs_all, "float64", "d reducescatter")
+        # Horovod's gradient of a Sum reducescatter: every rank's upstream gradient gathered, times size()
+        _close(g["reducescatter"], SIZE * 2 * rs_all, "float64", "d reducescatter")
         _close(g["grouped"], sum(cs) + 2 * SIZE, "float64", "d grouped_allreduce")
 
 
@@ -304,7 +306,7 @@ def _errors() -> dict:
         "scalar_allgather": _error(lambda: hvd.allgather(tf.constant(1.0))),
         "splits_length": _error(lambda: hvd.alltoall(x, splits=[1, 0, 1])),
         "splits_type": _error(lambda: hvd.alltoall(x, splits=[0.5, 1.5])),
-        "grouped_empty": _error(lambda: hvd.grouped_allreduce([])),
+        "grouped_not_list": _error(lambda: hvd.grouped_allreduce(x)),
         "session": _error(lambda: hvd.broadcast_object(1, session=object())),
         "variables": _error(lambda: hvd.broadcast_variables([x], root_rank=0)),
         "tape": _error(lambda: hvd.DistributedGradientTape(object())),
@@ -333,7 +335,7 @@ def _errors() -> dict:
 def test_bad_arguments_and_mismatches_fail_clearly(ex):
     res = ex.run(_errors)
     expected = {
-        "int16": ("ValueError", "dtype int16"),
+        "int16": ("ValueError", "dtype int16"),  # moved by allgather/broadcast/alltoall, never reduced
         "string": ("ValueError", "dtype string"),
         "op": ("ValueError", "op must be"),
         "op_and_average": ("ValueError", "average="),
@@ -345,7 +347,7 @@ def test_bad_arguments_and_mismatches_fail_clearly(ex):
         "scalar_allgather": ("ValueError", "scalar"),
         "splits_length": ("ValueError", "splits"),
         "splits_type": ("TypeError", "splits"),
-        "grouped_empty": ("ValueError", "tensors"),
+        "grouped_not_list": ("TypeError", "tensors"),
         "session": ("ValueError", "session"),
         "variables": ("TypeError", "variables[0]"),
         "tape": ("TypeError", "gradtape"),
@@ -571,7 +573,9 @@ def _tapes() -> dict:
     out["errors"] = {
         "not_optimizer": _error(lambda: hvd.DistributedOptimizer(object())),
         "twice": _error(lambda: hvd.DistributedOptimizer(opt)),
-        "passes": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)),
+        "passes": _error(lambda: hvd.DistributedOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=3), backward_passes_per_step=2)),
+        "passes_zero": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)),
         "op": _error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Max)),
         "predivide_sum": _error(
             lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum, gradient_predivide_factor=2.0)
@@ -625,6 +629,7 @@ def test_distributed_gradient_tape_averages_every_ranks_gradients(ex):
             "not_optimizer": ("TypeError", "optimizer"),
             "twice": ("ValueError", "already"),
             "passes": ("ValueError", "gradient_accumulation_steps"),
+            "passes_zero": ("ValueError", "backward_passes_per_step"),
             "op": ("ValueError", "op="),
             "predivide_sum": ("ValueError", "gradient_predivide_factor"),
             "tape_twice": ("ValueError", "already"),
@@ -725,3 +730,261 @@ def test_metric_average_and_learning_rate_callbacks(ex):
         assert o["warmup"]["lr_log"][-1] == pytest.approx(0.4, rel=1e-6)
         assert o["schedule"] == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05], rel=1e-6)
         assert o["schedule_error"].startswith("ValueError:") and "learning_rate" in o["schedule_error"]
+
+
+# -- Horovod's TensorFlow names and semantics (issue #21) -----------------------------------------
+def _horovod_tensorflow() -> dict:
+    tf, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+
+    @tf.function
+    def job_facts():
+        return [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op(),
+                hvd.process_set_included_op(0), hvd.process_set_included_op(99)]
+
+    out["job_ops"] = ([int(t) for t in job_facts()], int(hvd.rank_op()), int(hvd.size_op()))
+    # grouped allgather / reducescatter: values, int16 and uint16 moved as they are, Horovod's gradients
+    parts = [_tf("gag.a", r, "float64", (r + 1, 2)), tf.constant(_make("gag.b", r, "int16", (2,)), tf.int16),
+             tf.constant(_make("gag.c", r, "uint8", (3,)).astype("uint16"), tf.uint16)]
+    out["grouped_allgather"] = [_out(t) for t in hvd.grouped_allgather(parts)]
+    out["grouped_allgather.empty"] = hvd.grouped_allgather([])
+    out["broadcast.int16"] = _out(hvd.broadcast(parts[1], root_rank=1))
+    out["alltoall.uint16"] = _out(hvd.alltoall(tf.constant([r, r + 10], tf.uint16)))
+    rs_in = [_tf("grs.a", r, "float64", (4, 2)), _tf("grs.b", r, "float32", (3,))]
+    out["grouped_reducescatter"] = [_out(t) for t in hvd.grouped_reducescatter(rs_in, op=hvd.Sum)]
+
+    @tf.function
+    def grouped_grads(a, b):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([a, b])
+            gathered = hvd.grouped_allgather([a, b])
+            scattered = hvd.grouped_reducescatter([a, b], op=hvd.Sum)
+            ag_loss = tf.reduce_sum(gathered[0] ** 2) + tf.reduce_sum(gathered[1])
+            rs_loss = tf.reduce_sum(scattered[0] ** 2) + tf.reduce_sum(scattered[1])
+        return tape.gradient(ag_loss, [a, b]), tape.gradient(rs_loss, [a, b]), gathered, scattered
+
+    a, b = _tf("gg.a", r, "float64", (2, 2)), _tf("gg.b", r, "float64", (4,))
+    ag_grads, rs_grads, gathered, scattered = grouped_grads(a, b)
+    out["grouped_grads"] = ([_out(g) for g in ag_grads], [_out(g) for g in rs_grads],
+                            [_out(t) for t in gathered], [_out(t) for t in scattered])
+    # broadcast_ writes root's values into the variables and returns them
+    v1, v2 = tf.Variable(_tf("b_.1", r, "float32", (2,))), tf.Variable(_tf("b_.2", r, "int32", (3,)))
+    returned = hvd.broadcast_([v1, v2], root_rank=1)
+    out["broadcast_"] = ([_out(t) for t in returned], v1.numpy(), v2.numpy())
+    # broadcast_global_variables: a TensorFlow 1 graph's globals; eager mode has none and says so
+    out["bgv_eager"] = _error(lambda: hvd.broadcast_global_variables(0))
+    with tf.Graph().as_default():
+        g = tf.compat.v1.Variable(tf.constant([float(r), float(r) + 0.5]))
+        bcast = hvd.broadcast_global_variables(1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(bcast)
+            out["bgv_graph"] = sess.run(g)
+    # Compression.fp16 on TensorFlow tensors: floats travel as float16, integers as they are
+    wire, ctx = hvd.Compression.fp16.compress(tf.constant([1.5, 2.5], tf.float64))
+    iwire, ictx = hvd.Compression.fp16.compress(tf.constant([3], tf.int32))
+    out["fp16"] = (wire.dtype.name, hvd.Compression.fp16.decompress(wire, ctx).dtype.name, iwire.dtype.name,
+                   hvd.Compression.fp16.decompress(iwire, ictx).dtype.name)
+    out["fp16_allreduce"] = _out(hvd.allreduce(tf.constant([1.0 + r, 3.0], tf.float64), op=hvd.Sum,
+                                               compression=hvd.Compression.fp16))
+    out["fp16_grouped"] = [_out(t) for t in hvd.grouped_allreduce(
+        [tf.constant([1.0 + r]), tf.constant([2], tf.int64)], op=hvd.Sum, compression=hvd.Compression.fp16)]
+    # IndexedSlices: alone or among dense tensors, allgathered; unsupported ops raise NotImplementedError
+    slices = tf.IndexedSlices(tf.constant([[1.0 + r, 2.0]]), tf.constant([r]), dense_shape=tf.constant([3, 2]))
+    mixed = hvd.grouped_allreduce([slices, tf.constant([2.0 * r])], op=hvd.Average)
+    out["sparse_grouped"] = (type(mixed[0]).__name__, _out(mixed[0].values), _out(mixed[0].indices), _out(mixed[1]))
+    out["sparse_errors"] = [_error(lambda: hvd.allreduce(slices, op=hvd.Max)),
+                            _error(lambda: hvd.allreduce(slices, op=hvd.Sum, prescale_factor=0.5)),
+                            _error(lambda: hvd.grouped_allreduce([slices], op=hvd.Adasum))]
+    # Horovod's exception types: a cross-rank mismatch, a bad argument found when the op runs
+    kinds = {}
+    for key, call in {
+        "shape": lambda: hvd.allreduce(tf.zeros([r + 1]), name="tf.mismatch.shape"),
+        "dtype": lambda: hvd.allgather(tf.zeros([2], tf.float32 if r else tf.float64), name="tf.mismatch.dtype"),
+        "root": lambda: hvd.broadcast(tf.zeros([2]), root_rank=r, name="tf.mismatch.root"),
+        "splits": lambda: hvd.alltoall(tf.zeros([4]), splits=tf.constant([1, 1])),
+        "uneven": lambda: hvd.alltoall(tf.zeros([3])),
+    }.items():
+        try:
+            call()
+            kinds[key] = "nothing raised"
+        except Exception as exc:  # noqa: BLE001 - the test inspects the types
+            kinds[key] = (isinstance(exc, tf.errors.FailedPreconditionError),
+                          isinstance(exc, tf.errors.InvalidArgumentError), isinstance(exc, hvd.TensorMismatchError),
+                          isinstance(exc, ValueError), str(exc))
+    out["error_types"] = kinds
+    out["after_errors"] = _out(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum))
+    return out
+
+
+def test_horovod_tensorflow_names_and_semantics(ex):
+    res = ex.run(_horovod_tensorflow)
+    for r, o in enumerate(res):
+        assert o["job_ops"] == ([r, SIZE, r, SIZE, 1, -3], r, SIZE)
+        ga = o["grouped_allgather"]
+        np.testing.assert_array_equal(ga[0], np.concatenate([_make("gag.a", k, "float64", (k + 1, 2)) for k in range(SIZE)]))
+        np.testing.assert_array_equal(ga[1], np.concatenate([_make("gag.b", k, "int16", (2,)) for k in range(SIZE)]))
+        assert ga[1].dtype == np.int16 and ga[2].dtype == np.uint16
+        np.testing.assert_array_equal(ga[2], np.concatenate([_make("gag.c", k, "uint8", (3,)) for k in range(SIZE)]))
+        assert o["grouped_allgather.empty"] == []
+        np.testing.assert_array_equal(o["broadcast.int16"], _make("gag.b", 1, "int16", (2,)))
+        assert o["alltoall.uint16"].dtype == np.uint16 and o["alltoall.uint16"].tolist() == ([0, 1] if r == 0 else [10, 11])
+        sums = [sum(_make(k, q, d, s) for q in range(SIZE)) for k, d, s in (("grs.a", "float64", (4, 2)), ("grs.b", "float32", (3,)))]
+        _close(o["grouped_reducescatter"][0], sums[0][2 * r : 2 * r + 2], "float64", "grouped reducescatter a")
+        _close(o["grouped_reducescatter"][1], sums[1][:2] if r == 0 else sums[1][2:], "float32", "grouped reducescatter b")
+        ag_grads, rs_grads, gathered, scattered = o["grouped_grads"]
+        a_all = np.concatenate([_make("gg.a", k, "float64", (2, 2)) for k in range(SIZE)])
+        # allgather: the upstream gradient (the same on every rank) averaged, this rank's rows of it
+        _close(ag_grads[0], 2 * a_all[2 * r : 2 * r + 2], "float64", "d grouped allgather a")
+        _close(ag_grads[1], np.ones(4), "float64", "d grouped allgather b")
+        # reducescatter Sum: every rank's upstream gradient gathered, times size()
+        rs_a = np.concatenate([2 * res[k]["grouped_grads"][3][0] for k in range(SIZE)])
+        _close(rs_grads[0], SIZE * rs_a, "float64", "d grouped reducescatter a")
+        _close(rs_grads[1], SIZE * np.ones(4), "float64", "d grouped reducescatter b")
+        returned, v1, v2 = o["broadcast_"]
+        for got in (returned[0], v1):
+            np.testing.assert_array_equal(got, _make("b_.1", 1, "float32", (2,)))
+        for got in (returned[1], v2):
+            np.testing.assert_array_equal(got, _make("b_.2", 1, "int32", (3,)))
+        assert o["bgv_eager"].startswith("RuntimeError:") and "broadcast_variables" in o["bgv_eager"]
+        np.testing.assert_array_equal(o["bgv_graph"], [1.0, 1.5])
+        assert o["fp16"] == ("float16", "float64", "int32", "int32")
+        np.testing.assert_array_equal(o["fp16_allreduce"], [3.0, 6.0])
+        assert o["fp16_allreduce"].dtype == np.float64
+        np.testing.assert_array_equal(o["fp16_grouped"][0], [3.0])
+        assert o["fp16_grouped"][1].dtype == np.int64 and o["fp16_grouped"][1].tolist() == [4]
+        kind, values, indices, dense = o["sparse_grouped"]
+        assert kind == "IndexedSlices"
+        np.testing.assert_allclose(values, [[0.5, 1.0], [1.0, 1.0]])  # every rank's rows, averaged over 2 ranks
+        assert indices.tolist() == [0, 1]
+        np.testing.assert_allclose(dense, [1.0])
+        for message in o["sparse_errors"]:
+            assert message.startswith("NotImplementedError:"), message
+        kinds = o["error_types"]
+        # (FailedPrecondition, InvalidArgument, hvd.TensorMismatchError, ValueError, message)
+        for key in ("shape", "dtype", "root"):
+            assert kinds[key][:4] == (True, False, True, True), (key, kinds[key])
+        for key in ("splits", "uneven"):
+            assert kinds[key][:4] == (False, True, False, True), (key, kinds[key])
+        assert "tf.mismatch.shape" in kinds["shape"][4] and "splits" in kinds["splits"][4]
+        np.testing.assert_array_equal(o["after_errors"], [float(SIZE)])
+
+
+def _horovod_training() -> dict:
+    tf, keras, hk = _setup_keras()
+    import hvdray.tensorflow as hvd
+
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    # PartialDistributedGradientTape: the local layer's gradients stay this rank's (divided by size)
+    keras.utils.set_random_seed(3)
+    shared, local = keras.layers.Dense(2, dtype="float64"), keras.layers.Dense(1, dtype="float64")
+    x = tf.constant(_make("pt.x", r, "float64", (4, 3)))
+    shared.build((None, 3))
+    local.build((None, 2))
+    variables = shared.trainable_weights + local.trainable_weights
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(local(shared(x)) ** 2)
+    plain = [g.numpy() for g in tape.gradient(loss, variables)]
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=local)
+    out["partial_tape"] = (plain, [g.numpy() for g in tape.gradient(loss, variables)])
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, variables)
+    out["local_and_global"] = (len(local_pairs), len(global_pairs))
+    # SyncBatchNormalization: the statistics of every rank's batch together
+    xb = tf.constant(_make("sbn", r, "float32", (4, 3)))
+    sync_bn, bn = hvd.SyncBatchNormalization(axis=1, momentum=0.5), keras.layers.BatchNormalization(axis=1, momentum=0.5)
+    whole = hvd.allgather(xb)
+    out["sync_bn"] = (sync_bn(xb, training=True).numpy(), bn(whole, training=True).numpy()[4 * r : 4 * r + 4],
+                      sync_bn.moving_mean.numpy(), bn.moving_mean.numpy(), sync_bn.moving_variance.numpy(),
+                      bn.moving_variance.numpy())
+    # Keras backward_passes_per_step: every 2nd step applies the sum (or mean) of 2 steps' averaged gradients
+    for average in (False, True):
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                      average_aggregated_gradients=average)
+        var = keras.Variable([0.0])
+        seen = []
+        for _ in range(4):
+            opt.apply([tf.constant([float(r + 1)])], [var])
+            seen.append(float(var.numpy()[0]))
+        out[f"passes.{average}"] = seen
+    # register_local_var / PartialDistributedOptimizer: those variables' gradients are not reduced
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    own, common = keras.Variable([0.0]), keras.Variable([0.0])
+    opt.register_local_var(own)
+    opt.apply([tf.constant([float(r + 1)]), tf.constant([float(r + 1)])], [own, common])
+    out["local_var"] = (float(own.numpy()[0]), float(common.numpy()[0]))
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    layer.build((None, 1))
+    popt = hk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[layer])
+    other = keras.Variable([0.0])
+    popt.apply([tf.constant([[float(r + 1)]]), tf.constant([float(r + 1)])], [layer.kernel, other])
+    out["partial_optimizer"] = (float(layer.kernel.numpy()[0, 0]), float(other.numpy()[0]))
+    # BroadcastGlobalVariablesCallback(local_variables=...): those keep each rank's own values
+    model = _model(keras, 100 + r)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse", jit_compile=False)
+    kept = model.layers[0].kernel
+    before = [w.numpy() for w in model.weights]
+    callback = hk.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[kept])
+    callback.set_model(model)
+    callback.on_train_begin()
+    out["callback_local"] = (before, [w.numpy() for w in model.weights], [w.path for w in model.weights], kept.path)
+    # TensorFlow 1 DistributedOptimizer in a graph: reduced gradients; backward_passes_per_step=4
+    with tf.Graph().as_default():
+        class Constant(tf.compat.v1.train.Optimizer):
+            def __init__(self):
+                super().__init__(use_locking=False, name="constant")
+                self.variable = tf.Variable([0.0])
+
+            def compute_gradients(self, *args, **kwargs):
+                return [(tf.constant([float(r + 1)]), self.variable)]
+
+            def _resource_apply_dense(self, grad, var, apply_state=None):
+                return var.assign_add(grad)
+
+        opt = hvd.DistributedOptimizer(Constant(), backward_passes_per_step=4, average_aggregated_gradients=True)
+        step = tf.compat.v1.get_variable("step", initializer=tf.constant(0, tf.int64), trainable=False)
+        update = opt.apply_gradients(opt.compute_gradients(), global_step=step)
+        w = tf.compat.v1.Variable([1.0, 2.0])
+        sgd = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        train = sgd.apply_gradients(sgd.compute_gradients(tf.reduce_sum(w * float(r + 1)), var_list=[w]))
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(), tf.compat.v1.local_variables_initializer()])
+            values = []
+            for _ in range(8):
+                sess.run(update)
+                values.append(float(sess.run(opt._optimizer.variable)[0]))
+            sess.run(train)
+            out["tf1"] = (values, int(sess.run(step)), sess.run(w).tolist())
+    return out
+
+
+def test_horovod_training_names(ex):
+    res = ex.run(_horovod_training)
+    mean = (1.0 + 2.0) / SIZE  # the ranks' gradients are rank + 1
+    for r, o in enumerate(res):
+        plain, partial = o["partial_tape"]
+        for i in range(2):  # the shared layer's kernel and bias: averaged over the ranks
+            want = sum(res[k]["partial_tape"][0][i] for k in range(SIZE)) / SIZE
+            np.testing.assert_allclose(partial[i], want, rtol=1e-12, err_msg=f"shared {i}")
+        for i in range(2, 4):  # the local layer's: this rank's own, divided by size (Horovod's scale_local_gradients)
+            np.testing.assert_allclose(partial[i], plain[i] / SIZE, rtol=1e-12, err_msg=f"local {i}")
+        assert not np.allclose(res[0]["partial_tape"][0][2], res[1]["partial_tape"][0][2])
+        assert o["local_and_global"] == (2, 2)
+        out, want, mm, want_mm, mv, want_mv = o["sync_bn"]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(mm, want_mm, rtol=1e-5, atol=1e-6)
+        # Keras' own BN uses the unbiased batch variance for its moving variance only if told; both divide by N
+        np.testing.assert_allclose(mv, want_mv, rtol=1e-4, atol=1e-5)
+        assert o["passes.False"] == [0.0, -2 * mean, -2 * mean, -4 * mean]
+        assert o["passes.True"] == [0.0, -mean, -mean, -2 * mean]
+        assert o["local_var"] == (-(r + 1) / SIZE, -mean)
+        assert o["partial_optimizer"] == (-(r + 1) / SIZE, -mean)
+        before, after, paths, kept = o["callback_local"]
+        for i, path in enumerate(paths):
+            want = before[i] if path == kept else res[0]["callback_local"][0][i]
+            np.testing.assert_array_equal(after[i], want, err_msg=path)
+        assert not np.array_equal(res[0]["callback_local"][1][0], res[1]["callback_local"][1][0])
+        values, steps, w = o["tf1"]
+        assert values == [0.0, 0.0, 0.0, mean, mean, mean, mean, 2 * mean] and steps == 8
+        assert w == [1.0 - mean, 2.0 - mean]

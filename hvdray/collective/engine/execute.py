@@ -224,11 +224,13 @@ class Executor:
 
 
 def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
-    """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype)."""
+    """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype). An integer average
+    rounds toward zero, as Horovod's (its torch ops divide so; its core scales integers by 1/size in double
+    and converts back, which truncates too)."""
     average = desc.reduce_op is ReduceOp.AVERAGE
     if average and not bufs[0].is_floating_point():
         for buf in bufs:
-            buf.floor_divide_(size)
+            buf.div_(size, rounding_mode="trunc")
     elif average or desc.postscale != 1.0:
         factor = desc.postscale / size if average else desc.postscale
         if bufs[0].is_floating_point():

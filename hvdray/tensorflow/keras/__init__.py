@@ -11,12 +11,13 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
-from hvdray.collective.compression import Compression
-from hvdray.collective.errors import HorovodInternalError, NotInitializedError, TensorMismatchError
+from hvdray.collective.errors import HorovodInternalError, NotInitializedError
 from hvdray.tensorflow import ops as _ops
-from hvdray.tensorflow.functions import broadcast_variables
+from hvdray.tensorflow.compression import Compression
+from hvdray.tensorflow.errors import TensorMismatchError
+from hvdray.tensorflow.functions import broadcast_global_variables, broadcast_variables
 from hvdray.tensorflow.keras import callbacks, elastic
-from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, load_model
+from hvdray.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from hvdray.tensorflow.ops import Adasum, Average, Max, Min, Product, Sum, allgather_object, broadcast_object
 
 

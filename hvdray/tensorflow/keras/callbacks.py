@@ -12,6 +12,7 @@ from hvdray.collective import basics
 from hvdray.collective import ops as _c
 from hvdray.tensorflow import ops as _ops
 from hvdray.tensorflow.functions import broadcast_variables
+from hvdray.tensorflow.gradients import variable_key
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -22,17 +23,26 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     shape) is broadcast after its first batch instead, as Horovod does.
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         if isinstance(root_rank, bool) or not isinstance(root_rank, int):
             raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
         _ops.check_common(device_dense=device)
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local: dict[Any, Any] = {}
+        if local_variables is not None:
+            many = isinstance(local_variables, (list, tuple, set))
+            for i, var in enumerate(local_variables if many else [local_variables]):
+                self._local[variable_key(var, f"local_variables[{i}]" if many else "local_variables")] = var
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` out of the broadcast: each rank keeps its own value."""
+        self._local[variable_key(var)] = var
 
     def _broadcast(self) -> None:
         model = self.model
-        variables = list(model.weights)
+        variables = [v for v in model.weights if variable_key(v, None) not in self._local]
         optimizer = model.optimizer
         if optimizer is not None:
             if not optimizer.built:

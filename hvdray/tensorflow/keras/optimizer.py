@@ -12,9 +12,9 @@ from typing import Any, Optional
 import keras
 
 from hvdray.collective import ops as _c
-from hvdray.collective.compression import Compression
+from hvdray.tensorflow.compression import Compression
 from hvdray.collective.gradient_groups import resolve_groups
-from hvdray.tensorflow.gradients import GradientReducer
+from hvdray.tensorflow.gradients import GradientReducer, local_layer_variables
 from hvdray.tensorflow.ops import check_common
 
 
@@ -22,6 +22,12 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's own class."""
 
     _hvd_reduce: Optional[GradientReducer] = None  # set by DistributedOptimizer or load_model
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank: it is never reduced across ranks (Horovod's local variables)."""
+        if self._hvd_reduce is None:
+            self._hvd_reduce = GradientReducer(f"{type(self).__name__}.grads")
+        self._hvd_reduce.register_local(var)
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if self._hvd_reduce is None:  # deserialized by plain keras.models.load_model(custom_objects=...)
@@ -59,6 +65,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     num_groups: int = 0,
     groups: Any = None,
     process_set: Any = None,
+    scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer average (or sum) gradients across ranks, so that ``model.fit`` trains
     one model on the union of every rank's batches.
@@ -66,6 +73,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     The optimizer object itself is made distributed and returned (its variables and any references to
     it stay valid). ``name`` prefixes the names of the gradient allreduces. ``groups`` / ``num_groups``:
     Horovod's (an int, or lists of the model's variables; see hvdray/collective/gradient_groups.py).
+    ``backward_passes_per_step=n``: the variables change every n-th step, by the sum of the n steps'
+    reduced gradients (their mean with ``average_aggregated_gradients``), as Horovod; Keras' own gradient
+    accumulation does the accumulating, so the optimizer must not have taken a step yet.
     """
     if keras.backend.backend() != "tensorflow":
         raise ValueError(
@@ -81,13 +91,26 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         raise ValueError("optimizer is already a DistributedOptimizer")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if backward_passes_per_step != 1:
-        raise ValueError(
-            f"backward_passes_per_step={backward_passes_per_step!r} is not supported; Keras 3 optimizers "
-            "accumulate gradients themselves: pass gradient_accumulation_steps= to the optimizer you wrap"
-        )
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
+        backward_passes_per_step < 1
+    ):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if not isinstance(average_aggregated_gradients, bool):
         raise TypeError(f"average_aggregated_gradients must be a bool, got {average_aggregated_gradients!r}")
+    aggregate_scale = 1.0
+    if backward_passes_per_step > 1:
+        if optimizer.gradient_accumulation_steps not in (None, backward_passes_per_step):
+            raise ValueError(
+                f"backward_passes_per_step={backward_passes_per_step} but the optimizer accumulates "
+                f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}; give one of them"
+            )
+        if optimizer.built:
+            raise ValueError(
+                "backward_passes_per_step needs an optimizer that has not taken a step yet (Keras creates "
+                "its gradient accumulators when it builds); wrap the optimizer before training"
+            )
+        optimizer.gradient_accumulation_steps = backward_passes_per_step  # Keras applies the mean of n steps
+        aggregate_scale = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
     if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
     ):
@@ -101,9 +124,38 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     reducer = GradientReducer(
         f"{name or 'Distributed' + base.__name__}.grads", compression, sparse_as_dense, op,
         gradient_predivide_factor, process_set, device_dense, device_sparse, resolve_groups(groups, num_groups),
+        scale_local_gradients, aggregate_scale,
     )
     optimizer.__class__ = distributed_class(base)
     optimizer._hvd_reduce = reducer
+    return optimizer
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's public name
+    optimizer: keras.optimizers.Optimizer,
+    name: Optional[str] = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = _c.Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """:func:`DistributedOptimizer` whose ``local_layers``' (Keras layers') gradients stay on each rank."""
+    local = local_layer_variables(local_layers)
+    optimizer = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
+        backward_passes_per_step, average_aggregated_gradients, groups=groups, process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for var in local:
+        optimizer.register_local_var(var)
     return optimizer
 
 
@@ -112,12 +164,16 @@ def load_model(
     custom_optimizers: Optional[list[type]] = None,
     custom_objects: Optional[dict[str, Any]] = None,
     compression: Any = Compression.none,
+    legacy_opts: bool = False,
 ) -> keras.Model:
     """Load a model saved with a ``DistributedOptimizer``; its optimizer (state included) comes back distributed.
 
-    Keras' own optimizers are known; pass the classes of others as ``custom_optimizers``.
+    Keras' own optimizers are known; pass the classes of others as ``custom_optimizers``. Horovod's
+    ``legacy_opts`` (Keras 2's legacy optimizers) must stay False: Keras 3 has none.
     """
     check_common(compression)
+    if legacy_opts is not False:
+        raise ValueError("legacy_opts=True: Keras 3 has no legacy optimizers; save and load with Keras 3 optimizers")
     if custom_optimizers is not None and (
         not isinstance(custom_optimizers, (list, tuple))
         or not all(isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer) for c in custom_optimizers)
