@@ -46,6 +46,47 @@ def test_join_lets_a_rank_with_fewer_batches_contribute_zeros(pair):
     assert last0 == last1 == 1
 
 
+def _joined_fused_averages():
+    import itertools
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    wrong = []
+    for dtype, dim, first, cached in itertools.product((torch.int32, torch.int64, torch.float64), (1, 3),
+                                                     range(size), (False, True)):
+        torch.manual_seed(1234)
+        # two tensors fused into one message; at dim 3 it is past the small-message path
+        a = torch.empty(*([5] * dim)).random_(-100, 100).to(dtype)
+        b = torch.empty(*([17] * dim)).random_(-100, 100).to(dtype)
+        if cached:  # the names run once with every rank first, so the joined round replays a cached plan
+            hvd.synchronize(hvd.allreduce_async(a, name="joined.a"))
+            hvd.synchronize(hvd.allreduce_async(b, name="joined.b"))
+        if rank == first:
+            hvd.join()
+            continue
+        handles = hvd.allreduce_async(a, name="joined.a"), hvd.allreduce_async(b, name="joined.b")
+        results = [hvd.synchronize(h) for h in handles]
+        hvd.join()
+        for sent, got in zip((a, b), results):  # the joined rank's zeros count in the average's size
+            want = (sent * (size - 1)).div(size, rounding_mode=None if dtype.is_floating_point else "trunc")
+            if not torch.equal(got, want):
+                wrong.append((str(dtype), dim, first, cached, tuple(sent.shape)))
+    return wrong
+
+
+def test_a_joined_ranks_zeros_count_in_fused_averages_of_every_size(pair):
+    """Horovod's test_horovod_join_allreduce: with one rank joined, the other's fused Average of two
+    tensors is (tensor * (size - 1)) / size, integers rounded toward zero, for small and large messages,
+    named and cached. (A joined rank once took another way through the shared-memory transport than its
+    peer, which then copied the joined rank's part unscaled: integers of 17**3 elements came back undivided.)"""
+    assert pair.run(_joined_fused_averages) == [[], []]
+
+
 def _collective_gradients():
     import torch
 

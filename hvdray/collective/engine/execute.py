@@ -83,15 +83,15 @@ class Executor:
             self.tick_bytes += buf.numel() * buf.element_size()
             if req is not None and buf is not req.output:
                 req.output.copy_(buf)
-        elif (
-            action.nbytes <= comm.fused_message_bytes and desc.prescale == 1.0
-            and all(req is not None for req in requests)
-        ):
-            # the transport copies the tensors straight in and the results straight out: no staging
-            outputs = [req.output for req in requests]
+        elif action.nbytes <= comm.fused_message_bytes and desc.prescale == 1.0:
+            # the transport copies the tensors straight in and the results straight out: no staging. A
+            # joined rank takes this way too, with zeros (every rank must: the transport scales each
+            # rank's reduced part before the peers copy it)
             t_copied = t_start
             scaled = desc.reduce_op is ReduceOp.AVERAGE or desc.postscale != 1.0
-            inputs = [req.tensor for req in requests]
+            inputs = [req.tensor if req is not None else torch.zeros(d.shape, dtype=d.dtype)
+                      for req, d in zip(requests, action.descs)]
+            outputs = [req.output if req is not None else torch.empty_like(t) for req, t in zip(requests, inputs)]
             if action.shapes is None:  # the same every time a cached plan runs: its descriptions fixed them
                 action.shapes = tuple(t.shape for t in inputs)
             comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
