@@ -43,6 +43,13 @@ class Worker:
         self._pending_logs: list[Any] = []
         self._rank: Optional[int] = None
         self._worker_id: Optional[str] = None
+        # read before the preload starts: it holds the GIL for seconds, and the driver waits for the slot
+        self._slot = WorkerSlot(
+            node_id=ray.get_runtime_context().get_node_id(),
+            hostname=socket.gethostname(),
+            ip=ray.util.get_node_ip_address(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
         self._preloading = threading.Thread(target=_preload, name="hvdray-preload", daemon=True)
         self._preloading.start()
 
@@ -66,12 +73,7 @@ class Worker:
 
     def slot(self) -> WorkerSlot:
         """Where this worker runs, for rank assignment."""
-        return WorkerSlot(
-            node_id=ray.get_runtime_context().get_node_id(),
-            hostname=socket.gethostname(),
-            ip=ray.util.get_node_ip_address(),
-            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
-        )
+        return self._slot
 
     def configure(
         self,
