@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -20,20 +19,6 @@ from hvdray.collective.topology import RankInfo, WorkerSlot
 from hvdray.settings import Settings
 
 
-def _preload() -> None:
-    """Import what ``configure`` and ``hvd.init()`` need (torch above all: seconds under load), then keep
-    what this process holds out of the cyclic collector's full passes, which otherwise scan it all (over
-    100 ms in a worker) in the middle of some training step once enough short-lived op objects have
-    survived into gen 2. Runs in a thread from the actor's creation on, while the driver gathers the
-    workers' slots and assigns ranks."""
-    import hvdray.collective.session  # noqa: F401 - torch, the engine, the transports
-    import hvdray.torch  # noqa: F401 - the frontend most functions run (cheap once torch is in)
-    import hvdray.worker.rendezvous  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
-
-
 class Worker:
     """Created by the driver's worker group (named there); configured once ranks are known."""
 
@@ -43,15 +28,6 @@ class Worker:
         self._pending_logs: list[Any] = []
         self._rank: Optional[int] = None
         self._worker_id: Optional[str] = None
-        # read before the preload starts: it holds the GIL for seconds, and the driver waits for the slot
-        self._slot = WorkerSlot(
-            node_id=ray.get_runtime_context().get_node_id(),
-            hostname=socket.gethostname(),
-            ip=ray.util.get_node_ip_address(),
-            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
-        )
-        self._preloading = threading.Thread(target=_preload, name="hvdray-preload", daemon=True)
-        self._preloading.start()
 
     def __repr__(self) -> str:
         """What Ray shows for this actor: the prefix of its log lines (``(rank 1 pid=...)``), error
@@ -73,7 +49,12 @@ class Worker:
 
     def slot(self) -> WorkerSlot:
         """Where this worker runs, for rank assignment."""
-        return self._slot
+        return WorkerSlot(
+            node_id=ray.get_runtime_context().get_node_id(),
+            hostname=socket.gethostname(),
+            ip=ray.util.get_node_ip_address(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
 
     def configure(
         self,
@@ -89,7 +70,6 @@ class Worker:
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
         the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
-        self._preloading.join()  # an import that failed there raises here, on the import below
         from hvdray.worker.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
         from hvdray.collective import session
 
@@ -117,6 +97,11 @@ class Worker:
         ray_logger.set_sink(self._send_log)
         reporting.set_sink(reporting.ExecutorReports(coordinator, settings.storage_path, self._track_send))
         self._took_rank(rank_info.rank if rank_info is not None else None)
+        # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
+        # cyclic collector's full passes, which otherwise scan it all (over 100 ms in a worker) in the
+        # middle of some training step, once enough short-lived op objects have survived into gen 2.
+        gc.collect()
+        gc.freeze()
 
     def ping(self) -> bool:
         """Answered while ``run`` is busy (elastic workers are threaded actors): the driver's liveness probe."""
