@@ -278,7 +278,8 @@ def plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]] | None, path
     left.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops (gathered)")
     left.loglog(sizes, [r["rendezvous"]["coordinator_calls"] for r in rows], "s--", label="coordinator calls")
     if baseline:
-        left.loglog(sizes, [r["rendezvous"]["store_ops"] for r in baseline], "x:", label="store ops (per-key, before)")
+        left.loglog([r["size"] for r in baseline], [r["rendezvous"]["store_ops"] for r in baseline], "x:",
+                    label="store ops (per-key waits, before)")
     left.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
     left.set_xlabel("ranks N")
     left.set_title("rendezvous of one membership epoch")
@@ -303,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first negotiates names)")
     parser.add_argument("--no-gather", action="store_true", help="the rendezvous without FullMeshStore")
     parser.add_argument("--baseline", action="store_true", help="also run --no-gather's rendezvous (for the plot)")
+    parser.add_argument("--baseline-max", type=int, default=256,
+                        help="largest N of the baseline (its N^2 store calls take minutes beyond)")
     parser.add_argument("--plot", default=None, help="save the curves as a PNG here")
     parser.add_argument("--json", default=None, help="write the measurements here")
     args = parser.parse_args(argv)
@@ -315,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     if args.baseline:
         print("baseline (per-key waits):")
-        baseline = measure(args.sizes, args.ranks_per_node, args.tensors, 2, gather=False)
+        baseline = measure([n for n in args.sizes if n <= args.baseline_max], args.ranks_per_node, args.tensors, 2,
+                           gather=False)
     print(f"\ngrowth exponents (N^k): store ops {growth_exponent(rows, lambda r: r['rendezvous']['store_ops']):.2f}, "
           f"coordinator calls {growth_exponent(rows, lambda r: r['rendezvous']['coordinator_calls']):.2f}, "
           f"steady-step messages {growth_exponent(rows, lambda r: r['steps'][-1]['messages']):.2f}")
