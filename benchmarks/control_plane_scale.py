@@ -41,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,12 +180,6 @@ def rendezvous(size: int, per_node: int, gather: bool) -> dict[str, Any]:
 
 
 # -- the negotiation -----------------------------------------------------------------------------
-@dataclass
-class _Member:
-    agreement: Agreement
-    requests: list[Request] = field(default_factory=list)
-
-
 def _requests(tensors: int) -> list[Request]:
     return [
         Request(OpDesc(f"grad.{i}", OpKind.ALLREDUCE, torch.float32, (1024,), ReduceOp.AVERAGE), None, None,
@@ -206,16 +200,16 @@ def allgather_messages(size: int, per_node: int) -> int:
 def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict[str, Any]]:
     """``steps`` training steps of ``tensors`` allreduces: per step, the control collectives every rank's
     real Agreement runs (the flags' AND; a full round's message allgather), with their bytes."""
-    members = [_Member(Agreement(r, size, 64 << 20, math.inf, 0.0, 1024, None)) for r in range(size)]
+    members = [Agreement(r, size, 64 << 20, math.inf, 0.0, 1024, None) for r in range(size)]
     per_step = []
     for step in range(steps):
         collectives = flag_bytes = round_bytes = ran = 0
         for member in members:
-            member.agreement.sort(_requests(tensors))
-        while any(m.agreement.slot_requests or m.agreement.outbox for m in members):  # engine cycles
+            member.sort(_requests(tensors))
+        while any(m.slot_requests or m.outbox for m in members):  # engine cycles
             if collectives > 8:
                 raise RuntimeError(f"step {step} did not finish in {collectives} control collectives")
-            flags = [m.agreement.fill_flags(bool(m.agreement.outbox), blocked=True) for m in members]
+            flags = [m.fill_flags(bool(m.outbox), blocked=True) for m in members]
             combined = flags[0].clone()
             for f in flags[1:]:
                 combined.bitwise_and_(f)
@@ -223,15 +217,15 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
                 f.copy_(combined)
             collectives += 1
             flag_bytes += combined.numel()
-            read = [m.agreement.read_flags() for m in members]
+            read = [m.read_flags() for m in members]
             if read[0][2]:  # a full round: every rank's message to every rank
-                payloads = [m.agreement.message(False, False, 1, None).encode() for m in members]
+                payloads = [m.message(False, False, 1, None).encode() for m in members]
                 collectives += 1
                 round_bytes += sum(len(p) for p in payloads)
                 messages = [RoundMessage.decode(p) for p in payloads]  # decoded once: every rank decodes alike
                 for member in members:
-                    member.agreement.absorb(messages)
-            plans = [m.agreement.ready_plan(r[0], 0) for m, r in zip(members, read)]
+                    member.absorb(messages)
+            plans = [m.ready_plan(r[0], 0) for m, r in zip(members, read)]
             ran += len(plans[0])
         if not ran:
             raise RuntimeError(f"step {step}: the members agreed on nothing to run")
