@@ -6,10 +6,12 @@ node of the highest rank, and measures, from that moment:
 
 * ``detected``: the driver leaves RUNNING (it saw the death or a survivor's check-in),
 * ``re-formed``: the driver forms the new membership epoch,
-* ``first allreduce``: the first allreduce completed in the new epoch (the number that matters).
+* ``first allreduce``: the first allreduce completed in the new epoch,
+* ``committed``: the first ``state.commit()`` completed in the new epoch: the job makes progress again
+  (the number that matters; goal: under 5 s).
 
 Then a fresh node is added and the job grows back before the next trial. Prints a markdown table and
-writes JSON with ``--json``. Target: first allreduce within 10 s of the node loss.
+writes JSON with ``--json``.
 
     python benchmarks/elastic_recovery.py --trials 3
 """
@@ -30,6 +32,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from hvdray import RayExecutor
+
+GOAL_S = 5.0  # issue #23: a node's removal to the next committed step
 
 
 def allreduce_loop(stop_file: str, commit_every: int) -> int:
@@ -64,6 +68,8 @@ def allreduce_loop(stop_file: str, commit_every: int) -> int:
                 if stop.item():
                     return state.step
                 state.commit()
+                if hvd.rank() == 0:
+                    ray_logger.log({"kind": "commit", "t": time.time(), "size": hvd.size()})
             time.sleep(0.01)
 
     return loop(state)
@@ -116,10 +122,13 @@ class Trials:
                 formed = self._wait_for(lambda r: r.get("event") == "elastic" and r["state"] == "running",
                                         mark, 60)
                 first = self._wait_for(lambda r: r.get("kind") == "first_allreduce" and r["t"] > lost_at, mark, 60)
+                committed = self._wait_for(lambda r: r.get("kind") == "commit" and r["t"] > lost_at
+                                           and r["size"] < self.workers, mark, 60)
                 self.results.append({
                     "detected_s": detected["time"] - lost_at,
                     "re-formed_s": formed["time"] - lost_at,
                     "first_allreduce_s": first["t"] - lost_at,
+                    "committed_s": committed["t"] - lost_at,
                 })
                 print(f"trial {len(self.results)}: " + ", ".join(f"{k} {v:.2f}" for k, v in self.results[-1].items()),
                       flush=True)
@@ -164,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {column.removesuffix('_s')} | {statistics.median(values):.2f} | {max(values):.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"trials": trials.results, "workers": args.workers}, indent=2))
-    worst = max(r["first_allreduce_s"] for r in trials.results)
-    print(f"\nworst recovery {worst:.2f} s (target < 10 s): {'met' if worst < 10 else 'NOT met'}")
+    recovery = statistics.median(r["committed_s"] for r in trials.results)
+    print(f"\nnode removal -> next committed step: median {recovery:.2f} s, worst "
+          f"{max(r['committed_s'] for r in trials.results):.2f} s (goal < {GOAL_S:.0f} s): "
+          f"{'met' if recovery < GOAL_S else 'NOT met'}")
     return 0 if len(trials.results) == args.trials else 1
 
 

@@ -100,7 +100,8 @@ class Coordinator:
         self._token_digest = token_digest
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
-        self._changed = asyncio.Condition()
+        self._arrivals: dict[str, asyncio.Event] = {}  # key -> set when it is written (rendezvous waits)
+        self._changed = asyncio.Condition()  # membership changes
         self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
         self._first_record = 0  # the number of self._records[0]
         self._new_record = asyncio.Condition()
@@ -134,7 +135,7 @@ class Coordinator:
         infos, gpus = assign_ranks(slots), visible_devices(slots)
         async with self._changed:
             self._epoch += 1
-            self._kv.clear()  # keys of the previous membership are never read again
+            self._clear_kv()  # keys of the previous membership are never read again
             self._members = dict(zip(worker_ids, zip(infos, gpus))) if worker_ids is not None else {}
             self._host_updates_at_epoch = self._host_updates  # the new members know every host announced
             for worker_id in self._members:
@@ -154,7 +155,7 @@ class Coordinator:
         async with self._changed:
             if epoch == self._epoch and self._abandoned < epoch:
                 self._abandoned = epoch
-                self._kv.clear()
+                self._clear_kv()
                 self._changed.notify_all()
 
     def _joinable(self) -> bool:
@@ -217,23 +218,26 @@ class Coordinator:
         self._admit(token)
         if not self._live(key):
             return  # a key of an epoch that is over would never be read
-        async with self._changed:
-            self._kv[key] = value
-            self._changed.notify_all()
+        self._kv[key] = value
+        self._arrived(key)
 
     async def kv_get(self, token: bytes, key: str, timeout_s: float) -> tuple[str, Optional[bytes]]:
         """``("ok", value)``, or ``("timeout"|"superseded", None)`` as :meth:`kv_wait` says."""
-        self._admit(token)
-        status = await self.kv_wait(token, [key], timeout_s)
-        return status, self._kv[key] if status == "ok" else None
+        status, values = await self.kv_read(token, [key], timeout_s)
+        return status, values[0] if values is not None else None
+
+    async def kv_read(self, token: bytes, keys: list[str], timeout_s: float) -> tuple[str, Optional[list[bytes]]]:
+        """Wait for ``keys`` as :meth:`kv_wait` does and answer ``("ok", their values)`` in one reply, or
+        ``("timeout"|"superseded", None)``: a Gloo group's connect reads all its ranks' keys in one call."""
+        status = await self.kv_wait(token, keys, timeout_s)
+        return status, [self._kv[k] for k in keys] if status == "ok" else None
 
     async def kv_add(self, token: bytes, key: str, amount: int) -> int:
         self._admit(token)
-        async with self._changed:
-            value = int(self._kv.get(key, b"0")) + amount
-            self._kv[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
+        value = int(self._kv.get(key, b"0")) + amount
+        self._kv[key] = str(value).encode()
+        self._arrived(key)
+        return value
 
     def _live(self, key: str) -> bool:
         """``key`` belongs to the current epoch, and the driver has not abandoned it."""
@@ -247,15 +251,34 @@ class Coordinator:
             return "ok"
         if not all(self._live(k) for k in keys):
             return "superseded"
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: all(k in self._kv for k in keys) or not self._live(keys[0])),
-                    timeout=timeout_s,
-                )
-            except asyncio.TimeoutError:
-                return "timeout"
-            return "ok" if self._live(keys[0]) else "superseded"
+        deadline = time.monotonic() + timeout_s
+        for key in keys:  # woken only by the key awaited now (or the epoch's end): O(len(keys)) wake-ups at most
+            while key not in self._kv:
+                if not self._live(key):
+                    return "superseded"
+                arrival = self._arrivals.setdefault(key, asyncio.Event())
+                try:
+                    await asyncio.wait_for(arrival.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    return "timeout"
+        if not self._live(keys[0]):
+            return "superseded"
+        if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
+            return await self.kv_wait(token, keys, max(deadline - time.monotonic(), 0.0))
+        return "ok"
+
+    def _arrived(self, key: str) -> None:
+        """``key`` was written: wake whoever waits for it."""
+        arrival = self._arrivals.pop(key, None)
+        if arrival is not None:
+            arrival.set()
+
+    def _clear_kv(self) -> None:
+        """Drop every key (the epoch is over) and wake every rendezvous wait, which then answers ``superseded``."""
+        self._kv.clear()
+        arrivals, self._arrivals = self._arrivals, {}
+        for arrival in arrivals.values():
+            arrival.set()
 
     def kv_check(self, token: bytes, keys: list[str]) -> bool:
         self._admit(token)

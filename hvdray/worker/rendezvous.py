@@ -4,6 +4,10 @@ Gloo finds its peers through this store. Every read and write is a Ray call to t
 so the rendezvous opens no port of its own: only a process holding the coordinator's handle (which
 Ray gives to the job's driver and workers) can read, write or wait on its keys.
 
+A ``wait`` brings back the values of the keys it waited for, and the next ``get`` of each is answered
+from them without another call: rendezvous keys are written once, and Gloo reads every key it waits
+for (``hvdray.collective.transport.mesh_store`` makes its connect one wait for all ranks' keys).
+
 A wait on keys of an epoch that is over (a newer one formed, or the elastic driver abandoned it
 because a member died) raises :class:`HorovodInternalError` at once: an elastic worker then waits
 for the next epoch instead of for ``timeout_s``.
@@ -12,7 +16,7 @@ for the next epoch instead of for ``timeout_s``.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 import torch.distributed as dist
@@ -22,13 +26,18 @@ from hvdray.testing import faults
 
 
 class CoordinatorStore(dist.Store):
-    """A Store backed by the coordinator's key-value table, under ``prefix``."""
+    """A Store backed by the coordinator's key-value table, under ``prefix``.
 
-    def __init__(self, coordinator: Any, prefix: str, timeout_s: float) -> None:
+    ``resolve`` turns what a coordinator call returns into its answer: ``ray.get`` for the actor; an
+    in-process coordinator (``benchmarks/control_plane_scale.py``) passes its own."""
+
+    def __init__(self, coordinator: Any, prefix: str, timeout_s: float, resolve: Callable[[Any], Any] = ray.get) -> None:
         super().__init__()
         self._coordinator = coordinator
         self._prefix = prefix
         self._timeout_s = timeout_s
+        self._resolve = resolve
+        self._waited: dict[str, bytes] = {}  # values a wait brought back, until their first get
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -48,22 +57,32 @@ class CoordinatorStore(dist.Store):
 
     def set(self, key: str, value: Any) -> None:
         faults.reached("rendezvous")
-        ray.get(self._coordinator.kv_set.remote(self._key(key), bytes(value)))
+        self._waited.pop(key, None)
+        self._resolve(self._coordinator.kv_set.remote(self._key(key), bytes(value)))
 
     def get(self, key: str) -> bytes:
-        status, value = ray.get(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
+        if key in self._waited:
+            return self._waited.pop(key)
+        status, value = self._resolve(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
         self._raise_for(status, [key], self._timeout_s)
         return value
 
     def add(self, key: str, amount: int) -> int:
-        return ray.get(self._coordinator.kv_add.remote(self._key(key), int(amount)))
+        self._waited.pop(key, None)
+        return self._resolve(self._coordinator.kv_add.remote(self._key(key), int(amount)))
 
     def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        missing = [k for k in keys if k not in self._waited]
+        if not missing:
+            return
         seconds = self._seconds(timeout)
-        self._raise_for(ray.get(self._coordinator.kv_wait.remote([self._key(k) for k in keys], seconds)), keys, seconds)
+        status, values = self._resolve(self._coordinator.kv_read.remote([self._key(k) for k in missing], seconds))
+        self._raise_for(status, keys, seconds)
+        self._waited.update(zip(missing, values))
 
     def check(self, keys: list[str]) -> bool:
-        return ray.get(self._coordinator.kv_check.remote([self._key(k) for k in keys]))
+        return self._resolve(self._coordinator.kv_check.remote([self._key(k) for k in keys]))
 
     def delete_key(self, key: str) -> bool:
-        return ray.get(self._coordinator.kv_delete.remote(self._key(key)))
+        self._waited.pop(key, None)
+        return self._resolve(self._coordinator.kv_delete.remote(self._key(key)))

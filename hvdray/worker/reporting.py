@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
 
-from hvdray.storage import persist_checkpoint
-
 if TYPE_CHECKING:
     from ray.train import Checkpoint
 
@@ -48,6 +46,8 @@ class ExecutorReports:
             self._track(self._coordinator.push_report.remote(rank, dict(metrics), None))
             return
         assert self._storage_path is not None
+        from hvdray.storage import persist_checkpoint  # pyarrow: imported by the workers that checkpoint
+
         index = ray.get(self._coordinator.next_checkpoint.remote())
         path = persist_checkpoint(checkpoint, self._storage_path, index)
         # a checkpoint's report has arrived when report returns: a failure right after keeps it in the result

@@ -36,6 +36,7 @@ OUTSIDER = textwrap.dedent(
         "kv_set": lambda: coordinator.kv_set.remote(b"x" * 32, "e1/gen1/rank_0", b"evil"),
         "kv_add": lambda: coordinator.kv_add.remote(b"x" * 32, "e1/gen1/counter", 1),
         "kv_wait": lambda: coordinator.kv_wait.remote(b"x" * 32, ["e1/gen1/rank_0"], 30.0),
+        "kv_read": lambda: coordinator.kv_read.remote(b"x" * 32, ["e1/gen1/rank_0"], 30.0),
         "kv_check": lambda: coordinator.kv_check.remote(b"", ["e1/gen1/rank_0"]),
         "kv_delete": lambda: coordinator.kv_delete.remote(None, "e1/gen1/rank_0"),
         "assign": lambda: coordinator.assign.remote(b"x" * 32, []),

@@ -20,6 +20,7 @@ from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import gloo, shm
 from hvdray.collective.transport.hierarchical import cross_node_group
+from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
@@ -46,7 +47,7 @@ class Communicator:
         self.rank = rank
         self.size = size
         options = gloo.group_options(timeout_s, hostname, interface)
-        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(store, rank, size, options)
+        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, size), rank, size, options)
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
         self.plan = TransportPlan(False, False, "no rank placement given")

@@ -1,0 +1,328 @@
+"""Control-plane scale: the rendezvous and the negotiation of N ranks, simulated in one process.
+
+For N = 16, 64, 256, 1024 this runs hvdray's own control-plane code with N lightweight in-process
+members (threads, no tensors, no sockets):
+
+* **rendezvous** (one membership epoch): the real :class:`~hvdray.driver.coordinator.Coordinator` (an
+  in-process object on an asyncio loop instead of an actor, reached through the real
+  :class:`~hvdray.driver.coordinator.CoordinatorClient` and token check), its rank assignment
+  (``assign``), and every member's real :class:`~hvdray.worker.rendezvous.CoordinatorStore` under
+  :class:`~hvdray.collective.transport.mesh_store.FullMeshStore`, through which each member replays
+  what its ``Communicator`` asks of the store: Gloo's full-mesh connect of the job's group (one
+  ``set`` of its pairs' addresses, then a ``wait`` and a ``get`` of every rank's key, in rank order:
+  the sequence a real ``ProcessGroupGloo`` issues, checked by ``tests/unit/test_control_plane_scale.py``),
+  the node's shared-memory segment name (set by local rank 0, read by the others) and, on several
+  nodes, the connect of its cross-node group. Counted: every coordinator call (store operations and
+  the assignment) and the value bytes the members read.
+* **negotiation** (per training step): every member's real engine
+  :class:`~hvdray.collective.engine.agreement.Agreement` sorts ``--tensors`` named requests, fills its
+  flag vector, the flags are AND-ed, a full round's :class:`RoundMessage`\\ s are encoded, gathered and
+  decoded, absorbed and planned, as the engine loop does. Counted per step: control collectives
+  and their bytes per rank; messages are those collectives' point-to-point messages under the
+  transport the job would use (``--ranks-per-node`` > 1 on several nodes: hierarchical, whose
+  cross-node part is a Gloo allgather among the nodes; 1: Gloo's ring allgather among all ranks).
+
+``--no-gather`` replays the rendezvous without ``FullMeshStore`` (what Gloo asks of a plain store):
+the quadratic baseline. ``--plot PATH`` saves the curves as a PNG (``docs/img/control_plane_scale.png``).
+
+    python benchmarks/control_plane_scale.py --sizes 16 64 256 1024 --plot docs/img/control_plane_scale.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hvdray.collective.engine.agreement import Agreement
+from hvdray.collective.engine.handle import Handle, Request
+from hvdray.collective.engine.negotiation import RoundMessage
+from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
+from hvdray.collective.topology import WorkerSlot
+from hvdray.collective.transport.mesh_store import FullMeshStore
+from hvdray.driver.coordinator import Coordinator, CoordinatorClient
+from hvdray.worker.rendezvous import CoordinatorStore
+
+#: bytes Gloo publishes per pair in a rank's full-mesh key (torch 2.x's TCP transport): checked
+#: against a real ProcessGroupGloo by tests/unit/test_control_plane_scale.py
+GLOO_PAIR_ADDRESS_BYTES = 62
+TIMEOUT_S = 600.0
+
+
+# -- the in-process coordinator ------------------------------------------------------------------
+class InProcessCoordinator:
+    """A :class:`Coordinator` on an asyncio loop in a thread, with an actor handle's ``method.remote()``
+    shape: every call counted by method, with the bytes of the rendezvous values it answers."""
+
+    def __init__(self) -> None:
+        token = secrets.token_bytes(32)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="coordinator", daemon=True)
+        self._thread.start()
+        self.coordinator = self._on_loop(lambda: Coordinator(hashlib.sha256(token).digest())).result()
+        self.client = CoordinatorClient(self, token)
+        self.calls: Counter[str] = Counter()
+        self.value_bytes = 0
+        self._lock = threading.Lock()
+
+    def _on_loop(self, fn: Callable[[], Any]) -> Future:
+        async def call() -> Any:
+            result = fn()
+            return await result if asyncio.iscoroutine(result) else result
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop)
+
+    def __getattr__(self, method: str) -> "_Method":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _Method(self, method)
+
+    def count(self, method: str, result: Any) -> None:
+        with self._lock:
+            self.calls[method] += 1
+            if method in ("kv_read", "kv_get") and result[1] is not None:
+                values = result[1] if method == "kv_read" else [result[1]]
+                self.value_bytes += sum(len(v) for v in values)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.value_bytes = 0
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+@dataclass
+class _Method:
+    owner: InProcessCoordinator
+    name: str
+
+    def remote(self, *args: Any) -> Future:
+        owner, name = self.owner, self.name
+        future = owner._on_loop(lambda: getattr(owner.coordinator, name)(*args))
+        future.add_done_callback(lambda f: f.exception() is None and owner.count(name, f.result()))
+        return future
+
+
+def resolve(future: Future) -> Any:
+    """What ``ray.get`` is to the actor: the answer of one in-process coordinator call."""
+    return future.result()
+
+
+# -- the rendezvous ------------------------------------------------------------------------------
+def gloo_connect(store: dist.Store, rank: int, size: int) -> None:
+    """What a ``ProcessGroupGloo`` of ``size`` ranks (one device) asks of its store while it connects."""
+    store.set(f"0/{rank}", bytes(GLOO_PAIR_ADDRESS_BYTES * (size - 1)))
+    for peer in range(size):
+        store.wait([f"0/{peer}"])
+        store.get(f"0/{peer}")
+
+
+def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: int, per_node: int,
+                      gather: bool) -> None:
+    """One member's rendezvous, as its ``Communicator`` runs it (job group, node segment, cross-node group)."""
+    store = CoordinatorStore(sim.client, f"e{epoch}/gen1/", TIMEOUT_S, resolve=resolve)
+    gloo_connect(FullMeshStore(store, size) if gather else store, rank, size)
+    node, local_rank = divmod(rank, per_node)
+    if per_node > 1:  # the node's shared-memory segment: local rank 0 names it, the others read the name
+        key = f"hvdray-shm/{node * per_node}"
+        if local_rank == 0:
+            store.set(key, f"hvdray-{node}".encode())
+        else:
+            store.get(key)
+    nodes = size // per_node
+    if per_node > 1 and nodes > 1:  # hierarchical: the group of this local rank across the nodes
+        cross = dist.PrefixStore(f"hvdray-cross/{local_rank}/", store)
+        gloo_connect(FullMeshStore(cross, nodes) if gather else cross, node, nodes)
+
+
+def rendezvous(size: int, per_node: int, gather: bool) -> dict[str, Any]:
+    """One epoch's rank assignment and every member's rendezvous; coordinator calls counted."""
+    sim = InProcessCoordinator()
+    try:
+        slots = [WorkerSlot(node_id=f"node-{r // per_node}", hostname=f"host-{r // per_node}",
+                            ip=f"10.0.{r // per_node // 250}.{r // per_node % 250}") for r in range(size)]
+        started = time.perf_counter()
+        epoch, infos, _ = resolve(sim.client.assign.remote(slots))
+        if [i.rank for i in infos] != list(range(size)):
+            raise RuntimeError("the coordinator did not rank the slots in node order")
+        with ThreadPoolExecutor(max_workers=size) as pool:
+            for done in [pool.submit(member_rendezvous, sim, epoch, r, size, per_node, gather) for r in range(size)]:
+                done.result()
+        seconds = time.perf_counter() - started
+        calls = dict(sim.calls)
+        return {
+            "seconds": seconds,
+            "coordinator_calls": sum(calls.values()),
+            "store_ops": sum(n for m, n in calls.items() if m.startswith("kv_")),
+            "calls_by_method": calls,
+            "value_bytes": sim.value_bytes,
+        }
+    finally:
+        sim.close()
+
+
+# -- the negotiation -----------------------------------------------------------------------------
+def _requests(tensors: int) -> list[Request]:
+    return [
+        Request(OpDesc(f"grad.{i}", OpKind.ALLREDUCE, torch.float32, (1024,), ReduceOp.AVERAGE), None, None,
+                Handle(f"grad.{i}"))
+        for i in range(tensors)
+    ]
+
+
+def allgather_messages(size: int, per_node: int) -> int:
+    """Point-to-point messages of one small allgather (or gather-reduce) of all ranks: Gloo's ring among
+    every rank, or, hierarchical, the ring among the nodes (inside a node ranks share memory)."""
+    nodes = size // per_node
+    if per_node > 1:
+        return nodes * (nodes - 1)
+    return size * (size - 1)
+
+
+def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict[str, Any]]:
+    """``steps`` training steps of ``tensors`` allreduces: per step, the control collectives every rank's
+    real Agreement runs (the flags' AND; a full round's message allgather), with their bytes."""
+    members = [Agreement(r, size, 64 << 20, math.inf, 0.0, 1024, None) for r in range(size)]
+    per_step = []
+    for step in range(steps):
+        collectives = flag_bytes = round_bytes = ran = 0
+        for member in members:
+            member.sort(_requests(tensors))
+        while any(m.slot_requests or m.outbox for m in members):  # engine cycles
+            if collectives > 8:
+                raise RuntimeError(f"step {step} did not finish in {collectives} control collectives")
+            flags = [m.fill_flags(bool(m.outbox), blocked=True) for m in members]
+            combined = flags[0].clone()
+            for f in flags[1:]:
+                combined.bitwise_and_(f)
+            for f in flags:
+                f.copy_(combined)
+            collectives += 1
+            flag_bytes += combined.numel()
+            read = [m.read_flags() for m in members]
+            if read[0][2]:  # a full round: every rank's message to every rank
+                payloads = [m.message(False, False, 1, None).encode() for m in members]
+                collectives += 1
+                round_bytes += sum(len(p) for p in payloads)
+                messages = [RoundMessage.decode(p) for p in payloads]  # decoded once: every rank decodes alike
+                for member in members:
+                    member.absorb(messages)
+            plans = [m.ready_plan(r[0], 0) for m, r in zip(members, read)]
+            ran += len(plans[0])
+        if not ran:
+            raise RuntimeError(f"step {step}: the members agreed on nothing to run")
+        per_step.append({
+            "control_collectives": collectives,
+            "bytes_per_rank": flag_bytes + round_bytes,
+            "messages": collectives * allgather_messages(size, per_node),
+        })
+    return per_step
+
+
+# -- the report ----------------------------------------------------------------------------------
+def measure(sizes: list[int], per_node: int, tensors: int, steps: int, gather: bool) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        if size % per_node:
+            raise ValueError(f"--sizes: {size} is not a multiple of --ranks-per-node {per_node}")
+        row = {"size": size, "rendezvous": rendezvous(size, per_node, gather),
+               "steps": negotiation(size, per_node, tensors, steps)}
+        rows.append(row)
+        r, last = row["rendezvous"], row["steps"][-1]
+        print(f"N={size:5d}: rendezvous {r['seconds']:.2f} s, {r['store_ops']} store ops, "
+              f"{r['coordinator_calls']} coordinator calls, {r['value_bytes'] / 2**20:.1f} MiB read; "
+              f"first step {row['steps'][0]['control_collectives']} control collectives, steady step "
+              f"{last['control_collectives']} ({last['bytes_per_rank']} B per rank, {last['messages']} messages)",
+              flush=True)
+    return rows
+
+
+def growth_exponent(rows: list[dict[str, Any]], value: Callable[[dict[str, Any]], float]) -> float:
+    """The slope of log(value) against log(N) between the smallest and the largest N."""
+    first, last = rows[0], rows[-1]
+    return math.log(value(last) / value(first)) / math.log(last["size"] / first["size"])
+
+
+def plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]] | None, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["size"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops (gathered)")
+    left.loglog(sizes, [r["rendezvous"]["coordinator_calls"] for r in rows], "s--", label="coordinator calls")
+    if baseline:
+        left.loglog([r["size"] for r in baseline], [r["rendezvous"]["store_ops"] for r in baseline], "x:",
+                    label="store ops (per-key waits, before)")
+    left.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
+    left.set_xlabel("ranks N")
+    left.set_title("rendezvous of one membership epoch")
+    left.legend(fontsize=8)
+    right.loglog(sizes, [r["steps"][-1]["messages"] for r in rows], "o-", label="control messages / steady step")
+    right.loglog(sizes, [r["steps"][-1]["bytes_per_rank"] for r in rows], "s--", label="control bytes / rank / step")
+    right.loglog(sizes, [r["rendezvous"]["seconds"] for r in rows], "^-.", label="rendezvous seconds (in-process)")
+    right.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
+    right.set_xlabel("ranks N")
+    right.set_title("per step (negotiation) and rendezvous time")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--tensors", type=int, default=16, help="named allreduces per training step")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (the first negotiates names)")
+    parser.add_argument("--no-gather", action="store_true", help="the rendezvous without FullMeshStore")
+    parser.add_argument("--baseline", action="store_true", help="also run --no-gather's rendezvous (for the plot)")
+    parser.add_argument("--baseline-max", type=int, default=256,
+                        help="largest N of the baseline (its N^2 store calls take minutes beyond)")
+    parser.add_argument("--plot", default=None, help="save the curves as a PNG here")
+    parser.add_argument("--json", default=None, help="write the measurements here")
+    args = parser.parse_args(argv)
+    if any(n < 2 for n in args.sizes) or args.sizes != sorted(args.sizes):
+        parser.error("--sizes must be increasing and at least 2")
+    if args.ranks_per_node < 1 or args.tensors < 1 or args.steps < 2:
+        parser.error("--ranks-per-node and --tensors must be at least 1, --steps at least 2")
+    torch.set_num_threads(1)
+    rows = measure(args.sizes, args.ranks_per_node, args.tensors, args.steps, gather=not args.no_gather)
+    baseline = None
+    if args.baseline:
+        print("baseline (per-key waits):")
+        baseline = measure([n for n in args.sizes if n <= args.baseline_max], args.ranks_per_node, args.tensors, 2,
+                           gather=False)
+    print(f"\ngrowth exponents (N^k): store ops {growth_exponent(rows, lambda r: r['rendezvous']['store_ops']):.2f}, "
+          f"coordinator calls {growth_exponent(rows, lambda r: r['rendezvous']['coordinator_calls']):.2f}, "
+          f"steady-step messages {growth_exponent(rows, lambda r: r['steps'][-1]['messages']):.2f}")
+    if args.plot:
+        plot(rows, baseline, args.plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "baseline": baseline}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

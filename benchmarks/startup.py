@@ -1,0 +1,165 @@
+"""Start-up time: from ``RayExecutor(...)`` to the first allreduce result, against doing it by hand.
+
+Two ways to get N workers to their first allreduce, timed in the same Ray instance in alternating
+rounds (A B A B ...), so that the machine's noise hits both alike:
+
+* ``hvdray``: ``RayExecutor(settings, num_workers=N)``, ``start()``, then ``run(fn)`` where ``fn``
+  calls ``hvd.init()`` and allreduces one tensor; the clock stops when ``run`` returns.
+* ``raw``: what a user would write without hvdray: a placement group of N one-CPU bundles, N Ray
+  actors in it, rank 0's address handed to all, ``torch.distributed.init_process_group("gloo")`` and
+  one ``all_reduce`` in every actor; the clock stops when every actor has returned its result.
+
+Both include the placement group, the actors' processes, importing torch in them and the shutdown is
+not timed. Prints the median of each, their ratio (hvdray / raw, at most 1 is the goal), and with
+``--phases`` where hvdray's time goes (driver-side time stamps of each start step).
+
+    python benchmarks/startup.py --workers 2 4 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import ray.cloudpickle
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hvdray import RayExecutor
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def first_allreduce() -> float:
+    """hvdray's worker function: join the job and allreduce one small tensor."""
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return float(hvd.allreduce(torch.ones(4), op=hvd.Sum)[0])
+
+
+def time_hvdray(workers: int, phases: dict[str, list[float]] | None = None) -> float:
+    """Seconds from ``RayExecutor(...)`` to the first allreduce's result on every rank."""
+    started = time.perf_counter()
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60),
+                           num_workers=workers)
+    try:
+        executor.start()
+        if phases is not None:
+            phases.setdefault("start()", []).append(time.perf_counter() - started)
+        results = executor.run(first_allreduce)
+        elapsed = time.perf_counter() - started
+    finally:
+        executor.shutdown()
+    if results != [float(workers)] * workers:
+        raise RuntimeError(f"hvdray's allreduce returned {results}, expected {workers} on every rank")
+    return elapsed
+
+
+class RawWorker:
+    """The hand-written baseline's actor: a torch Gloo process group and one allreduce."""
+
+    def address(self) -> str:
+        import socket
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return f"tcp://{ip}:{s.getsockname()[1]}"
+
+    def allreduce(self, init_method: str, rank: int, size: int) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor)
+        dist.destroy_process_group()
+        return float(tensor[0])
+
+
+def time_raw(workers: int) -> float:
+    """Seconds from nothing to the first allreduce of a torch Gloo group in N actors of a placement group."""
+    started = time.perf_counter()
+    group = placement_group([{"CPU": 1}] * workers, strategy="PACK")
+    actors: list[Any] = []
+    try:
+        ray.get(group.ready())
+        actors = [
+            ray.remote(RawWorker).options(
+                num_cpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(workers)
+        ]
+        address = ray.get(actors[0].address.remote())
+        results = ray.get([a.allreduce.remote(address, rank, workers) for rank, a in enumerate(actors)])
+        elapsed = time.perf_counter() - started
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(group)
+    if results != [float(workers)] * workers:
+        raise RuntimeError(f"the raw Gloo allreduce returned {results}")
+    return elapsed
+
+
+def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Alternate hvdray and raw rounds (the order flips each round); medians and their ratio."""
+    samples: dict[str, list[float]] = {"hvdray": [], "raw": []}
+    runs: dict[str, Callable[[], float]] = {
+        "hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers),
+    }
+    time_raw(workers)  # warm-up, untimed: the first actors of a fresh Ray instance pay for its start
+    for round_ in range(rounds):
+        for name in (("hvdray", "raw") if round_ % 2 == 0 else ("raw", "hvdray")):
+            samples[name].append(runs[name]())
+            time.sleep(0.5)  # let the killed actors' processes exit before the next round
+    hvdray_s, raw_s = statistics.median(samples["hvdray"]), statistics.median(samples["raw"])
+    return {"workers": workers, "samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s,
+            "ratio": hvdray_s / raw_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each (medians are reported)")
+    parser.add_argument("--phases", action="store_true", help="also print where hvdray's start-up time goes")
+    parser.add_argument("--json", default=None, help="write the measurements here")
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.workers):
+        parser.error("--workers must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+
+    ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False)
+    rows = []
+    try:
+        for workers in args.workers:
+            phases: dict[str, list[float]] | None = {} if args.phases else None
+            row = compare(workers, args.rounds, phases)
+            if phases is not None:
+                row["phases"] = {k: statistics.median(v) for k, v in phases.items()}
+            rows.append(row)
+            print(f"{workers} workers: hvdray {row['hvdray_median_s']:.2f} s, raw Ray + Gloo "
+                  f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}", flush=True)
+    finally:
+        ray.shutdown()
+    print("\n| workers | hvdray (s, median) | raw Ray actors + Gloo (s, median) | hvdray / raw |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['workers']} | {row['hvdray_median_s']:.2f} | {row['raw_median_s']:.2f} | {row['ratio']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

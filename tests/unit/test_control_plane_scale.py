@@ -1,0 +1,122 @@
+"""The control-plane simulation (``benchmarks/control_plane_scale.py``) at small N: the rendezvous stays
+within N log N coordinator calls (and would not without the gathered wait), the steady training step
+costs one control collective of constant size, and the simulation replays exactly what a real
+``ProcessGroupGloo`` asks of its store."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import math
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane_scale.py"
+
+
+@pytest.fixture(scope="module")
+def scale():
+    spec = importlib.util.spec_from_file_location("control_plane_scale", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+class _Recording(dist.Store):
+    """A store over a shared HashStore that records this rank's operations."""
+
+    def __init__(self, base: dist.HashStore) -> None:
+        super().__init__()
+        self.base, self.ops = base, []
+
+    def set(self, key, value):
+        self.ops.append(("set", key, len(value)))
+        self.base.set(key, value)
+
+    def get(self, key):
+        self.ops.append(("get", key))
+        return self.base.get(key)
+
+    def wait(self, keys, timeout=None):
+        self.ops.append(("wait", list(keys)))
+        self.base.wait(keys)
+
+    def add(self, key, amount):
+        self.ops.append(("add", key))
+        return self.base.add(key, amount)
+
+    def check(self, keys):
+        return self.base.check(keys)
+
+    def delete_key(self, key):
+        return self.base.delete_key(key)
+
+
+def _connect_all(size, connect):
+    """Run ``connect(rank, store)`` for every rank in threads; each rank's recorded operations."""
+    base = dist.HashStore()
+    stores = [_Recording(base) for _ in range(size)]
+    errors = []
+
+    def run(rank):
+        try:
+            connect(rank, stores[rank])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return [s.ops for s in stores]
+
+
+def test_replayed_gloo_connect_is_what_real_gloo_asks_of_its_store(scale):
+    size = 4
+    groups = []
+
+    def real(rank, store):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=30)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        groups.append(dist.ProcessGroupGloo(store, rank, size, options))
+
+    real_ops = _connect_all(size, real)
+    replayed_ops = _connect_all(size, lambda rank, store: scale.gloo_connect(store, rank, size))
+    assert real_ops == replayed_ops
+    assert real_ops[0][0] == ("set", "0/0", (size - 1) * scale.GLOO_PAIR_ADDRESS_BYTES)
+
+
+def test_rendezvous_grows_at_most_n_log_n_and_per_key_waits_would_not(scale):
+    gathered = {n: scale.rendezvous(n, per_node=8, gather=True) for n in (16, 64)}
+    per_key = {n: scale.rendezvous(n, per_node=8, gather=False) for n in (16, 64)}
+    bound = (64 * math.log2(64)) / (16 * math.log2(16))  # N log N from 16 to 64: x6
+    gathered_growth = gathered[64]["coordinator_calls"] / gathered[16]["coordinator_calls"]
+    assert gathered_growth <= bound
+    assert per_key[64]["coordinator_calls"] / per_key[16]["coordinator_calls"] > bound  # the check can fail
+    # one node's worth of ranks per node: job group (set + one gathered wait), segment name, cross group (2)
+    assert gathered[64]["store_ops"] == 5 * 64
+    assert gathered[64]["calls_by_method"]["assign"] == 1
+
+
+def test_one_rank_per_node_rendezvous_is_two_store_calls_per_rank(scale):
+    result = scale.rendezvous(16, per_node=1, gather=True)
+    assert result["calls_by_method"] == {"assign": 1, "kv_set": 16, "kv_read": 16}
+
+
+def test_steady_step_costs_one_constant_control_collective(scale):
+    for size in (16, 64):
+        first, *steady = scale.negotiation(size, per_node=8, tensors=8, steps=3)
+        assert first["control_collectives"] == 2  # the flags, then the round that announces the names
+        assert all(step["control_collectives"] == 1 for step in steady)
+        assert steady[-1]["bytes_per_rank"] == steady[0]["bytes_per_rank"]
