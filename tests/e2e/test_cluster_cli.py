@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -32,18 +31,10 @@ BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 SSH_USER = "hvdray-e2e"  # unprivileged: its `ray stop` (run by `ray down`) can only stop its own processes
 
+sys.path.insert(0, str(ROOT / "tests"))
+from local_processes import free_ports, kill, processes_using  # noqa: E402 - shared with test_ray_client.py
+
 pytestmark = pytest.mark.slow
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _ray_env(ray_tmpdir: Path) -> dict[str, str]:
@@ -52,29 +43,6 @@ def _ray_env(ray_tmpdir: Path) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env.pop("RAY_ADDRESS", None)
     return env
-
-
-def _processes_using(marker: str, user: str | None = None) -> list[psutil.Process]:
-    """Processes whose command line mentions ``marker`` (or that run as ``user``), with all their children."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline", "username"]):
-        try:
-            if marker in " ".join(proc.info["cmdline"] or ()) or (user and proc.info["username"] == user):
-                for p in [proc, *proc.children(recursive=True)]:
-                    found[p.pid] = p
-        except psutil.Error:
-            continue
-    found.pop(os.getpid(), None)
-    return list(found.values())
-
-
-def _kill(processes: list[psutil.Process]) -> None:
-    for proc in processes:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(processes, timeout=10)
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -104,7 +72,7 @@ def two_node_cluster():
     Yields the submitter's environment, the dashboard URL, the GCS address and the bare environment."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-"))  # short: Ray's unix socket paths must stay < 108 chars
     base = _ray_env(tmp)
-    gcs, dashboard, client, agent1, agent2 = _free_ports(5)
+    gcs, dashboard, client, agent1, agent2 = free_ports(5)
     try:
         head = _node_env(base, tmp / "head", RAY_AUTH_MODE="token")
         token = _run([RAY, "get-auth-token", "--generate"], head, timeout=120).stdout.strip().splitlines()[-1]
@@ -119,9 +87,9 @@ def two_node_cluster():
         submitter = _node_env(base, tmp / "submitter", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         yield submitter, f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", _node_env(base, tmp / "stranger")
     finally:
-        _kill(_processes_using(str(tmp)))
+        kill(processes_using(str(tmp)))
         shutil.rmtree(tmp, ignore_errors=True)
-        assert not _processes_using(str(tmp))
+        assert not processes_using(str(tmp))
 
 
 def test_the_cluster_refuses_a_client_without_the_token(two_node_cluster):
@@ -177,7 +145,7 @@ def unrelated_cluster():
     and HOME as the example below); yields the example's environment and the head's GCS address."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-u-"))
     env = _node_env(_ray_env(tmp), tmp / "home")
-    gcs, client, agent = _free_ports(3)
+    gcs, client, agent = free_ports(3)
     try:
         _run([RAY, "get-auth-token", "--generate"], env, timeout=120)
         _run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
@@ -185,7 +153,7 @@ def unrelated_cluster():
               f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats"], env, timeout=180)
         yield env, f"127.0.0.1:{gcs}"
     finally:
-        _kill(_processes_using(str(tmp)))
+        kill(processes_using(str(tmp)))
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -292,7 +260,7 @@ def ssh_to_localhost(tmp_path):
         assert probe.returncode == 0, f"ssh {SSH_USER}@127.0.0.1 with the test key failed: {probe.stderr}"
         yield SSH_USER, key, ray_tmpdir
     finally:
-        _kill(_processes_using(str(ray_tmpdir), user=SSH_USER))
+        kill(processes_using(str(ray_tmpdir), user=SSH_USER))
         if sshd is not None:
             sshd.kill()
             sshd.wait(timeout=10)
@@ -304,7 +272,7 @@ def ssh_to_localhost(tmp_path):
 def _local_test_config(user: str, key: Path, ray_tmpdir: Path, path: Path) -> Path:
     """cluster_configs/local.yaml pointed at 127.0.0.1 with private ports; the set-up only checks the install."""
     config = yaml.safe_load((ROOT / "cluster_configs" / "local.yaml").read_text())
-    gcs, dashboard, client, agent = _free_ports(4)
+    gcs, dashboard, client, agent = free_ports(4)
     config["cluster_name"] = f"hvdray-e2e-{os.getpid()}"
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
     config["auth"] = {"ssh_user": user, "ssh_private_key": str(key)}
@@ -348,6 +316,6 @@ def test_ray_up_submit_down_with_the_local_provider_config_over_ssh(ssh_to_local
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert down.returncode == 0, down.stdout + down.stderr
     deadline = time.monotonic() + 30
-    while _processes_using(str(ray_tmpdir), user=user) and time.monotonic() < deadline:
+    while processes_using(str(ray_tmpdir), user=user) and time.monotonic() < deadline:
         time.sleep(1)
-    assert not _processes_using(str(ray_tmpdir), user=user), "ray down left processes behind"
+    assert not processes_using(str(ray_tmpdir), user=user), "ray down left processes behind"

@@ -12,31 +12,21 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 
+sys.path.insert(0, str(ROOT / "tests"))
+from local_processes import free_ports, kill, processes_using  # noqa: E402 - shared with test_cluster_cli.py
+
 pytestmark = pytest.mark.slow
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _env(tmp: Path, home: str, **extra: str) -> dict[str, str]:
@@ -54,26 +44,12 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, **kw) -> subproces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def _started_by(marker: str) -> list[psutil.Process]:
-    """The processes whose command line names ``marker`` (the head's temp dir), with their children."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if marker in " ".join(proc.info["cmdline"] or ()):
-                for p in [proc, *proc.children(recursive=True)]:
-                    found[p.pid] = p
-        except psutil.Error:
-            continue
-    found.pop(os.getpid(), None)
-    return list(found.values())
-
-
 @pytest.fixture(scope="module")
 def head():
     """A one-node cluster with 4 CPUs, the dashboard and a Ray Client server, token authentication on.
     Yields (the client's environment, the ray:// address, the dashboard URL)."""
     tmp = Path(tempfile.mkdtemp(prefix="hvr-c-"))  # short: Ray's unix socket paths must stay < 108 chars
-    gcs, dashboard, client, agent = _free_ports(4)
+    gcs, dashboard, client, agent = free_ports(4)
     try:
         # GRPC_ENABLE_FORK_SUPPORT=false: the head's Ray Client proxy forks a server per client while its
         # gRPC threads run, and gRPC's fork handlers then crash the child (empty ray_client_server_<port>.err,
@@ -91,13 +67,7 @@ def head():
         laptop = _env(tmp, "laptop", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         yield laptop, f"ray://127.0.0.1:{client}", f"http://127.0.0.1:{dashboard}"
     finally:
-        processes = _started_by(str(tmp))
-        for proc in processes:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(processes, timeout=10)
+        kill(processes_using(str(tmp)))
         shutil.rmtree(tmp, ignore_errors=True)
 
 
