@@ -198,19 +198,35 @@ def _trial(config):
         hvdray.report({"epoch": epoch, "loss": 1.5 * epoch if hvd.rank() == 0 else -1.0})
 
 
-def test_in_tune_ray_s_own_tensorboard_callback_gets_the_reports(ray_local, tmp_path):
-    """Inside a trial ``hvdray.report`` feeds Tune, so Ray's tracking callbacks (here TBXLoggerCallback,
-    passed explicitly) write rank 0's reports."""
+def test_in_tune_ray_s_own_tracking_callbacks_get_the_reports(ray_local, tracking_env):
+    """Inside a trial ``hvdray.report`` feeds Tune, so Ray's own tracking callbacks (TensorBoard, MLflow,
+    W&B offline, passed explicitly) write rank 0's reports: read back with each library."""
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    import mlflow
     from ray import tune
+    from ray.air.integrations.mlflow import MLflowLoggerCallback
+    from ray.air.integrations.wandb import WandbLoggerCallback
     from ray.tune.logger import TBXLoggerCallback
 
     from hvdray.tune import DistributedTrainableCreator
 
+    tmp_path = tracking_env
     trainable = DistributedTrainableCreator(_trial, num_hosts=1, num_slots=2)
+    callbacks = [
+        TBXLoggerCallback(),
+        MLflowLoggerCallback(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="hvdray-tune"),
+        WandbLoggerCallback(project="hvdray-tune", mode="offline", dir=str(tmp_path / "wb")),
+    ]
     analysis = tune.run(trainable, config={"epochs": 3}, storage_path=str(tmp_path), name="tracked", verbose=0,
-                        callbacks=[TBXLoggerCallback()])
+                        callbacks=callbacks)
     (trial,) = analysis.trials
     accumulator = event_accumulator.EventAccumulator(trial.local_path)
     accumulator.Reload()
     assert [(s.step, s.value) for s in accumulator.Scalars("ray/tune/loss")] == [(1, 0.0), (2, 1.5), (3, 3.0)]
+    client = mlflow.MlflowClient(f"file://{tmp_path}/mlruns")
+    (run,) = client.search_runs([client.get_experiment_by_name("hvdray-tune").experiment_id])
+    assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)] \
+        == [0.0, 1.5, 3.0]
+    assert [value for _, value in _wandb_history(tmp_path)["loss"]] == [0.0, 1.5, 3.0]
