@@ -321,8 +321,11 @@ def _failing_execution():
         def boom(*args, primitive=primitive, **kwargs):
             raise RuntimeError(f"injected {primitive} failure")
 
-        # every rank's Gloo call fails once the op has been negotiated (no rank waits on a peer)
-        setattr(session.engine().comm, primitive, boom)
+        # every rank's transport call fails once the op has been negotiated (no rank waits on a peer); the
+        # engine moves a single tensor out of place with the *_into forms
+        for method in (primitive, f"{primitive}_into"):
+            if hasattr(session.engine().comm, method):
+                setattr(session.engine().comm, method, boom)
         handle = call()
         deadline = time.monotonic() + BOUND_S
         while not hvd.poll(handle) and time.monotonic() < deadline:

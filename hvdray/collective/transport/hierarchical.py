@@ -44,6 +44,11 @@ class HierarchicalAllreduce(SharedMemoryAllreduce):
         node, cross = self._node, self._cross_step(op)
         on_contiguous(tensor, lambda flat: node.allreduce(flat, op, cross))
 
+    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+        # the shared-memory parent reads ``source`` directly but has no cross-node step: copy, then run
+        output.copy_(source)
+        self.run(output, op)
+
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
         finish: Optional[Finish], shapes: Optional[tuple[torch.Size, ...]],

@@ -235,7 +235,7 @@ class NodeCollectives:
         lo, hi = bounds[me], bounds[me + 1]
         piece_at, own_at = flat.data_ptr() + start * isz, data + self._slot_offset(half, me)
         peers = [slots[peer] for peer in range(size) if peer != me]
-        step = hi - lo if cross is not None else max(1, REDUCE_BLOCK_BYTES // isz)
+        step = max(1, hi - lo if cross is not None else REDUCE_BLOCK_BYTES // isz)  # an empty part: no block
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             acc = flat[start + a : start + b]
