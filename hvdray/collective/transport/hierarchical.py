@@ -46,8 +46,7 @@ class HierarchicalAllreduce(SharedMemoryAllreduce):
 
     def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
         # the shared-memory parent reads ``source`` directly but has no cross-node step: copy, then run
-        output.copy_(source)
-        self.run(output, op)
+        AllreduceStrategy.run_into(self, source, output, op)
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
