@@ -31,7 +31,6 @@ def _train_ranks(config):
         total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
         report({
             "rank": hvd.rank(), "size": hvd.size(), "epoch": epoch, "total": total,
-            "pg": ray.get_runtime_context().get_placement_group_id(),
         })
 
 
@@ -72,7 +71,6 @@ def _train_with_state(config, checkpoint_dir=None):
                     json.dump({**state, "written_by": hvd.rank()}, f)
         report({
             "value": state["value"], "epoch": state["epoch"], "resumed_at": resumed_at, "ranks_restored": seen,
-            "pg": ray.get_runtime_context().get_placement_group_id(),
         })
 
 
@@ -333,14 +331,17 @@ def test_asha_stops_weak_trials_early_and_their_workers_serve_the_next_trial(ray
     assert _wait_until_released(groups) == (ray.cluster_resources()["CPU"], groups)
 
 
-def test_pbt_pauses_checkpoints_and_restores_trials_elsewhere(ray_local, tmp_path):
+def test_pbt_restores_trials_from_checkpoints_on_every_rank(ray_local, tmp_path):
     from ray.tune.schedulers import PopulationBasedTraining
 
     groups = _live_placement_groups()
     pbt = PopulationBasedTraining(
         time_attr="training_iteration", perturbation_interval=2, quantile_fraction=0.5,
         hyperparam_mutations={"lr": [0.1, 1.0]}, resample_probability=0.0,
-        synch=True,  # each trial is paused (saved, actors and placement group released) until all catch up
+        # Each trial waits for all to catch up. Whether a restored trial gets new actors (paused: its
+        # placement group released) or is restored in its running ones depends on which trial Tune hears
+        # from last, so the test checks the restore itself, not where it ran.
+        synch=True,
     )
     tuner = tune.Tuner(
         DistributedTrainableCreator(_train_with_state, num_slots=2),
@@ -357,6 +358,5 @@ def test_pbt_pauses_checkpoints_and_restores_trials_elsewhere(ray_local, tmp_pat
         row = history[history["resumed_at"] > 0].iloc[0]
         assert row["ranks_restored"] == 2  # every rank got the checkpoint
         assert row["epoch"] == row["resumed_at"] + 1  # it went on from the restored epoch
-        assert row["pg"] != history["pg"].iloc[0]  # in a new placement group: the paused trial let its own go
     assert all(r.metrics["epoch"] == 3 for r in results)
     assert _wait_until_released(groups) == (ray.cluster_resources()["CPU"], groups)
