@@ -1,6 +1,6 @@
 """Soak: many executor lifecycles and many collectives leak nothing.
 
-* 40 start / run / shutdown cycles in one driver process leave the driver's open file descriptors
+* 25 start / run / shutdown cycles in one driver process leave the driver's open file descriptors
   and threads, the cluster's live actors and placement groups, its free CPUs and /dev/shm as they
   were after the first cycle (which warms up Ray's own connections);
 * 10,000 collectives in one worker process leave its file descriptors and threads unchanged.
@@ -20,7 +20,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 #: enough for a leak of one descriptor, thread, actor or segment per cycle to show past the slack; the 200-cycle
 #: soak with its figures is ``benchmarks/soak.py``
-CYCLES = 40
+CYCLES = 25
 COLLECTIVES = 10_000
 #: Slack for descriptors Ray opens lazily (log files, gRPC channels) the first few times.
 FD_SLACK = 8
