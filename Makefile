@@ -13,7 +13,9 @@ EXTRAS := test,tune,examples,tensorflow,docs
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch --extra-index-url $(TORCH_CPU_INDEX)
+	# torch alone from its CPU index (--no-deps: its dependencies come from PyPI with the rest, so a machine
+	# that cannot reach the CPU index, with the wheel in a local find-links, does not retry it for each)
+	$(PY) -m pip install --quiet -c constraints.txt torch --extra-index-url $(TORCH_CPU_INDEX) --no-deps
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 

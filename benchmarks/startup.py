@@ -13,14 +13,21 @@ Both include the placement group, the actors' processes, importing torch in them
 not timed. Prints the median of each, their ratio (hvdray / raw, at most 1 is the goal), and with
 ``--phases`` where hvdray's time goes (driver-side time stamps of each start step).
 
+``--load K`` keeps K processes spinning on the CPUs during the rounds, at ``--load-niceness`` (0 by
+default, like programs outside Ray; Ray runs its workers at niceness 15, so those starve them, and
+``--load-niceness 15`` is load at the workers' own priority, like their data loaders).
+
     python benchmarks/startup.py --workers 2 4 --rounds 5
+    python benchmarks/startup.py --workers 2 --rounds 3 --load 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,29 +135,47 @@ def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) ->
             "ratio": hvdray_s / raw_s}
 
 
+@contextlib.contextmanager
+def spinning(processes: int, niceness: int):
+    """``processes`` busy loops at ``niceness`` for the duration (killed by pid afterwards)."""
+    code = f"import os\nos.nice({niceness})\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each (medians are reported)")
     parser.add_argument("--phases", action="store_true", help="also print where hvdray's start-up time goes")
     parser.add_argument("--json", default=None, help="write the measurements here")
+    parser.add_argument("--load", type=int, default=0, help="processes spinning on the CPUs during the rounds")
+    parser.add_argument("--load-niceness", type=int, default=0, help="their niceness (Ray's workers run at 15)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.workers):
         parser.error("--workers must be at least 1")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.load < 0 or not 0 <= args.load_niceness <= 19:
+        parser.error("--load must be at least 0 and --load-niceness within 0..19")
 
     ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False)
     rows = []
     try:
-        for workers in args.workers:
-            phases: dict[str, list[float]] | None = {} if args.phases else None
-            row = compare(workers, args.rounds, phases)
-            if phases is not None:
-                row["phases"] = {k: statistics.median(v) for k, v in phases.items()}
-            rows.append(row)
-            print(f"{workers} workers: hvdray {row['hvdray_median_s']:.2f} s, raw Ray + Gloo "
-                  f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}", flush=True)
+        with spinning(args.load, args.load_niceness):
+            for workers in args.workers:
+                phases: dict[str, list[float]] | None = {} if args.phases else None
+                row = compare(workers, args.rounds, phases)
+                if phases is not None:
+                    row["phases"] = {k: statistics.median(v) for k, v in phases.items()}
+                rows.append(row)
+                print(f"{workers} workers: hvdray {row['hvdray_median_s']:.2f} s, raw Ray + Gloo "
+                      f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}", flush=True)
     finally:
         ray.shutdown()
     print("\n| workers | hvdray (s, median) | raw Ray actors + Gloo (s, median) | hvdray / raw |\n|---|---|---|---|")
