@@ -19,8 +19,9 @@ members (threads, no tensors, no sockets):
   flag vector, the flags are AND-ed, a full round's :class:`RoundMessage`\\ s are encoded, gathered and
   decoded, absorbed and planned, as the engine loop does. Counted per step: control collectives
   and their bytes per rank; messages are those collectives' point-to-point messages under the
-  transport the job would use (``--ranks-per-node`` > 1 on several nodes: hierarchical, whose
-  cross-node part is a Gloo allgather among the nodes; 1: Gloo's ring allgather among all ranks).
+  transport the job would use: the flags' AND crosses the nodes (``--ranks-per-node`` > 1:
+  hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling among 4 or more
+  (P log2 P messages), a full round's allgather is Gloo's ring among all ranks (N(N-1)).
 
 ``--no-gather`` replays the rendezvous without ``FullMeshStore`` (what Gloo asks of a plain store):
 the quadratic baseline. ``--plot PATH`` saves the curves as a PNG (``docs/img/control_plane_scale.png``).
@@ -53,6 +54,7 @@ from hvdray.collective.engine.handle import Handle, Request
 from hvdray.collective.engine.negotiation import RoundMessage
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.topology import WorkerSlot
+from hvdray.collective.transport.gloo import RECURSIVE_DOUBLING_MIN_RANKS, recursive_doubling_messages
 from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.driver.coordinator import Coordinator, CoordinatorClient
 from hvdray.worker.rendezvous import CoordinatorStore
@@ -188,12 +190,19 @@ def _requests(tensors: int) -> list[Request]:
     ]
 
 
-def allgather_messages(size: int, per_node: int) -> int:
-    """Point-to-point messages of one small allgather (or gather-reduce) of all ranks: Gloo's ring among
-    every rank, or, hierarchical, the ring among the nodes (inside a node ranks share memory)."""
-    nodes = size // per_node
-    if per_node > 1:
-        return nodes * (nodes - 1)
+def flag_messages(size: int, per_node: int) -> int:
+    """Point-to-point messages of one AND of the flag vector: inside a node the ranks share memory
+    (hierarchical, ``per_node`` > 1) and the node's part crosses the nodes; with one rank per node
+    every rank takes part. Among 4 or more that is the recursive doubling (P log2 P messages), among
+    fewer the gather-reduce's allgather ring (P(P-1))."""
+    group = size // per_node if per_node > 1 else size
+    if group >= RECURSIVE_DOUBLING_MIN_RANKS:
+        return recursive_doubling_messages(group)
+    return group * (group - 1)
+
+
+def round_messages(size: int) -> int:
+    """Point-to-point messages of a full round's message allgather: Gloo's ring among every rank."""
     return size * (size - 1)
 
 
@@ -203,7 +212,7 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
     members = [Agreement(r, size, 64 << 20, math.inf, 0.0, 1024, None) for r in range(size)]
     per_step = []
     for step in range(steps):
-        collectives = flag_bytes = round_bytes = ran = 0
+        collectives = flag_bytes = round_bytes = ran = sent = 0
         for member in members:
             member.sort(_requests(tensors))
         while any(m.slot_requests or m.outbox for m in members):  # engine cycles
@@ -216,11 +225,13 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
             for f in flags:
                 f.copy_(combined)
             collectives += 1
+            sent += flag_messages(size, per_node)
             flag_bytes += combined.numel()
             read = [m.read_flags() for m in members]
             if read[0][2]:  # a full round: every rank's message to every rank
                 payloads = [m.message(False, False, 1, None).encode() for m in members]
                 collectives += 1
+                sent += round_messages(size)
                 round_bytes += sum(len(p) for p in payloads)
                 messages = [RoundMessage.decode(p) for p in payloads]  # decoded once: every rank decodes alike
                 for member in members:
@@ -232,7 +243,7 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
         per_step.append({
             "control_collectives": collectives,
             "bytes_per_rank": flag_bytes + round_bytes,
-            "messages": collectives * allgather_messages(size, per_node),
+            "messages": sent,
         })
     return per_step
 

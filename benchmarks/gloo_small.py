@@ -1,12 +1,15 @@
-"""Gloo's allreduce vs an allgather plus a local reduction, for small messages, without Ray or the engine.
+"""Gloo's allreduce vs an allgather plus a local reduction vs a recursive doubling, for small messages,
+without Ray or the engine.
 
 Why hvdray's Gloo path (jobs across nodes, ``shm_transport=False``, process sets) sends an allreduce
 whose every-rank copies total at most ``GATHER_REDUCE_BYTES`` as an allgather and a reduction of the
 rows in rank order. ``n`` fresh processes on one ``ProcessGroupGloo`` (a FileStore group, loopback TCP)
-alternate, round by round: raw ``allreduce`` and ``allgather`` + ``torch.add`` of the rows, for each
-message size. Prints the median microseconds per call (the slowest rank's) and the ratio.
+alternate, round by round: raw ``allreduce``, ``allgather`` + ``torch.add`` of the rows, and hvdray's
+``GlooRecursiveDoubling`` (log2 n exchanges of the whole message over Gloo's point-to-point sends), for
+each message size. Prints the median microseconds per call (the slowest rank's) and the ratios; the
+recursive doubling serves small messages among ``RECURSIVE_DOUBLING_MIN_RANKS`` ranks or more.
 
-    python benchmarks/gloo_small.py --ranks 2 4 --rounds 5
+    python benchmarks/gloo_small.py --ranks 2 4 8 --rounds 5
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
     import torch.distributed as dist
     from torch.distributed import ProcessGroupGloo, ReduceOp
 
+    from hvdray.collective.transport.gloo import GlooRecursiveDoubling
+
     torch.set_num_threads(1)
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=120)
@@ -36,6 +41,7 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
     pg = ProcessGroupGloo(dist.FileStore(store_path, n), rank, n, options)
     opts = dist.AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM
+    doubling = GlooRecursiveDoubling(pg)
     times: dict[tuple[int, str], list[float]] = {}
     for nbytes in SIZES:
         tensor = torch.ones(max(1, nbytes // 4))
@@ -50,12 +56,17 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
             for row in rows[2:]:
                 tensor.add_(row)
 
+        def recursive_doubling() -> None:
+            doubling.run(tensor, ReduceOp.SUM)
+
         calls = 100 if nbytes <= 65536 else 20
-        for fn in (allreduce, gather_reduce):
+        implementations = (("allreduce", allreduce), ("allgather + reduce", gather_reduce),
+                           ("recursive doubling", recursive_doubling))
+        for _, fn in implementations:
             for _ in range(5):
                 fn()
         for _ in range(rounds):
-            for label, fn in (("allreduce", allreduce), ("allgather + reduce", gather_reduce)):
+            for label, fn in implementations:
                 pg.barrier().wait()
                 started = time.perf_counter()
                 for _ in range(calls):
@@ -87,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         seconds = measure(n, args.rounds)
         for nbytes in SIZES:
             base, gathered = seconds[(nbytes, "allreduce")], seconds[(nbytes, "allgather + reduce")]
+            doubled = seconds[(nbytes, "recursive doubling")]
             print(f"{n} ranks {nbytes:8d} B  allreduce {base * 1e6:8.0f} us  allgather + reduce "
-                  f"{gathered * 1e6:8.0f} us  {base / gathered:5.2f}x the speed of raw allreduce", flush=True)
+                  f"{gathered * 1e6:8.0f} us ({base / gathered:5.2f}x raw's speed)  recursive doubling "
+                  f"{doubled * 1e6:8.0f} us ({base / doubled:5.2f}x raw's, {gathered / doubled:5.2f}x "
+                  f"gather-reduce's)", flush=True)
     return 0
 
 

@@ -105,20 +105,22 @@ def _gloo_inputs(rank: int, dtype: str, numel: int):
 
 
 def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor):
-    """Over Gloo (jobs across nodes, shm_transport=False), messages whose every-rank copies fit
-    GATHER_REDUCE_BYTES are an allgather plus a reduction in rank order, larger ones Gloo's allreduce:
-    both sides of the threshold, every dtype and op, against torch on the driver."""
+    """Over Gloo (jobs across nodes, shm_transport=False), among 4 ranks messages up to
+    RECURSIVE_DOUBLING_BYTES are a recursive doubling, those whose every-rank copies fit
+    GATHER_REDUCE_BYTES an allgather plus a reduction in rank order, larger ones Gloo's allreduce:
+    each side of both thresholds, every dtype and op, against torch on the driver (the engine's own
+    flag vector takes the recursive doubling on every tick)."""
     import torch
 
-    from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES
+    from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES, RECURSIVE_DOUBLING_BYTES
 
-    n = 3
+    n = 4
     ex = make_executor(settings=_settings(shm_transport=False), num_workers=n, cpus_per_worker=0.5)
     ops = ["sum", "min", "max", "product"]
     cases = []
     for dtype in GLOO_DTYPES:
         itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        for numel in (5, GATHER_REDUCE_BYTES // (n * itemsize) + 1):
+        for numel in (5, RECURSIVE_DOUBLING_BYTES // itemsize + 1, GATHER_REDUCE_BYTES // (n * itemsize) + 1):
             for op in ops if dtype != "bool" else ["sum", "min", "max"]:
                 cases.append((dtype, numel, op))
 

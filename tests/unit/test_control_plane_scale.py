@@ -120,3 +120,14 @@ def test_steady_step_costs_one_constant_control_collective(scale):
         assert first["control_collectives"] == 2  # the flags, then the round that announces the names
         assert all(step["control_collectives"] == 1 for step in steady)
         assert steady[-1]["bytes_per_rank"] == steady[0]["bytes_per_rank"]
+
+
+def test_steady_step_messages_grow_at_most_n_log_n(scale):
+    """The flags' AND crosses the nodes by recursive doubling: P log2 P messages for P nodes (one rank per
+    node: N log2 N), where an allgather ring would send P(P-1)."""
+    for per_node in (1, 8):
+        steady = {n: scale.negotiation(n, per_node=per_node, tensors=4, steps=2)[-1]["messages"] for n in (64, 256)}
+        groups = {n: n // per_node if per_node > 1 else n for n in steady}
+        for n, messages in steady.items():
+            assert messages <= groups[n] * math.log2(groups[n]), (per_node, n, messages)
+            assert messages < groups[n] * (groups[n] - 1)  # the ring's count: the check can fail

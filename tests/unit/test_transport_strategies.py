@@ -12,7 +12,14 @@ from torch.distributed import ReduceOp
 from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.transport import Communicator
 from hvdray.collective.transport.adasum import AdasumAllreduce
-from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES, GlooGatherReduce, GlooRing
+from hvdray.collective.transport.gloo import (
+    GATHER_REDUCE_BYTES,
+    RECURSIVE_DOUBLING_BYTES,
+    RECURSIVE_DOUBLING_MIN_RANKS,
+    GlooGatherReduce,
+    GlooRecursiveDoubling,
+    GlooRing,
+)
 from hvdray.collective.transport.order import ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
@@ -20,13 +27,16 @@ from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyEr
 
 
 class _Group:
-    """Stands in for a ProcessGroupGloo: the strategies read only its size when built."""
+    """Stands in for a ProcessGroupGloo: the strategies read only its size and rank when built."""
 
     def __init__(self, size: int) -> None:
         self._size = size
 
     def size(self) -> int:
         return self._size
+
+    def rank(self) -> int:
+        return 0
 
 
 class _Node:
@@ -39,7 +49,7 @@ class _Node:
 def test_gloo_only_lists():
     strategies = ordered_strategies(_Group(4))
     assert strategies.names() == {
-        "allreduce": ["adasum", "gloo gather-reduce", "gloo ring"],
+        "allreduce": ["adasum", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["gloo allgather"],
         "broadcast": ["gloo broadcast"],
     }
@@ -49,7 +59,7 @@ def test_gloo_only_lists():
 def test_one_node_lists_put_shared_memory_before_gloo():
     strategies = ordered_strategies(_Group(2), _Node())
     assert strategies.names() == {
-        "allreduce": ["adasum", "shared memory", "gloo gather-reduce", "gloo ring"],
+        "allreduce": ["adasum", "shared memory", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["shared memory allgather", "gloo allgather"],
         "broadcast": ["shared memory broadcast", "gloo broadcast"],
     }
@@ -59,7 +69,7 @@ def test_one_node_lists_put_shared_memory_before_gloo():
 def test_several_nodes_reduce_hierarchically_and_gather_over_gloo():
     strategies = ordered_strategies(_Group(4), _Node(), cross=_Group(2))
     assert strategies.names() == {
-        "allreduce": ["adasum", "hierarchical", "gloo gather-reduce", "gloo ring"],
+        "allreduce": ["adasum", "hierarchical", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["gloo allgather"],
         "broadcast": ["gloo broadcast"],
     }
@@ -102,6 +112,14 @@ def test_what_each_entry_serves():
     assert not small.serves(torch.ones(largest + 1), ReduceOp.SUM)
     assert not small.serves(torch.ones(5), Reduction.ADASUM)
     assert not GlooGatherReduce(_Group(1)).serves(torch.ones(5), ReduceOp.SUM)
+    # the recursive doubling takes messages up to RECURSIVE_DOUBLING_BYTES among enough ranks
+    doubling = GlooRecursiveDoubling(_Group(RECURSIVE_DOUBLING_MIN_RANKS))
+    largest = RECURSIVE_DOUBLING_BYTES // 4
+    assert doubling.serves(torch.ones(largest), ReduceOp.SUM) and doubling.serves(torch.ones(257, dtype=torch.uint8),
+                                                                                ReduceOp.BAND)
+    assert not doubling.serves(torch.ones(largest + 1), ReduceOp.SUM)
+    assert not doubling.serves(torch.ones(5), Reduction.ADASUM)
+    assert not GlooRecursiveDoubling(_Group(RECURSIVE_DOUBLING_MIN_RANKS - 1)).serves(torch.ones(5), ReduceOp.SUM)
 
 
 def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():
@@ -115,7 +133,7 @@ def test_a_one_process_communicator_runs_every_list():
     comm = Communicator(dist.HashStore(), 0, 1, timeout_s=5.0)
     try:
         assert comm.transport == "gloo" and comm.fused_message_bytes == 0
-        assert comm.strategies.names()["allreduce"] == ["adasum", "gloo gather-reduce", "gloo ring"]
+        assert comm.strategies.names()["allreduce"] == ["adasum", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"]
         t = torch.arange(6.0).view(2, 3).t()  # not contiguous
         comm.allreduce(t, Reduction.SUM)
         assert torch.equal(t, torch.arange(6.0).view(2, 3).t())

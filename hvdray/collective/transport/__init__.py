@@ -8,8 +8,10 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 2. SharedMemoryAllreduce   every rank on one node: the node's segment (shm/)
                    or HierarchicalAllreduce   several nodes: the segment, then this rank's part over a
                                               Gloo group across the nodes (hierarchical.py)
-                3. GlooGatherReduce        small messages: allgather + reduction in rank order (gloo.py)
-                4. GlooRing                Gloo's allreduce: serves everything else (gloo.py)
+                3. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges (gloo.py)
+                4. GlooGatherReduce        small messages: allgather + reduction in rank order (gloo.py)
+                5. GlooRing                Gloo's allreduce: serves everything else (gloo.py)
+                (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
     allgather   SharedMemoryAllgather (one node), GlooAllgather
     broadcast   SharedMemoryBroadcast (one node), GlooBroadcast
     alltoall, reducescatter: Gloo only

@@ -1,5 +1,5 @@
-"""Private Gloo process groups and the strategies that run over one: the small-message gather-reduce,
-Gloo's own allreduce (a ring), allgather and broadcast.
+"""Private Gloo process groups and the strategies that run over one: the small-message recursive doubling
+and gather-reduce, Gloo's own allreduce (a ring), allgather and broadcast.
 
 A group is built on a store handed in by the caller (the coordinator's rendezvous in a job, an
 in-memory store for a single process). ``torch.distributed.init_process_group`` is never called, so a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 #: 1.3-1.6x for 256 B to 256 KB between 4, while from 1 MB Gloo's allreduce is as fast or faster
 #: (``python benchmarks/gloo_small.py``)
 GATHER_REDUCE_BYTES = 512 << 10
+
+#: over Gloo, a small allreduce (at most this many bytes) among at least
+#: :data:`RECURSIVE_DOUBLING_MIN_RANKS` ranks is a recursive doubling: log2(P) exchanges of the whole
+#: message between partners, P log2 P point-to-point messages in all where the gather-reduce's allgather
+#: ring sends P(P-1) in P-1 hops (the engine's flag vector crosses the nodes this way every tick)
+RECURSIVE_DOUBLING_BYTES = 64 << 10
+RECURSIVE_DOUBLING_MIN_RANKS = 4
 
 #: dtypes torch's Gloo backend can move and reduce.
 GLOO_DTYPES = (
@@ -100,6 +107,73 @@ class GlooGatherReduce(AllreduceStrategy):
         reducer(rows[0], rows[1], out=flat)
         for row in rows[2:]:
             reducer(flat, row, out=flat)
+
+
+def recursive_doubling(rank: int, size: int) -> Iterator[tuple[str, int, int]]:
+    """The steps of ``rank`` in a recursive-doubling allreduce of ``size`` ranks, in order, as ``(kind,
+    peer, tag)``: ``send`` (this rank's data to ``peer``), ``reduce`` (receive ``peer``'s and reduce it
+    into this rank's), ``exchange`` (both at once), ``receive`` (take ``peer``'s result). ``tag`` numbers
+    the phase, the same on both sides of a message.
+
+    With P the largest power of two up to ``size``, the ranks from P on first fold their data into rank
+    ``rank - P``; ranks 0..P-1 then exchange with the partner differing in one bit per round, so each
+    holds the reduction of all after log2 P rounds; the folded ranks get it back at the end. Each
+    reduction combines the same two operands on both partners, so every rank ends with the same bits
+    (the elementwise ops are commutative)."""
+    power = 1 << (size.bit_length() - 1)
+    rounds = power.bit_length() - 1
+    if rank >= power:
+        yield "send", rank - power, 0
+        yield "receive", rank - power, rounds + 1
+        return
+    if rank + power < size:
+        yield "reduce", rank + power, 0
+    for round_ in range(rounds):
+        yield "exchange", rank ^ (1 << round_), round_ + 1
+    if rank + power < size:
+        yield "send", rank + power, rounds + 1
+
+
+def recursive_doubling_messages(size: int) -> int:
+    """Point-to-point messages of one recursive-doubling allreduce among ``size`` ranks (its sends)."""
+    return sum(step[0] in ("send", "exchange") for rank in range(size) for step in recursive_doubling(rank, size))
+
+
+class GlooRecursiveDoubling(AllreduceStrategy):
+    """Small messages among several ranks: :func:`recursive_doubling` over Gloo's point-to-point sends,
+    log2 P hops where the gather-reduce takes P - 1."""
+
+    name = "gloo recursive doubling"
+
+    def __init__(self, group: ProcessGroupGloo) -> None:
+        self._group = group
+        self._size = group.size()
+        self._steps = tuple(recursive_doubling(group.rank(), self._size))
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return (
+            self._size >= RECURSIVE_DOUBLING_MIN_RANKS and op in REDUCERS
+            and tensor.numel() * tensor.element_size() <= RECURSIVE_DOUBLING_BYTES
+        )
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        if tensor.numel():
+            reducer = REDUCERS[op]
+            on_contiguous(tensor, lambda flat: self._run(flat, reducer))
+
+    def _run(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+        group, theirs = self._group, torch.empty_like(flat)
+        for kind, peer, tag in self._steps:
+            if kind == "send":
+                group.send([flat], peer, tag).wait()
+            elif kind == "receive":
+                group.recv([flat], peer, tag).wait()
+            else:
+                sent = group.send([flat], peer, tag) if kind == "exchange" else None
+                group.recv([theirs], peer, tag).wait()
+                if sent is not None:
+                    sent.wait()  # ``flat`` is read by the send: reduce into it only once it went out
+                reducer(flat, theirs, out=flat)
 
 
 class GlooRing(AllreduceStrategy):

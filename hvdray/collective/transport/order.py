@@ -13,7 +13,13 @@ from typing import Optional, TypeVar
 from torch.distributed import ProcessGroupGloo
 
 from hvdray.collective.transport.adasum import AdasumAllreduce
-from hvdray.collective.transport.gloo import GlooAllgather, GlooBroadcast, GlooGatherReduce, GlooRing
+from hvdray.collective.transport.gloo import (
+    GlooAllgather,
+    GlooBroadcast,
+    GlooGatherReduce,
+    GlooRecursiveDoubling,
+    GlooRing,
+)
 from hvdray.collective.transport.hierarchical import HierarchicalAllreduce
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.strategies import (
@@ -62,12 +68,15 @@ def ordered_strategies(
     allreduce = _present(
         AdasumAllreduce(allgather, world.size()),
         SharedMemoryAllreduce(one_node) if one_node is not None else None,
-        HierarchicalAllreduce(node, (GlooGatherReduce(cross), GlooRing(cross)))
-        if node is not None and cross is not None else None,
-        GlooGatherReduce(world),
-        GlooRing(world),
+        HierarchicalAllreduce(node, _gloo_allreduces(cross)) if node is not None and cross is not None else None,
+        *_gloo_allreduces(world),
     )
     return Strategies(allreduce, allgather, broadcast)
+
+
+def _gloo_allreduces(group: ProcessGroupGloo) -> tuple[AllreduceStrategy, ...]:
+    """Gloo's allreduce strategies over ``group``, small messages first."""
+    return GlooRecursiveDoubling(group), GlooGatherReduce(group), GlooRing(group)
 
 
 def _present(*entries: Optional[_Strategy]) -> tuple[_Strategy, ...]:
