@@ -73,8 +73,10 @@ def start_job_coordinator(name: str) -> JobCoordinator:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from hvdray.driver.cluster import actor_class
+
     token = secrets.token_bytes(32)
-    options = ray.remote(Coordinator).options(
+    options = actor_class(Coordinator).options(
         num_cpus=0,
         name=name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),

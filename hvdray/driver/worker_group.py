@@ -35,6 +35,7 @@ import ray
 
 from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
+from hvdray.driver.cluster import actor_class
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
 from hvdray.driver.datasets import DatasetSplitter
 from hvdray.settings import Settings
@@ -263,7 +264,7 @@ class WorkerGroup:
         if self._elastic:
             options["max_concurrency"] = 2  # ping answers while run is busy
         role = f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}"
-        actor = ray.remote(Worker).options(name=actor_name(self.executor_id, role), **options).remote()
+        actor = actor_class(Worker).options(name=actor_name(self.executor_id, role), **options).remote()
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
