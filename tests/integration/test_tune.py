@@ -31,6 +31,7 @@ def _train_ranks(config):
         total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
         report({
             "rank": hvd.rank(), "size": hvd.size(), "epoch": epoch, "total": total,
+            "pg": ray.get_runtime_context().get_placement_group_id(),
         })
 
 
