@@ -154,3 +154,44 @@ def test_an_elastic_job_recovers_from_a_rank_lost_during_a_pass(ray_local, tmp_p
     assert [t["state"] for t in transitions].count("recovering") == 1, transitions
     assert elapsed < 60, f"took {elapsed:.0f} s"
     _wait_no_split_coordinator()
+
+
+def _shard_fetched_outside_the_wrapped_function(marker: str) -> list:
+    import os
+
+    import torch
+
+    import hvdray
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    shard = hvdray.get_dataset_shard("train")  # the first epoch's split, kept across resets: the mistake
+    state = hvd.elastic.ObjectState(epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.epoch < 2:
+            for _ in shard.iter_batches(batch_size=20):
+                if hvd.rank() == 1 and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(1)
+            state.epoch += 1
+            state.commit()
+
+    return train(state)
+
+
+def test_a_shard_of_an_ended_epoch_read_after_a_reset_fails_saying_where_to_fetch_it(ray_local, tmp_path):
+    marker = str(tmp_path / "died")
+    settings = RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=60,
+                                           discovery=_ShrinkingDiscovery(marker), discovery_interval_s=0.5)
+    started = time.monotonic()
+    with RayExecutor(settings, min_workers=1, max_workers=2, override_discovery=False,
+                     dataset_config=BUDGET) as executor:
+        with pytest.raises(RuntimeError, match=r"rank 0.*a dataset shard of membership epoch 1 was read in epoch 2"
+                                               r".*inside the function hvd.elastic.run wraps"):
+            executor.run(_shard_fetched_outside_the_wrapped_function, args=[marker],
+                         datasets={"train": _padded_rows()})
+    assert time.monotonic() - started < 60
+    _wait_no_split_coordinator()
