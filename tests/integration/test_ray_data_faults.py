@@ -9,6 +9,7 @@ the survivor blocks after a few blocks, as it would with a large dataset."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -51,9 +52,34 @@ def _wait_no_split_coordinator(seconds: float = 15.0) -> None:
     assert not _alive_split_coordinators(), "a SplitCoordinator outlived its run"
 
 
-def _rank1_dies_mid_pass():
-    import os
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
+
+def _die_once_rank0_stalls(progress: str, died: str) -> None:
+    """Rank 1, after its first batch: wait (reading nothing more) until rank 0's progress has stood still
+    for 3 s, i.e. rank 0 is blocked in ``iter_batches``, then die as a crash would, noting when and the
+    progress it saw."""
+    import json
+    import os
+    import time
+
+    last, still_since = None, time.monotonic()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = open(progress).read() if os.path.exists(progress) else None
+        if now != last:
+            last, still_since = now, time.monotonic()
+        elif now is not None and time.monotonic() - still_since > 3:
+            break
+        time.sleep(0.1)
+    _write(died, json.dumps({"at": time.time(), "progress": last}))
+    os._exit(1)
+
+
+def _rank1_dies_mid_pass(progress: str, died: str):
     import torch
 
     import hvdray
@@ -66,24 +92,25 @@ def _rank1_dies_mid_pass():
     for batch in hvdray.get_dataset_shard("train").iter_batches(batch_size=20):
         rows += len(batch["id"])
         if hvd.rank() == 1:
-            os._exit(1)  # a crash after its first batch
-        ray_logger.log({"kind": "rows", "rows": rows})
+            _die_once_rank0_stalls(progress, died)
+        _write(progress, str(rows))
     ray_logger.log({"kind": "pass_done", "rows": rows})
     return rows
 
 
-def test_a_fixed_job_fails_naming_the_rank_lost_mid_pass(make_executor):
+def test_a_fixed_job_fails_naming_the_rank_lost_mid_pass(make_executor, tmp_path):
+    progress, died = str(tmp_path / "progress"), str(tmp_path / "died")
     executor = make_executor(num_workers=2, dataset_config=BUDGET)
     records = []
-    started = time.monotonic()
     with pytest.raises(WorkerLostError, match=r"the worker of rank 1 \(of 2\) died"):
-        executor.run(_rank1_dies_mid_pass, datasets={"train": _padded_rows()}, callbacks=[records.append])
-    elapsed = time.monotonic() - started
-    read = [r["rows"] for r in records if r.get("kind") == "rows"]
-    # rank 0 had read part of its 400 rows and was waiting for more when the run failed: it never finished
-    assert read and max(read) < ROWS // 2, read
+        executor.run(_rank1_dies_mid_pass, args=[progress, died], datasets={"train": _padded_rows()},
+                     callbacks=[records.append])
+    raised = time.time()
+    death = json.loads(open(died).read())
+    # rank 0 had read part of its 400 rows and stood blocked in iter_batches when rank 1 died: it never finished
+    assert 0 < int(death["progress"]) < ROWS // 2 and open(progress).read() == death["progress"], death
     assert not any(r.get("kind") == "pass_done" for r in records), records
-    assert elapsed < 45, f"took {elapsed:.0f} s"
+    assert raised - death["at"] < 15, "the run took too long to fail after the death"
     _wait_no_split_coordinator()
 
 
@@ -97,7 +124,7 @@ class _ShrinkingDiscovery:
         return {ray.get_runtime_context().get_node_id(): 1 if os.path.exists(self.marker) else 2}
 
 
-def _elastic_passes(marker: str, when: str) -> list:
+def _elastic_passes(marker: str, when: str, progress: str) -> list:
     import os
 
     import torch
@@ -125,7 +152,9 @@ def _elastic_passes(marker: str, when: str) -> list:
             for batch in shard.iter_batches(batch_size=20):
                 ids += [int(i) for i in batch["id"]]
                 if when == "mid_pass" and dies_now():
-                    os._exit(1)  # rank 0 reads on until the dead rank's rows fill the budget
+                    _die_once_rank0_stalls(progress, marker + ".at")  # rank 0 is blocked in iter_batches
+                if hvd.rank() == 0:
+                    _write(progress, f"{state.epoch}:{len(ids)}")
             every = hvd.allgather_object(sorted(ids))
             state.seen.append((hvd.size(), len(ids), sorted(i for part in every for i in part) == list(range(ROWS))))
             state.epoch += 1
@@ -144,10 +173,14 @@ def test_an_elastic_job_recovers_from_a_rank_lost_during_a_pass(ray_local, tmp_p
     started = time.monotonic()
     with RayExecutor(settings, min_workers=1, max_workers=2, override_discovery=False,
                      dataset_config=BUDGET) as executor:
-        results = executor.run(_elastic_passes, args=[marker, when], datasets={"train": _padded_rows()},
+        results = executor.run(_elastic_passes, args=[marker, when, str(tmp_path / "progress")],
+                               datasets={"train": _padded_rows()},
                                callbacks=[lambda r: r.get("event") == "elastic" and transitions.append(r)])
     elapsed = time.monotonic() - started
     assert os.path.exists(marker)
+    if when == "mid_pass":  # rank 0 stood blocked in the pass of epoch 1, part of its 400 rows read
+        epoch, rows = json.loads(open(marker + ".at").read())["progress"].split(":")
+        assert epoch == "1" and 0 < int(rows) < ROWS // 2, (epoch, rows)
     # epoch 0 on two workers (400 rows each); rank 0, blocked in epoch 1's pass, was released and rolled back
     # to the commit of epoch 0, then read epochs 1 and 2 alone (all 800 rows), long before elastic_timeout
     assert results == [[(2, ROWS // 2, True), (1, ROWS, True), (1, ROWS, True)]], results
