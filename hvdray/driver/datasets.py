@@ -4,11 +4,20 @@ The split is Ray Train's own (:class:`ray.train.DataConfig`: ``streaming_split(n
 the workers' nodes as locality hints). It is made once per membership epoch, after the coordinator has
 given the ranks, and handed to the coordinator, where each worker's ``hvdray.get_dataset_shard(name)``
 picks up its rank's iterator: an elastic reset gets a fresh split over the new number of workers.
+
+A split ends (:func:`end_split`) when its epoch or call does, or a fault ends it: Ray Data's split
+never lets go of a rank whose peer died (the pass waits at its start for every rank, and a reader
+left alone is blocked once the dead rank's rows fill the executor's budget), so the driver stops it,
+and whoever still reads it fails at once (see :func:`hvdray.worker.datasets.peer_failure`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import ray
+
+from hvdray.worker.datasets import split_actor
 
 if TYPE_CHECKING:
     from ray.train import DataConfig
@@ -58,3 +67,12 @@ class DatasetSplitter:
         hints = list(node_ids) if all(node_ids) else None
         return self._config.configure(self.datasets, world_size=len(actors), worker_handles=list(actors),
                                       worker_node_ids=hints)
+
+
+def end_split(shards: Sequence[dict[str, Any]]) -> None:
+    """Stop the streaming of one split (``shards`` as :meth:`DatasetSplitter.split` made them): its
+    ``SplitCoordinator`` actors are killed, with the Ray Data executors they run."""
+    actors = {actor._actor_id: actor for shard in shards for it in shard.values()
+              if (actor := split_actor(it)) is not None}
+    for actor in actors.values():
+        ray.kill(actor, no_restart=True)

@@ -37,7 +37,7 @@ from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
 from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
-from hvdray.driver.datasets import DatasetSplitter
+from hvdray.driver.datasets import DatasetSplitter, end_split
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker
 
@@ -236,6 +236,7 @@ class WorkerGroup:
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self.epoch = 0  # the membership epoch the coordinator formed last
         self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
+        self._split: list[dict[str, Any]] = []  # the shards of the current split, one per rank (none: [])
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
         #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
@@ -370,6 +371,7 @@ class WorkerGroup:
         ``datasets`` the call's workers get one shard each, split anew for every membership epoch (the
         running ranks of a fixed group get theirs now)."""
         self.call += 1
+        self._end_split()
         self._datasets = datasets
         if datasets is not None:
             ray.get(self.coordinator.offer_datasets.remote(self.call, datasets.names), timeout=self._settings.timeout_s)
@@ -381,8 +383,15 @@ class WorkerGroup:
         """Split the call's datasets over ``ranked`` (the members of ``epoch``, in rank order) and hand
         the shards to the coordinator, where each rank picks up its own."""
         assert self._datasets is not None
-        shards = self._datasets.split([w.actor for w in ranked], [w.node_id for w in ranked])
-        ray.get(self.coordinator.publish_shards.remote(self.call, epoch, shards), timeout=self._settings.timeout_s)
+        self._end_split()
+        self._split = self._datasets.split([w.actor for w in ranked], [w.node_id for w in ranked])
+        ray.get(self.coordinator.publish_shards.remote(self.call, epoch, self._split),
+                timeout=self._settings.timeout_s)
+
+    def _end_split(self) -> None:
+        """Stop the current split: a rank still reading it (a peer died) raises instead of waiting forever."""
+        split, self._split = self._split, []
+        end_split(split)
 
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
@@ -501,8 +510,10 @@ class WorkerGroup:
         return set(self.ask_coordinator(self.coordinator.waiting.remote(), "which workers wait"))
 
     def abandon_epoch(self, epoch: int) -> None:
-        """Give up on membership ``epoch``: workers waiting in its rendezvous are told at once."""
+        """Give up on membership ``epoch``: workers waiting in its rendezvous are told at once, and those
+        reading its dataset split (blocked there for a dead peer's part) fail at once."""
         self.ask_coordinator(self.coordinator.abandon.remote(epoch), f"the abandonment of epoch {epoch}")
+        self._end_split()
 
     def form_epoch(self, order: Sequence[GroupWorker]) -> int:
         """A new membership epoch of ``order``'s workers, ranked by the coordinator; returns its number."""
@@ -596,6 +607,7 @@ class WorkerGroup:
         """Kill every worker (and the coordinator, if the group owns it); safe to call twice."""
         self.cancel_starts()
         self._records_call = None
+        self._end_split()
         for worker in self.workers.values():
             ray.kill(worker.actor, no_restart=True)
         if self._owns_coordinator and self._coordinator is not None:

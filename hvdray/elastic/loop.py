@@ -9,6 +9,7 @@ from typing import Any, Callable, TypeVar
 from hvdray.collective import session
 from hvdray.collective.errors import HorovodInternalError
 from hvdray.elastic.state import HostsUpdatedInterrupt, State
+from hvdray.worker import datasets
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,17 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except HorovodInternalError as exc:
-                log.warning("hvdray elastic: peer failure (%s); rolling back to the last commit", exc)
-                state.restore()
-                skip_sync = False
             except HostsUpdatedInterrupt as exc:
                 log.info("hvdray elastic: hosts updated; re-forming the ring")
                 skip_sync = exc.skip_sync
+            except Exception as exc:
+                # a ring broken by a dead peer, or the epoch's dataset split stopped by the driver on a fault
+                failure = exc if isinstance(exc, HorovodInternalError) else datasets.peer_failure(exc)
+                if failure is None:
+                    raise
+                log.warning("hvdray elastic: peer failure (%s); rolling back to the last commit", failure)
+                state.restore()
+                skip_sync = False
             session.reset()  # joins the next membership epoch, past any that fails to connect
             state.on_reset()
 

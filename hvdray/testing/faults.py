@@ -11,6 +11,9 @@ of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exact
   process;
 - ``join``: the same, but the test adds a node and then creates ``<dir>/released``, which lets it go on.
 
+:func:`combine` arms several such faults at once, each with its own directory (and its own once-per-job
+claim), e.g. two ranks dying at the same point, or one dying while another's node is being removed.
+
 :class:`Responder` is that test side, a callback of ``executor.run``. The points, in the order an elastic worker meets them:
 ``epoch_forming`` (it was given a rank in a new epoch, before its rendezvous), ``rendezvous`` (its first
 key written), ``init`` (its ring is up, ``hvd.init()`` or the reset has not returned), ``sync`` (the
@@ -36,7 +39,7 @@ POINTS = ("epoch_forming", "rendezvous", "init", "sync", "step", "commit", "afte
 ACTIONS = ("exit", "remove_node", "join")
 _BLOCK_LIMIT_S = 300.0  # a blocked worker whose test never answers ends itself rather than hang
 
-_plan: Optional[dict[str, Any]] = None
+_plans: list[dict[str, Any]] = []
 _loaded = False
 _context: dict[str, Any] = {"epoch": 0, "node_id": None}
 
@@ -53,16 +56,35 @@ def plan(point: str, action: str, directory: str, rank: int = 1, min_epoch: int 
     return {ENV: json.dumps(spec)}
 
 
+def combine(*plans: dict[str, str]) -> dict[str, str]:
+    """The ``extra_env_vars`` that arm every fault of ``plans`` (each made by :func:`plan`, each with a
+    directory of its own), so that two or more faults can hit the same job."""
+    if len(plans) < 2:
+        raise ValueError(f"plans must be at least two plans made by plan(), got {len(plans)}")
+    specs = []
+    for index, made in enumerate(plans):
+        if not isinstance(made, dict) or set(made) != {ENV}:
+            raise TypeError(f"plans[{index}] must be the dict plan() returns, got {made!r}")
+        specs.append(json.loads(made[ENV]))
+    directories = [spec["dir"] for spec in specs]
+    if len(set(directories)) != len(directories):
+        raise ValueError(f"plans must each have a directory of their own, got {directories}")
+    return {ENV: json.dumps(specs)}
+
+
 def set_context(**values: Any) -> None:
     """What the worker knows that a point needs: ``epoch`` (membership), ``node_id`` (its Ray node)."""
     _context.update(values)
 
 
 def reached(point: str) -> None:
-    """Called at each named point; acts if this worker is the one the armed plan names."""
-    spec = _armed()
-    if spec is None or spec["point"] != point:
-        return
+    """Called at each named point; acts on each armed fault that names this worker there."""
+    for spec in _armed():
+        if spec["point"] == point:
+            _act(spec, point)
+
+
+def _act(spec: dict[str, Any], point: str) -> None:
     rank = int(os.environ.get("HOROVOD_RANK", "-1"))
     if rank != spec["rank"] or _context["epoch"] < spec["min_epoch"]:
         return
@@ -73,7 +95,7 @@ def reached(point: str) -> None:
         return  # another worker (or an earlier try) already fired: once per job
     os.close(fd)
     info = {"point": point, "action": spec["action"], "rank": rank, "epoch": _context["epoch"],
-            "node_id": _context["node_id"], "pid": os.getpid()}
+            "node_id": _context["node_id"], "pid": os.getpid(), "dir": spec["dir"]}
     _write_atomically(fired, json.dumps(info))
     if spec["action"] == "exit":
         os._exit(1)
@@ -86,13 +108,15 @@ def reached(point: str) -> None:
         time.sleep(0.05)
 
 
-def _armed() -> Optional[dict[str, Any]]:
-    global _plan, _loaded
+def _armed() -> list[dict[str, Any]]:
+    """The armed faults (none when ``HVDRAY_TEST_FAULTS`` is unset): one plan's, or :func:`combine`'s."""
+    global _plans, _loaded
     if not _loaded:
         raw = os.environ.get(ENV)
-        _plan = json.loads(raw) if raw else None
+        loaded = json.loads(raw) if raw else []
+        _plans = loaded if isinstance(loaded, list) else [loaded]
         _loaded = True
-    return _plan
+    return _plans
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -111,8 +135,8 @@ class Responder:
         self._remove_node, self._add_node = remove_node, add_node
 
     def __call__(self, record: dict[str, Any]) -> None:
-        if record.get("event") != EVENT:
-            return
+        if record.get("event") != EVENT or record.get("dir") != self.directory:
+            return  # another fault's record (see combine)
         try:
             if record["action"] == "remove_node":
                 self._remove_node(record["node_id"])

@@ -4,6 +4,10 @@ The driver splits each dataset once per membership epoch (:mod:`hvdray.driver.da
 the shards with the job's coordinator; a worker fetches its rank's on first use in each epoch. In an
 elastic job, call it inside the function ``hvd.elastic.run`` wraps: after a reset it returns the new
 epoch's shard, split over the new number of workers.
+
+When an epoch ends on a fault, the driver stops its split (:func:`split_actor`): a rank still reading
+its shard, blocked for rows that no longer come or for a dead peer at the start of a pass, gets an
+``ActorDiedError`` from Ray Data, which :func:`peer_failure` turns into the rollback it calls for.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class ShardSource:
         self._coordinator = coordinator
         self._timeout_s = timeout_s
         self._cached: Optional[tuple[int, int, int, dict[str, Any]]] = None  # (call, epoch, rank, shards)
+        self._split_epochs: dict[str, int] = {}  # split actor id (hex) -> the epoch whose shards it streams
 
     def shards(self) -> dict[str, Any]:
         """This rank's ``{name: DataIterator}`` for the running call and epoch ({} without datasets)."""
@@ -47,7 +52,34 @@ class ShardSource:
                                f"within timeout_s={self._timeout_s} s")
         shards = shards if status == "ok" else {}
         self._cached = (*key, shards)
+        for iterator in shards.values():
+            actor = split_actor(iterator)
+            if actor is not None:
+                self._split_epochs[actor._actor_id.hex()] = job.epoch
         return shards
+
+    def peer_failure(self, exc: BaseException) -> Optional[HorovodInternalError]:
+        """See :func:`peer_failure`."""
+        dead = getattr(exc, "actor_id", None) if isinstance(exc, ray.exceptions.RayActorError) else None
+        epoch = self._split_epochs.get(dead) if dead is not None else None
+        if epoch is None:
+            return None
+        current = session.current().current_job().epoch
+        if epoch != current:
+            raise RuntimeError(
+                f"a dataset shard of membership epoch {epoch} was read in epoch {current}: its split ended with "
+                "that epoch. Call hvdray.get_dataset_shard inside the function hvd.elastic.run wraps, so that "
+                "each try after a reset reads the new epoch's shard"
+            ) from exc
+        return HorovodInternalError(
+            f"the dataset split of membership epoch {epoch} was stopped: the epoch ended on a peer's failure")
+
+
+def split_actor(iterator: Any) -> Optional[Any]:
+    """The Ray Data ``SplitCoordinator`` actor that streams a split dataset's rows to the ranks, or None
+    for a dataset every rank reads whole. Ray offers no public handle on it (nor a way to stop a
+    ``streaming_split``); its ``StreamSplitDataIterator`` keeps it as ``_coord_actor``."""
+    return getattr(iterator, "_coord_actor", None)
 
 
 _source: Optional[ShardSource] = None
@@ -57,6 +89,14 @@ def set_source(source: Optional[ShardSource]) -> None:
     """The worker actor installs its job's shard source here when it is configured."""
     global _source
     _source = source
+
+
+def peer_failure(exc: BaseException) -> Optional[HorovodInternalError]:
+    """For ``hvd.elastic.run``: the peer failure behind ``exc`` when it is the death of the split actor of
+    this rank's shard in its current epoch (the driver stopped that epoch's split on a fault), else
+    None. A shard of an earlier epoch, read after a reset, raises ``RuntimeError`` saying where to call
+    ``get_dataset_shard``."""
+    return _source.peer_failure(exc) if _source is not None else None
 
 
 def get_dataset_shard(name: str) -> "DataIterator":

@@ -1,0 +1,90 @@
+"""The fault-injection harness itself (:mod:`hvdray.testing.faults`): a plan fires once per job for the
+rank and epoch it names, :func:`faults.combine` arms several faults that fire independently, and each
+:class:`faults.Responder` answers only its own fault. Each worker is a fresh interpreter, as a Ray worker
+process is (the plan is read once, from the environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdray.testing import faults
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+_WORKER = """
+import sys
+from hvdray.testing import faults
+faults.set_context(epoch=int(sys.argv[1]), node_id="node-" + sys.argv[2])
+for point in sys.argv[3:]:
+    faults.reached(point)
+print("went on")
+"""
+
+
+def _worker(env: dict[str, str], rank: int, epoch: int, *points: str) -> subprocess.CompletedProcess:
+    """One worker of rank ``rank`` in membership ``epoch`` passing ``points``."""
+    full = {**os.environ, **env, "HOROVOD_RANK": str(rank),
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", _WORKER, str(epoch), str(rank), *points],
+                          env=full, capture_output=True, text=True, timeout=60)
+
+
+def _fired(directory: Path):
+    path = directory / "fired"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_two_combined_exits_fire_once_each_for_their_own_rank(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    env = faults.combine(faults.plan("step", "exit", str(one), rank=1, min_epoch=2),
+                         faults.plan("step", "exit", str(two), rank=2, min_epoch=2))
+    assert _worker(env, 1, 1, "step").returncode == 0  # epoch 1 is before min_epoch
+    assert _worker(env, 0, 2, "step", "commit").stdout.strip() == "went on"  # rank 0 is not named
+    assert _fired(one) is None and _fired(two) is None
+    first = _worker(env, 1, 2, "commit", "step")
+    assert first.returncode == 1 and "went on" not in first.stdout
+    assert (_fired(one)["rank"], _fired(one)["point"], _fired(one)["epoch"]) == (1, "step", 2) and _fired(two) is None
+    second = _worker(env, 2, 3, "step")
+    assert second.returncode == 1 and (_fired(two)["rank"], _fired(two)["epoch"]) == (2, 3)
+    # both fired: once per job each, so a restarted rank 1 or 2 goes on
+    assert _worker(env, 1, 4, "step").returncode == 0 and _worker(env, 2, 4, "step").returncode == 0
+
+
+def test_a_blocking_fault_and_an_exit_at_the_same_point_both_act(tmp_path):
+    exit_dir, join_dir = tmp_path / "exit", tmp_path / "join"
+    exit_dir.mkdir(), join_dir.mkdir()
+    (join_dir / "released").touch()  # the test side has answered already: the blocked worker goes on at once
+    env = faults.combine(faults.plan("sync", "join", str(join_dir), rank=1, min_epoch=1),
+                         faults.plan("sync", "exit", str(exit_dir), rank=1, min_epoch=1))
+    done = _worker(env, 1, 1, "sync")
+    assert done.returncode == 1  # released from the join, then the exit
+    assert _fired(join_dir)["action"] == "join" and _fired(exit_dir)["action"] == "exit"
+    assert _fired(join_dir)["node_id"] == "node-1" and _fired(join_dir)["dir"] == str(join_dir)
+
+
+def test_each_responder_answers_only_its_own_fault(tmp_path):
+    acted = []
+    mine = faults.Responder(str(tmp_path), lambda node: acted.append(("remove", node)), lambda: acted.append("add"))
+    other = {"event": faults.EVENT, "action": "remove_node", "node_id": "n2", "dir": str(tmp_path / "other")}
+    mine(other)
+    mine({"event": "elastic", "state": "running"})
+    assert acted == [] and not (tmp_path / "released").exists()
+    mine({**other, "dir": str(tmp_path)})
+    assert acted == [("remove", "n2")] and (tmp_path / "released").exists()
+
+
+def test_bad_combinations_are_refused_naming_the_argument(tmp_path):
+    plan = faults.plan("step", "exit", str(tmp_path))
+    with pytest.raises(ValueError, match="plans must be at least two plans"):
+        faults.combine(plan)
+    with pytest.raises(ValueError, match="plans must each have a directory of their own"):
+        faults.combine(plan, faults.plan("commit", "exit", str(tmp_path), rank=2))
+    with pytest.raises(TypeError, match=r"plans\[1\] must be the dict plan\(\) returns"):
+        faults.combine(plan, {"point": "step"})
