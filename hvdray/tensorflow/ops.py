@@ -325,7 +325,9 @@ def broadcast(
 
     def backward(xs, ys, dys):
         averaged = _allreduce_raw(dys[0], None, Average, 1.0, 1.0, ps)
-        return [averaged if rank() == root_rank else tf.zeros_like(averaged)]
+        # Horovod's "* 0", not tf.zeros_like: a graph builds zeros_like of a known shape without its input, and
+        # Session.run would then skip this rank's allreduce while the root's waits for it
+        return [averaged if rank() == root_rank else averaged * tf.constant(0, averaged.dtype)]
 
     return _differentiable(lambda xs: broadcast_tensors(xs, root_rank, [name], ps), backward, [x])[0]
 

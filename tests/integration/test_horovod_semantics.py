@@ -288,3 +288,73 @@ def test_sparse_gradients_reduce_as_horovod_reduces_them(pair):
             assert out[f"grad_is_sparse_{dense}"]
             # averaged gradient: 1/2 at rows 0 and 1, (1 + 1)/2 at row 3; SGD with lr 1
             assert out[f"weights_{dense}"] == [-0.5, -0.5, 0.0, -1.0]
+
+
+def _every_torch_optimizer():
+    import inspect
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    # per-rank hyper-parameters, as Horovod's test_broadcast_state_options; each class takes the ones it has
+    mine = [dict(lr=0.1, momentum=0.8, weight_decay=0.2, nesterov=True, betas=(0.9, 0.999), etas=(0.8, 2.4),
+                 step_sizes=(1e-5, 100)),
+            dict(lr=0.2, momentum=0.9, weight_decay=0.1, nesterov=False, betas=(0.8, 0.9), etas=(0.25, 1.75),
+                 step_sizes=(1e-7, 5))]
+    classes = sorted((c for c in torch.optim.Optimizer.__subclasses__() if c.__module__.startswith("torch.optim")
+                      and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)), key=lambda c: c.__name__)
+    x, y = torch.randn(8, 5, generator=torch.Generator().manual_seed(r)), torch.randn(8, 3)
+    out = {}
+    for cls in classes:
+        torch.manual_seed(r)  # the models start apart: broadcast_parameters joins them
+        # no biases: 2-D parameters only, which every torch.optim class takes (Muon takes nothing else)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4, bias=False), torch.nn.ReLU(), torch.nn.Linear(4, 3, bias=False),
+                                    torch.nn.Linear(3, 3, bias=False))
+        accepted = inspect.signature(cls.__init__).parameters
+        opt = hvd.DistributedOptimizer(cls(model.parameters(), **{k: v for k, v in mine[r].items() if k in accepted}),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Horovod's test_force_allreduce: rank 1's loss leaves the last layer without a gradient
+        hidden = model[2](model[1](model[0](x)))
+        loss = ((hidden if r == 1 else model[3](hidden)) - y).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        grads = [p.grad.clone() for p in model.parameters()]
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        group = {k: opt.param_groups[0][k] for k in mine[0] if k in accepted}
+        state = [(k, v.clone() if torch.is_tensor(v) else v)
+                 for s in opt.state_dict()["state"].values() for k, v in sorted(s.items())]
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # the first steps' learning rates differed
+        opt.zero_grad()
+        (model[3](hidden.detach()) - y).pow(2).sum().backward()  # root's hyper-parameters still drive a step
+        opt.step()
+        out[cls.__name__] = {"group": group, "state": state, "grads": grads,
+                             "stepped": [p.detach().clone() for p in model.parameters()]}
+    return out
+
+
+def test_every_torch_optimizer_takes_roots_state_and_hyper_parameters(pair):
+    """Horovod's test_broadcast_state, test_broadcast_state_options and test_force_allreduce for every
+    torch.optim class but LBFGS and SparseAdam (Horovod's list), Muon included on a model it takes (2-D
+    parameters only): a gradient missing on one rank is still reduced (every rank ends with the same
+    gradients), and after broadcast_optimizer_state every rank has root's hyper-parameters (their types
+    too), state and next step."""
+    import torch
+
+    root, other = pair.run(_every_torch_optimizer)
+    assert {"Adam", "SGD", "RMSprop", "Rprop", "ASGD"} <= set(root)
+    for name in root:
+        mine, theirs = root[name], other[name]
+        for key, value in mine["group"].items():
+            assert type(theirs["group"][key]) is type(value) and theirs["group"][key] == value, (name, key)
+        assert [k for k, _ in theirs["state"]] == [k for k, _ in mine["state"]] and mine["state"], name
+        for (key, a), (_, b) in zip(mine["state"], theirs["state"]):
+            assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), (name, key)
+        assert mine["grads"][-1].abs().sum() > 0, name  # rank 0's gradient of the layer rank 1 did not use
+        for what in ("grads", "stepped"):
+            assert all(torch.equal(a, b) for a, b in zip(mine[what], theirs[what])), (name, what)

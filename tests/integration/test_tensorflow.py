@@ -777,10 +777,14 @@ def _horovod_tensorflow() -> dict:
     with tf.Graph().as_default():
         g = tf.compat.v1.Variable(tf.constant([float(r), float(r) + 0.5]))
         bcast = hvd.broadcast_global_variables(1)
+        t = tf.ones([2]) * float(r + 1)
+        bcast_grad = tf.gradients(hvd.broadcast(t, root_rank=0), t, tf.fill([2], float(r + 1)))[0]
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(bcast)
             out["bgv_graph"] = sess.run(g)
+            # a broadcast's gradient in a Session: the non-root's allreduce must run too (its result is zeros)
+            out["broadcast_grad_graph"] = sess.run(bcast_grad)
     # Compression.fp16 on TensorFlow tensors: floats travel as float16, integers as they are
     wire, ctx = hvd.Compression.fp16.compress(tf.constant([1.5, 2.5], tf.float64))
     iwire, ictx = hvd.Compression.fp16.compress(tf.constant([3], tf.int32))
@@ -849,6 +853,8 @@ def test_horovod_tensorflow_names_and_semantics(ex):
             np.testing.assert_array_equal(got, _make("b_.2", 1, "int32", (3,)))
         assert o["bgv_eager"].startswith("RuntimeError:") and "broadcast_variables" in o["bgv_eager"]
         np.testing.assert_array_equal(o["bgv_graph"], [1.0, 1.5])
+        # upstream gradients 1 and 2, averaged on the root (rank 0), zeros elsewhere
+        np.testing.assert_array_equal(o["broadcast_grad_graph"], [1.5, 1.5] if r == 0 else [0.0, 0.0])
         assert o["fp16"] == ("float16", "float64", "int32", "int32")
         np.testing.assert_array_equal(o["fp16_allreduce"], [3.0, 6.0])
         assert o["fp16_allreduce"].dtype == np.float64
