@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
 
 _NAME_RELEASE_S = 15.0  # how long a new coordinator waits for a killed one's name to be released
+#: how long a worker's record waits for one its sender numbered before it (see ``Coordinator._add_record``)
+RECORD_GAP_S = 2.0
 
 #: one worker record as ``(record, report)``: ``report`` is ``(metrics, checkpoint_path)`` for rank 0's
 #: ``hvdray.report`` and None for a ``ray_logger.log`` record
@@ -107,6 +109,8 @@ class Coordinator:
         self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
         self._first_record = 0  # the number of self._records[0]
         self._new_record = asyncio.Condition()
+        self._held: dict[str, dict[int, tuple[float, Record]]] = {}  # sender -> number -> (arrived at, record)
+        self._next_record: dict[str, int] = {}  # sender -> the number of its next record to keep
         self._next_checkpoint = 0
         # elastic membership: worker id -> (RankInfo, node GPU ids) in the current epoch
         self._members: dict[str, tuple[RankInfo, tuple[str, ...]]] = {}
@@ -331,22 +335,47 @@ class Coordinator:
             return "ok", self._shards[1][rank]
 
     # -- the worker record channel: ray_logger.log and hvdray.report ------------------------
-    async def push_log(self, token: bytes, rank: int, record: dict[str, Any]) -> None:
+    async def push_log(
+        self, token: bytes, rank: int, record: dict[str, Any], origin: Optional[tuple[str, int]] = None
+    ) -> None:
+        """A worker's ``ray_logger.log``; ``origin``: see :meth:`_add_record`."""
         self._admit(token)
-        await self._add_record(({"rank": rank, **record}, None))
+        await self._add_record(({"rank": rank, **record}, None), origin)
 
     async def push_report(
-        self, token: bytes, rank: int, metrics: dict[str, Any], checkpoint_path: Optional[str]
+        self, token: bytes, rank: int, metrics: dict[str, Any], checkpoint_path: Optional[str],
+        origin: Optional[tuple[str, int]] = None,
     ) -> None:
         """Rank 0's ``hvdray.report``: its callbacks see the metrics as a record, the run's result keeps
         them with the path of the checkpoint rank 0 persisted (or None)."""
         self._admit(token)
-        await self._add_record(({"rank": rank, **metrics}, (dict(metrics), checkpoint_path)))
+        await self._add_record(({"rank": rank, **metrics}, (dict(metrics), checkpoint_path)), origin)
 
-    async def _add_record(self, record: Record) -> None:
+    async def _add_record(self, record: Record, origin: Optional[tuple[str, int]] = None) -> None:
+        """Keep ``record`` for the driver. ``origin`` is ``(sender, number)``, numbered from 0 by each
+        worker process: Ray may run an async actor's calls out of the order one caller sent them, so a
+        record waits here until those sent before it arrived (or for :data:`RECORD_GAP_S` at most)."""
         async with self._new_record:
-            self._records.append(record)
+            if origin is None:
+                self._records.append(record)
+            else:
+                sender, number = origin
+                self._held.setdefault(sender, {})[number] = (time.monotonic(), record)
+                self._release(sender)
             self._new_record.notify_all()
+
+    def _release(self, sender: str) -> None:
+        """Move ``sender``'s held records that are next in its order to the kept ones; past a gap that
+        stayed open for :data:`RECORD_GAP_S` (a record lost with its sender), go on after it."""
+        held, number = self._held.get(sender, {}), self._next_record.get(sender, 0)
+        while held:
+            if number not in held:
+                if min(arrived for arrived, _ in held.values()) > time.monotonic() - RECORD_GAP_S:
+                    break
+                number = min(held)
+            self._records.append(held.pop(number)[1])
+            number += 1
+        self._next_record[sender] = number
 
     async def records(self, token: bytes, after: Optional[int], timeout_s: float) -> tuple[int, list[Record]]:
         """``(first, records)``: the records numbered ``first`` on, ``first`` being ``after`` (None: the
@@ -354,6 +383,8 @@ class Coordinator:
         waits up to ``timeout_s`` for one, so that the driver's ``ray.wait`` wakes when a record arrives."""
         self._admit(token)
         async with self._new_record:
+            for sender in [sender for sender, held in self._held.items() if held]:
+                self._release(sender)
             if after is not None and after > self._first_record:
                 del self._records[: after - self._first_record]
                 self._first_record = after

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
+import secrets
 import socket
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -26,6 +28,8 @@ class Worker:
         self._executable: Any = None
         self._coordinator: Any = None
         self._pending_logs: list[Any] = []
+        self._record_sender = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        self._record_numbers = itertools.count()
         self._rank: Optional[int] = None
         self._worker_id: Optional[str] = None
 
@@ -95,7 +99,8 @@ class Worker:
             )
         )
         ray_logger.set_sink(self._send_log)
-        reporting.set_sink(reporting.ExecutorReports(coordinator, settings.storage_path, self._track_send))
+        reporting.set_sink(
+            reporting.ExecutorReports(coordinator, settings.storage_path, self._track_send, self._record_origin))
         datasets.set_source(datasets.ShardSource(coordinator, settings.timeout_s))
         self._took_rank(rank_info.rank if rank_info is not None else None)
         # What this process holds now (Ray, torch, hvdray) lives as long as it does: keep it out of the
@@ -110,7 +115,12 @@ class Worker:
 
     def _send_log(self, record: dict[str, Any]) -> None:
         rank = int(os.environ.get("HOROVOD_RANK", "-1"))  # elastic ranks change with each epoch
-        self._pending_logs.append(self._coordinator.push_log.remote(rank, record))
+        self._pending_logs.append(self._coordinator.push_log.remote(rank, record, self._record_origin()))
+
+    def _record_origin(self) -> tuple[str, int]:
+        """This process's records are numbered in the order sent (logs and reports alike): the coordinator
+        keeps them in that order whatever order Ray runs its calls in."""
+        return self._record_sender, next(self._record_numbers)
 
     def _track_send(self, ref: Any) -> None:
         self._pending_logs.append(ref)

@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 class ExecutorReports:
     """Where the reports of an executor's worker go: the job's coordinator, and storage_path for checkpoints."""
 
-    def __init__(self, coordinator: Any, storage_path: Optional[str], track: Callable[[ray.ObjectRef], None]) -> None:
+    def __init__(self, coordinator: Any, storage_path: Optional[str], track: Callable[[ray.ObjectRef], None],
+                 origin: Callable[[], tuple[str, int]]) -> None:
         self._coordinator = coordinator
         self._storage_path = storage_path
         self._track = track  # the worker waits for these sends before its call returns
+        self._origin = origin  # numbers this process's records in the order sent (the coordinator keeps it)
 
     def send(self, metrics: dict[str, Any], checkpoint: Optional["Checkpoint"]) -> None:
         if checkpoint is not None and self._storage_path is None:  # the same error on every rank
@@ -43,7 +45,7 @@ class ExecutorReports:
         if rank != 0:
             return
         if checkpoint is None:  # metrics only: sent without waiting (the call waits for it before it ends)
-            self._track(self._coordinator.push_report.remote(rank, dict(metrics), None))
+            self._track(self._coordinator.push_report.remote(rank, dict(metrics), None, self._origin()))
             return
         assert self._storage_path is not None
         from hvdray.storage import persist_checkpoint  # pyarrow: imported by the workers that checkpoint
@@ -51,7 +53,7 @@ class ExecutorReports:
         index = ray.get(self._coordinator.next_checkpoint.remote())
         path = persist_checkpoint(checkpoint, self._storage_path, index)
         # a checkpoint's report has arrived when report returns: a failure right after keeps it in the result
-        ray.get(self._coordinator.push_report.remote(rank, dict(metrics), path))
+        ray.get(self._coordinator.push_report.remote(rank, dict(metrics), path, self._origin()))
 
 
 _sink: Optional[ExecutorReports] = None

@@ -50,3 +50,29 @@ def test_the_driver_hands_overlapping_answers_on_once_each_in_order():
     other.on_report = lambda metrics, path: reports.append((metrics, path))
     other._hand_on((1, [record(1)]), [])
     assert reports == [({"n": 1}, None)] and other._records_after == 2
+
+
+def test_records_are_kept_in_the_order_their_sender_numbered_them(monkeypatch):
+    """Ray may run an async actor's calls out of the order one worker sent them: a record waits for those
+    its sender numbered before it, and a gap left by a record that never comes is skipped after
+    RECORD_GAP_S."""
+    from hvdray.driver import coordinator as module
+
+    async def scenario() -> None:
+        coordinator = Coordinator(hashlib.sha256(TOKEN).digest())
+        await coordinator.push_log(TOKEN, 0, {"epoch": 2}, ("a", 1))  # arrives before number 0
+        await coordinator.push_log(TOKEN, 1, {"epoch": 1}, ("b", 0))  # another sender is not held up
+        assert await coordinator.records(TOKEN, None, 0.0) == (0, [({"rank": 1, "epoch": 1}, None)])
+        await coordinator.push_report(TOKEN, 0, {"epoch": 1}, None, ("a", 0))
+        kept = [record for record, _ in (await coordinator.records(TOKEN, None, 0.0))[1]]
+        assert kept == [{"rank": 1, "epoch": 1}, {"rank": 0, "epoch": 1}, {"rank": 0, "epoch": 2}]
+
+        await coordinator.push_log(TOKEN, 0, {"epoch": 4}, ("a", 3))  # number 2 never comes
+        assert len((await coordinator.records(TOKEN, None, 0.0))[1]) == 3
+        monkeypatch.setattr(module, "RECORD_GAP_S", 0.0)
+        kept = [record for record, _ in (await coordinator.records(TOKEN, None, 0.0))[1]]
+        assert kept[-1] == {"rank": 0, "epoch": 4}
+        await coordinator.push_log(TOKEN, 0, {"epoch": 5}, ("a", 4))  # and it goes on after the gap
+        assert [r for r, _ in (await coordinator.records(TOKEN, None, 0.0))[1]][-1] == {"rank": 0, "epoch": 5}
+
+    asyncio.run(scenario())
