@@ -13,10 +13,20 @@ A TensorFlow 1 graph, run piecewise by ``Session.run``, is chained too, so runni
 collectives created before it again (the cost of a synchronous ``py_function``); its unnamed
 collectives are named when the graph is built, from the graph's unique node names (the same on every
 rank that builds the same graph), as Horovod names them, so those reruns always match across ranks.
+
+In a graph, TensorFlow turns an exception raised inside a ``py_function`` into an error by its Python
+class alone (``ValueError`` becomes ``InvalidArgumentError``, anything else ``UnknownError``) and has no
+op that raises an error of a chosen kind. Horovod raises ``FailedPreconditionError`` when ranks disagree
+on a tensor, in graphs too; so a mismatch leaves the node as a message, and the node's outputs wait
+for a ``ReadFile`` of ``/dev/null`` followed by ``/`` and that message. Reading a path below a file
+fails with ``ENOTDIR``, which TensorFlow reports as ``FailedPreconditionError`` with the path, and so the
+message, in its text (``/dev/null/<message>; Not a directory``). Without a message the op reads
+``/dev/null`` itself: nothing, at once.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -68,20 +78,42 @@ def run(
 
     @tf.autograph.experimental.do_not_convert
     def node(*eager: tf.Tensor) -> list[tf.Tensor]:
-        results = list(kernel(list(eager)))
+        try:
+            results = list(kernel(list(eager)))
+        except tf.errors.FailedPreconditionError as exc:  # raised below, by the graph, as this type
+            return [tf.zeros([0], dtype) for dtype in out_dtypes] + [tf.constant(_failed_precondition_path(exc))]
         for i, (result, shape) in enumerate(zip(results, shapes)):
             if not shape.is_compatible_with(result.shape):  # the graph was told this shape
                 raise ValueError(f"hvdray {what}: output {i} has shape {result.shape}, the graph expects {shape}")
-        return results
+        return results + [tf.constant(_NOTHING_FAILED)]
 
     previous = _last_node.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.py_function(node, list(inputs), list(out_dtypes), name=f"Hvdray{what.title().replace('_', '')}")
-    outputs = list(outputs)
+        *results, failure = tf.py_function(
+            node, list(inputs), [*out_dtypes, tf.string], name=f"Hvdray{what.title().replace('_', '')}"
+        )
+    # the outputs take the read's (empty) contents as data: Grappler would turn a read that only a control
+    # dependency waits for into a NoOp
+    nothing = tf.strings.length(tf.io.read_file(failure))
+    outputs = [tf.reshape(result, tf.shape(result) + nothing) for result in results]
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
     _last_node[graph] = outputs[0].op if outputs else None
     return outputs
+
+
+_NOTHING_FAILED = "/dev/null"
+_PATH_MAX_BYTES = 3800  # below Linux's PATH_MAX (4096): a longer path fails as InvalidArgumentError
+_DOT_COMPONENT = re.compile(r"(?<=/)\.\.?(?=/|$)")  # TensorFlow's path cleaning would drop or apply them
+
+
+def _failed_precondition_path(exc: tf.errors.FailedPreconditionError) -> str:
+    """A path whose ``ReadFile`` fails as ``FailedPreconditionError`` carrying ``exc``'s message."""
+    path = f"{_NOTHING_FAILED}/{exc.message}".replace("\0", "")
+    path = _DOT_COMPONENT.sub(lambda dots: "\u2024" * len(dots.group()), path).encode()
+    if len(path) > _PATH_MAX_BYTES:
+        path = path[: _PATH_MAX_BYTES - 3].decode(errors="ignore").encode() + "\u2026".encode()
+    return path.decode()
 
 
 def _horovod_errors(kernel: Kernel) -> Kernel:
