@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
-from hvdray.collective import session
 from hvdray.collective.errors import HorovodInternalError
 
 if TYPE_CHECKING:
@@ -34,6 +33,8 @@ class ShardSource:
 
     def shards(self) -> dict[str, Any]:
         """This rank's ``{name: DataIterator}`` for the running call and epoch ({} without datasets)."""
+        from hvdray.collective import session  # here: the driver imports this module, and needs no torch
+
         current = session.current()
         job = current.current_job()
         if job.rank_info is None:
@@ -64,6 +65,8 @@ class ShardSource:
         epoch = self._split_epochs.get(dead) if dead is not None else None
         if epoch is None:
             return None
+        from hvdray.collective import session
+
         current = session.current().current_job().epoch
         if epoch != current:
             raise RuntimeError(
