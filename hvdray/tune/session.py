@@ -34,10 +34,19 @@ class _Session:
     rank: int
     channel: Any  # the trial's ReportChannel actor
     generation: int  # which run of the function this is, for the channel
-    storage: Any  # the trial's ray.train StorageContext: where rank 0 persists checkpoints, and their numbering
+    pickled_storage: bytes  # the trial's ray.train StorageContext (see :meth:`storage`)
     restored_dir: Optional[str]  # local copy of the checkpoint the trial resumes from
     reports: int = 0
     pending_dir: Optional[str] = None  # from distributed_checkpoint_dir: persisted with the next report
+    _storage: Any = None
+
+    def storage(self) -> Any:
+        """Where rank 0 persists checkpoints, and their numbering. It travels pickled and is unpickled when
+        first used: unpickling imports ray.train (pyarrow, pandas), ~0.7 s of CPU that every worker of every
+        new trial would pay, where only rank 0 of a checkpointing trial needs it."""
+        if self._storage is None:
+            self._storage = ray.cloudpickle.loads(self.pickled_storage)
+        return self._storage
 
 
 _session: Optional[_Session] = None
@@ -71,8 +80,9 @@ def report_to_trial(metrics: dict[str, Any], checkpoint: Optional["Checkpoint"] 
             if checkpoint is None and pending is not None:
                 checkpoint = _checkpoint_class().from_directory(pending)
             if checkpoint is not None:
-                session.storage._update_checkpoint_index(metrics)  # checkpoint_<n>, numbered as Tune numbers them
-                persisted = session.storage.persist_current_checkpoint(checkpoint)
+                storage = session.storage()
+                storage._update_checkpoint_index(metrics)  # checkpoint_<n>, numbered as Tune numbers them
+                persisted = storage.persist_current_checkpoint(checkpoint)
                 persisted_ref = [ray.put(persisted)]  # wrapped: the channel passes it on without importing ray.train
         finally:
             if pending is not None:
@@ -128,11 +138,11 @@ def run_trial(
     config: dict[str, Any],
     channel: Any,
     generation: int,
-    storage: Any,
+    pickled_storage: bytes,
     checkpoint: Optional["Checkpoint"],
     pass_checkpoint_dir: bool,
 ) -> bool:
-    """Runs on every worker of a trial: copy the checkpoint to restore from (in the trial's ``storage``)
+    """Runs on every worker of a trial: copy the checkpoint to restore from (in the trial's storage)
     to a local directory, then ``func(config[, checkpoint_dir])``.
 
     Returns ``True`` if the function returned, ``False`` if Tune stopped it (``TrialStopped``)."""
@@ -141,7 +151,8 @@ def run_trial(
     restored_dir = None
     if checkpoint is not None:
         restored_dir = checkpoint.to_directory(tempfile.mkdtemp(prefix="hvdray-restored-"))
-    _session = _Session(rank=rank, channel=channel, generation=generation, storage=storage, restored_dir=restored_dir)
+    _session = _Session(rank=rank, channel=channel, generation=generation, pickled_storage=pickled_storage,
+                        restored_dir=restored_dir)
     try:
         if pass_checkpoint_dir:
             func(config, checkpoint_dir=restored_dir)

@@ -97,7 +97,8 @@ class DistributedTrainable(Trainable):
         self._generation += 1
         ray.get(self._channel.begin.remote(self._generation))
         args = [
-            type(self)._function, self._config, self._channel, self._generation, self._trial_storage,
+            type(self)._function, self._config, self._channel, self._generation,
+            ray.cloudpickle.dumps(self._trial_storage),  # unpickled where used (see session.py)
             self._checkpoint, self._pass_checkpoint_dir,
         ]
         self._runs = self._executor.run_remote(run_trial, args=args)
