@@ -3,7 +3,7 @@
 For N = 16, 64, 256, 1024 this runs hvdray's own control-plane code with N lightweight in-process
 members (threads, no tensors, no sockets):
 
-* **rendezvous** (one membership epoch): the real :class:`~hvdray.driver.coordinator.Coordinator` (an
+* **rendezvous** (one membership epoch): the real :class:`~hvdray.driver.coordinator.CoordinatorHost` (an
   in-process object on an asyncio loop instead of an actor, reached through the real
   :class:`~hvdray.driver.coordinator.CoordinatorClient` and token check), its rank assignment
   (``assign``), and every member's real :class:`~hvdray.worker.rendezvous.CoordinatorStore` under
@@ -56,7 +56,7 @@ from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.topology import WorkerSlot
 from hvdray.collective.transport.gloo import RECURSIVE_DOUBLING_MIN_RANKS, recursive_doubling_messages
 from hvdray.collective.transport.mesh_store import FullMeshStore
-from hvdray.driver.coordinator import Coordinator, CoordinatorClient
+from hvdray.driver.coordinator import CoordinatorClient, CoordinatorHost
 from hvdray.worker.rendezvous import CoordinatorStore
 
 #: bytes Gloo publishes per pair in a rank's full-mesh key (torch 2.x's TCP transport): checked
@@ -67,15 +67,15 @@ TIMEOUT_S = 600.0
 
 # -- the in-process coordinator ------------------------------------------------------------------
 class InProcessCoordinator:
-    """A :class:`Coordinator` on an asyncio loop in a thread, with an actor handle's ``method.remote()``
-    shape: every call counted by method, with the bytes of the rendezvous values it answers."""
+    """A :class:`CoordinatorHost` on an asyncio loop in a thread, with an actor handle's ``method.remote()``
+    shape: every job call counted by method, with the bytes of the rendezvous values it answers."""
 
     def __init__(self) -> None:
         token = secrets.token_bytes(32)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="coordinator", daemon=True)
         self._thread.start()
-        self.coordinator = self._on_loop(lambda: Coordinator(hashlib.sha256(token).digest())).result()
+        self.host = self._on_loop(lambda: CoordinatorHost(hashlib.sha256(token).digest())).result()
         self.client = CoordinatorClient(self, token)
         self.calls: Counter[str] = Counter()
         self.value_bytes = 0
@@ -118,8 +118,9 @@ class _Method:
 
     def remote(self, *args: Any) -> Future:
         owner, name = self.owner, self.name
-        future = owner._on_loop(lambda: getattr(owner.coordinator, name)(*args))
-        future.add_done_callback(lambda f: f.exception() is None and owner.count(name, f.result()))
+        future = owner._on_loop(lambda: getattr(owner.host, name)(*args))
+        counted = args[1] if name == "call" else name  # call(token, method, ...): count the job's method
+        future.add_done_callback(lambda f: f.exception() is None and owner.count(counted, f.result()))
         return future
 
 

@@ -8,11 +8,14 @@ the documented defaults. The environment is read where the settings are created:
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hvdray import environment
+
+if TYPE_CHECKING:
+    from hvdray.collective.job import JobSettings
 
 ENV_PREFIX = environment.HVDRAY_PREFIX
 #: Fields that hold Python objects: they have no environment variable.
@@ -172,6 +175,12 @@ class Settings(BaseModel):
                 f"discovery must have a find_available_hosts_and_slots() method, got {type(self.discovery).__name__}"
             )
         return self
+
+    def for_workers(self) -> "JobSettings":
+        """These values as the job's workers get them: a read-only view that needs no pydantic there."""
+        from hvdray.collective.job import JobSettings
+
+        return JobSettings({name: getattr(self, name) for name in type(self).model_fields})
 
 
 def make_settings(**kwargs: Any) -> Settings:

@@ -5,12 +5,40 @@ from __future__ import annotations
 
 import secrets as _secrets
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Union
 
 from hvdray.collective.topology import RankInfo
-from hvdray.settings import Settings, make_settings
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from hvdray.settings import Settings
+
+
+class JobSettings:
+    """The job's settings as its workers read them: the values of the driver's ``Settings``, read-only
+    attributes, and no pydantic (the driver validated them; importing pydantic and building the model
+    cost every worker ~85 ms of CPU at start). Made by ``Settings.for_workers()``."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no setting {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a job's settings are read-only in its workers")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return JobSettings, (self._values,)
+
+    def __repr__(self) -> str:
+        return f"JobSettings({self._values!r})"
 
 
 class Membership(Protocol):
@@ -28,7 +56,7 @@ class JobConfig:
     """What a worker knows about its job; built inside the worker, never sent over the wire."""
 
     rank_info: Optional[RankInfo]  # None: an elastic worker between epochs
-    settings: Settings
+    settings: Union["Settings", JobSettings]
     secret: bytes
     store_factory: Callable[[str], dist.Store]  # key prefix -> the job's private store
     host_ip: str
@@ -38,6 +66,10 @@ class JobConfig:
 
 def single_process_job() -> JobConfig:
     """A size-1 job on an in-memory store: what ``hvd.init()`` joins outside any executor."""
+    import torch.distributed as dist
+
+    from hvdray.settings import make_settings  # the environment's HVDRAY_* and HOROVOD_* knobs, validated
+
     store = dist.HashStore()
     return JobConfig(
         rank_info=RankInfo(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1),

@@ -19,17 +19,19 @@ import logging
 import math
 import threading
 import time
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.engine import Engine
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
-from hvdray.collective.job import JobConfig, Membership, single_process_job  # noqa: F401 - also read as session.*
+from hvdray.collective.job import JobConfig, JobSettings, Membership, single_process_job  # noqa: F401 - also read as session.*
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import Communicator, TransportOptions, shm
-from hvdray.settings import Settings
 from hvdray.testing import faults
+
+if TYPE_CHECKING:
+    from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -405,6 +407,6 @@ def job_secret() -> bytes:
     return _session.current_job().secret
 
 
-def settings() -> Settings:
-    """The job's settings."""
+def settings() -> Union["Settings", JobSettings]:
+    """The job's settings (read-only in a worker of an executor)."""
     return _session.current_job().settings

@@ -187,7 +187,7 @@ class RayExecutor:
         return {"env_vars": self._extra_env} if self._extra_env else None
 
     def _start_coordinator(self) -> JobCoordinator:
-        return start_job_coordinator(actor_name(self._id, "coordinator"))
+        return start_job_coordinator(self.settings.timeout_s)
 
     def _start_group(self) -> None:
         """A new worker group with its own coordinator; if it cannot start, it stops what it started."""
@@ -197,14 +197,14 @@ class RayExecutor:
                                 self._placement.check_feasible)
 
     def shutdown(self) -> None:
-        """Kill the workers and the coordinator and release the placement group; safe to call twice."""
+        """Kill the workers, drop the job from the coordinator and release the placement group; safe to call twice."""
         if self._driver is not None:
             self._driver.stop()
         if self._group is not None:
             self._group.stop()
             self._group = None
         if self._coordinator is not None:
-            self._coordinator.kill()
+            self._coordinator.close()
             self._coordinator = None
         if self._placement is not None:
             self._placement.release()

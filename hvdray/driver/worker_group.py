@@ -213,7 +213,7 @@ class WorkerGroup:
 
     ``elastic`` groups name workers by id, configure each on its own as it starts (it then waits for a
     membership epoch) and answer pings while busy; fixed groups start all ranks at once
-    (:meth:`start_fixed`). A group that owns its coordinator kills it when it stops."""
+    (:meth:`start_fixed`). A group that owns its coordinator closes the job there when it stops."""
 
     def __init__(
         self,
@@ -229,6 +229,7 @@ class WorkerGroup:
         self.workers: dict[str, GroupWorker] = {}  # started workers, by id
         self._starting: dict[str, _Start] = {}
         self._settings = settings
+        self._worker_settings = settings.for_workers()
         self._coordinator: Optional[JobCoordinator] = coordinator
         self._runtime_env = runtime_env
         self._elastic = elastic
@@ -309,7 +310,7 @@ class WorkerGroup:
                 worker.node_id = answer.node_id
                 if self._elastic:  # configured on its own: it then waits in hvd.init for its epoch
                     configure = worker.actor.configure.remote(
-                        None, 0, self._settings, self._secret, self.coordinator, (), worker.worker_id
+                        None, 0, self._worker_settings, self._secret, self.coordinator, (), worker.worker_id
                     )
                     self._starting[worker.worker_id] = self._awaiting(worker, configure, configuring=True)
                     continue
@@ -345,7 +346,7 @@ class WorkerGroup:
             self.epoch = epoch
             ray.get(
                 [
-                    w.actor.configure.remote(info, epoch, self._settings, self._secret, self.coordinator, node_gpus)
+                    w.actor.configure.remote(info, epoch, self._worker_settings, self._secret, self.coordinator, node_gpus)
                     for w, info, node_gpus in zip(workers, infos, gpus)
                 ],
                 timeout=timeout,
@@ -604,13 +605,13 @@ class WorkerGroup:
             self.state = GroupState.DRAINING
 
     def stop(self) -> None:
-        """Kill every worker (and the coordinator, if the group owns it); safe to call twice."""
+        """Kill every worker (and close the job's coordinator, if the group owns it); safe to call twice."""
         self.cancel_starts()
         self._records_call = None
         self._end_split()
         for worker in self.workers.values():
             ray.kill(worker.actor, no_restart=True)
         if self._owns_coordinator and self._coordinator is not None:
-            self._coordinator.kill()
+            self._coordinator.close()
             self._coordinator = None
         self.state = GroupState.STOPPED

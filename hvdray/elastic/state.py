@@ -12,14 +12,16 @@ from __future__ import annotations
 import abc
 import copy
 import logging
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
 from hvdray.collective import session
 from hvdray.collective import ops as _c
-from hvdray.elastic.storage import CommitStorage
 from hvdray.testing import faults
+
+if TYPE_CHECKING:
+    from hvdray.elastic.storage import CommitStorage
 
 log = logging.getLogger(__name__)
 
@@ -163,5 +165,7 @@ def _storage() -> Optional[CommitStorage]:
     if path is None:
         return None
     if path not in _storages:
+        from hvdray.elastic.storage import CommitStorage  # pyarrow: imported by the jobs that commit to storage
+
         _storages[path] = CommitStorage(path)
     return _storages[path]

@@ -17,8 +17,8 @@ from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
 from hvdray import ray_logger
 from hvdray.worker import datasets, reporting
 from hvdray.worker.membership import CoordinatorMembership, export_rank_env
+from hvdray.collective.job import JobSettings
 from hvdray.collective.topology import RankInfo, WorkerSlot
-from hvdray.settings import Settings
 
 
 class Worker:
@@ -64,7 +64,7 @@ class Worker:
         self,
         rank_info: Optional[RankInfo],
         epoch: int,
-        settings: Settings,
+        settings: JobSettings,
         secret: bytes,
         coordinator: Any,
         node_gpu_ids: Sequence[str],

@@ -1,10 +1,11 @@
 """The rendezvous is closed to anyone without the job's token.
 
 A job runs; a second Ray driver (another process connected to the same cluster, as a stranger on a
-shared cluster would be) finds the job's coordinator actor by listing named actors in every
+shared cluster would be) finds the driver's coordinator host by listing named actors in every
 namespace, and tries everything the rendezvous offers: reading, writing, adding to, deleting and
-waiting on keys, forming a new membership, reading the workers' logs, and building a Gloo group on
-the job's store. Every attempt is refused with ``PermissionError``; the job goes on undisturbed.
+waiting on keys, forming a new membership, reading the workers' logs, closing the job, and building a
+Gloo group on the job's store. Every attempt is refused with ``PermissionError``; the job goes on
+undisturbed.
 Gloo's listening sockets bind to the node's address, not to every interface.
 """
 
@@ -27,24 +28,27 @@ OUTSIDER = textwrap.dedent(
     ray.init(address=sys.argv[1], namespace="outsider", log_to_driver=False)
     name, namespace = next(
         (a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].endswith("-coordinator")
+        if a["name"].startswith("hvdray-coordinator-")
     )
     coordinator = ray.get_actor(name, namespace=namespace)
+    call = coordinator.call.remote
     attempts = {
-        "kv_get": lambda: coordinator.kv_get.remote(b"guess", "e1/gen1/rank_0", 1.0),
-        "kv_get_key_as_token": lambda: coordinator.kv_get.remote("e1/gen1/rank_0", "e1/gen1/rank_0", 1.0),
-        "kv_set": lambda: coordinator.kv_set.remote(b"x" * 32, "e1/gen1/rank_0", b"evil"),
-        "kv_add": lambda: coordinator.kv_add.remote(b"x" * 32, "e1/gen1/counter", 1),
-        "kv_wait": lambda: coordinator.kv_wait.remote(b"x" * 32, ["e1/gen1/rank_0"], 30.0),
-        "kv_read": lambda: coordinator.kv_read.remote(b"x" * 32, ["e1/gen1/rank_0"], 30.0),
-        "kv_check": lambda: coordinator.kv_check.remote(b"", ["e1/gen1/rank_0"]),
-        "kv_delete": lambda: coordinator.kv_delete.remote(None, "e1/gen1/rank_0"),
-        "assign": lambda: coordinator.assign.remote(b"x" * 32, []),
-        "abandon": lambda: coordinator.abandon.remote(b"x" * 32, 1),
-        "records": lambda: coordinator.records.remote(b"x" * 32, None, 0.0),
-        "push_log": lambda: coordinator.push_log.remote(b"x" * 32, 0, {"message": "evil"}),
+        "kv_get": lambda: call(b"guess", "kv_get", "e1/gen1/rank_0", 1.0),
+        "kv_get_key_as_token": lambda: call("e1/gen1/rank_0", "kv_get", "e1/gen1/rank_0", 1.0),
+        "kv_set": lambda: call(b"x" * 32, "kv_set", "e1/gen1/rank_0", b"evil"),
+        "kv_add": lambda: call(b"x" * 32, "kv_add", "e1/gen1/counter", 1),
+        "kv_wait": lambda: call(b"x" * 32, "kv_wait", ["e1/gen1/rank_0"], 30.0),
+        "kv_read": lambda: call(b"x" * 32, "kv_read", ["e1/gen1/rank_0"], 30.0),
+        "kv_check": lambda: call(b"", "kv_check", ["e1/gen1/rank_0"]),
+        "kv_delete": lambda: call(None, "kv_delete", "e1/gen1/rank_0"),
+        "assign": lambda: call(b"x" * 32, "assign", []),
+        "abandon": lambda: call(b"x" * 32, "abandon", 1),
+        "records": lambda: call(b"x" * 32, "records", None, 0.0),
+        "push_log": lambda: call(b"x" * 32, "push_log", 0, {"message": "evil"}),
+        "private_method": lambda: call(b"x" * 32, "_clear_kv"),
     }
     outcome = {}
+    ray.get(coordinator.close_job.remote(b"x" * 32), timeout=20)  # a token of no job closes nothing
     for label, attempt in attempts.items():
         try:
             ray.get(attempt(), timeout=20)

@@ -102,7 +102,7 @@ def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
     from hvdray.driver.coordinator import start_job_coordinator
     from hvdray.worker.rendezvous import CoordinatorStore
 
-    job = start_job_coordinator("hvdray-test-abandon-coordinator")
+    job = start_job_coordinator()
     client = job.client
     try:
         slots = [WorkerSlot(node_id="n", hostname="h", ip="127.0.0.1", gpu_ids=()) for _ in range(2)]
@@ -124,7 +124,7 @@ def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
         status, member = ray.get(client.await_membership.remote("survivor", epoch, 5.0))
         assert (status, member[0], member[1].size) == ("member", epoch_2, 1)
     finally:
-        job.kill()
+        job.close()
 
 
 def _fails_on_rank_1():
@@ -186,14 +186,13 @@ def test_a_coordinator_that_stops_answering_fails_the_job_instead_of_hanging_it(
     from ray._private.state import actors as gcs_actors
 
     from hvdray.driver.controller import ElasticJobError
-    from hvdray.driver.worker_group import actor_name
 
     frozen = []
 
     def freeze(record):
         if record.get("kind") == "commit" and not frozen:
-            name = actor_name(ex._id, "coordinator")
-            pid = next(a["Pid"] for a in gcs_actors().values() if a["Name"] == name and a["State"] == "ALIVE")
+            host = ex._coordinator.client.handle._actor_id.hex()
+            pid = next(a["Pid"] for a in gcs_actors().values() if a["ActorID"] == host and a["State"] == "ALIVE")
             os.kill(pid, signal.SIGSTOP)
             frozen.append((pid, time.monotonic()))
 

@@ -1,0 +1,120 @@
+"""One coordinator host per driver: shared by its executors, each job's table its own, replaced when lost.
+
+The host is started by a driver's first job and kept for the next (a job's start then creates no
+coordinator process): these tests check that two jobs at once in one host do not see each other, that
+a job's token is refused once its executor shut down, that later executors reuse the host, and that a
+killed or frozen host is replaced instead of failing or hanging the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from hvdray import RayExecutor
+from hvdray.collective.topology import WorkerSlot
+from hvdray.driver.coordinator import start_job_coordinator
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SLOTS = [WorkerSlot(node_id="n", hostname="h", ip="127.0.0.1", gpu_ids=())]
+
+
+def _host_id(job) -> str:
+    return job.client.handle._actor_id.hex()
+
+
+def _host_pid(job) -> int:
+    from ray._private.state import actors as gcs_actors
+
+    return next(a["Pid"] for a in gcs_actors().values() if a["ActorID"] == _host_id(job) and a["State"] == "ALIVE")
+
+
+def _sum_of_ranks() -> float:
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return float(hvd.allreduce(torch.tensor([float(hvd.rank())]), name="ranks", op=hvd.Sum)[0])
+
+
+def test_jobs_in_one_host_keep_their_own_tables(ray_local):
+    first, second = start_job_coordinator(), start_job_coordinator()
+    try:
+        assert _host_id(first) == _host_id(second)  # one process for both
+        ray.get(first.client.kv_set.remote("e0/k", b"first"))
+        # membership and keys are per job: the second job has no epoch and no key yet
+        assert ray.get(second.client.epoch.remote()) == 0
+        assert ray.get(second.client.kv_check.remote(["e0/k"])) is False
+        epoch, _, _ = ray.get(second.client.assign.remote(SLOTS, ["w"]))
+        assert epoch == 1 and ray.get(first.client.epoch.remote()) == 0
+        second.close()
+        with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):
+            ray.get(second.client.epoch.remote())
+        assert ray.get(first.client.epoch.remote()) == 0  # closing one job leaves the other alone
+        assert ray.get(first.client.handle.jobs.remote()) == 1
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_closed_jobs_waits_end_at_once(ray_local):
+    job = start_job_coordinator()
+    epoch, _, _ = ray.get(job.client.assign.remote(SLOTS, ["w"]))
+    waiting = job.client.kv_wait.remote([f"e{epoch}/never"], 60.0)
+    time.sleep(0.5)
+    asked = time.monotonic()
+    job.close()
+    assert ray.get(waiting, timeout=30) == "superseded"
+    assert time.monotonic() - asked < 10
+
+
+def test_executors_one_after_another_and_at_once_share_the_host(ray_local):
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
+    with RayExecutor(settings, num_workers=2) as first:
+        assert first.run(_sum_of_ranks) == [1.0, 1.0]
+        host = first._group.coordinator.handle._actor_id.hex()
+        with RayExecutor(settings, num_workers=2) as beside:  # at the same time, in the same host
+            assert beside.run(_sum_of_ranks) == [1.0, 1.0]
+            assert beside._group.coordinator.handle._actor_id.hex() == host
+            assert first.run(_sum_of_ranks) == [1.0, 1.0]
+    with RayExecutor(settings, num_workers=2) as later:
+        assert later.run(_sum_of_ranks) == [1.0, 1.0]
+        assert later._group.coordinator.handle._actor_id.hex() == host
+
+
+def test_a_killed_host_is_replaced(ray_local):
+    job = start_job_coordinator()
+    ray.kill(job.client.handle, no_restart=True)
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
+    with RayExecutor(settings, num_workers=2) as executor:
+        assert executor.run(_sum_of_ranks) == [1.0, 1.0]
+        assert executor._group.coordinator.handle._actor_id.hex() != _host_id(job)
+
+
+def test_a_frozen_host_is_replaced_after_its_answer_bound(ray_local):
+    """SIGSTOP: the host is alive to Ray but answers nothing; the next start gives up on it after
+    ``answer_s`` and starts a new one (killing the frozen one), instead of hanging."""
+    job = start_job_coordinator()
+    ray.get(job.client.epoch.remote())  # the host is up
+    pid = _host_pid(job)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        fresh = start_job_coordinator(answer_s=2.0)
+        assert time.monotonic() - asked < 2.0 + 10
+        assert _host_id(fresh) != _host_id(job)
+        assert ray.get(fresh.client.epoch.remote(), timeout=60) == 0
+        fresh.close()
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # killed as it should be
+            pass
