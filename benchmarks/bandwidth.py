@@ -15,7 +15,10 @@ Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, allgather ``(n-1
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
 speeds are operand bytes per second (an add of two S-byte tensors in S / t).
 
-    python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5
+    python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--no-huge-pages]
+
+"copy, fresh output" is a copy into a tensor allocated for it, as a collective's output is: its
+first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     tensor, other = torch.ones(numel), torch.ones(numel)
     times = {
         "copy": timed(lambda: other.copy_(tensor), iterations),
+        "copy into a fresh tensor": timed(lambda: torch.empty(numel).copy_(tensor), iterations),
         "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
@@ -95,6 +99,7 @@ def bandwidth_rows(
         copies, adds = samples["copy"], samples["add"]
         record(f"one core's memory speed, {size:g} MB", {
             "copy": [size_bytes / t / 1e9 for t in copies], "add (operand bytes)": [size_bytes / t / 1e9 for t in adds],
+            "copy, fresh output": [size_bytes / t / 1e9 for t in samples.pop("copy into a fresh tensor")],
         }, "GB/s", "copy", True)
         for collective in COLLECTIVES:
             moved = bus_bytes(collective, size_bytes, ranks)
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="the workers without transparent huge pages for large tensors (huge_pages=False)")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2")
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     from hvdray import RayExecutor
 
     try:
-        with RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=args.workers) as ex:
+        settings = RayExecutor.create_settings(timeout_s=120, huge_pages=not args.no_huge_pages)
+        with RayExecutor(settings, num_workers=args.workers) as ex:
             ex.run(setup_raw_gloo)
             bandwidth_rows(record, ex, args.workers, args.sizes_mb, args.repeats, args.quick)
     finally:

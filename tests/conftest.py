@@ -9,6 +9,24 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ray_token_authentication():
+    """Ray's token authentication on in every test, whatever runs first.
+
+    Ray 2.60's ``ray.init()`` turns it on for a new local cluster unless ``RAY_AUTH_MODE`` says
+    otherwise (it sets ``RAY_AUTH_MODE=token`` in the process and makes a token in ``~/.ray``);
+    ``ray.cluster_utils.Cluster`` does not, so a multi-node test run on its own would start its raylets
+    without it. This applies the same default, through the same Ray functions, before any test."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    enable_token_auth_by_default()  # respects an explicit RAY_AUTH_MODE, as ray.init() does
+    ensure_token_if_auth_enabled()
+    yield
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray instance with 4 logical CPUs (the machine has 2 cores; workers use 1 thread each)."""

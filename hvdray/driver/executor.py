@@ -36,7 +36,9 @@ from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
 from hvdray.driver.results import RunResults
-from hvdray.driver.worker_group import Callback, GroupState, WorkerGroup, WorkerLostError, actor_name
+from hvdray.driver.worker_group import (
+    Callback, CoordinatorLostError, GroupState, WorkerGroup, WorkerLostError, actor_name,
+)
 from hvdray.settings import Settings, make_settings
 
 if TYPE_CHECKING:
@@ -387,6 +389,10 @@ class RayExecutor:
                 # the executor stays usable and its next call starts fresh workers in the same placement group.
                 group.stop()
                 log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
+            elif isinstance(exc, CoordinatorLostError):
+                # the workers' rendezvous and records went with it: the next call starts new workers, and a
+                # new coordinator for them
+                group.stop()
             self._finish_results(group, error=exc)
             raise
         self._finish_results(group, values=values)

@@ -74,6 +74,8 @@ class Worker:
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
         the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
+        if settings.huge_pages:  # read by torch's allocator once, at its first allocation: before torch loads
+            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         from hvdray.worker.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
         from hvdray.collective import session
 

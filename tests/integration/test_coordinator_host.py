@@ -118,3 +118,37 @@ def test_a_frozen_host_is_replaced_after_its_answer_bound(ray_local):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:  # killed as it should be
             pass
+
+
+def _logs_until(seconds: float) -> int:
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray import ray_logger
+
+    hvd.init()
+    deadline, step = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        hvd.allreduce(torch.ones(2), name="step")
+        ray_logger.log({"step": step})
+        step += 1
+        time.sleep(0.05)
+    return step
+
+
+def test_a_host_lost_during_a_run_fails_the_run_and_the_next_run_gets_a_new_one(ray_local):
+    """The coordinator's process dies while a fixed-size job runs and reports: the run fails within
+    ``timeout_s`` naming the coordinator (it does not hang); the executor's next run starts a new host."""
+    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60)
+    killed: list[float] = []
+
+    def kill_host(record):
+        if not killed:
+            killed.append(time.monotonic())
+            ray.kill(executor._group.coordinator.handle, no_restart=True)
+
+    with RayExecutor(settings, num_workers=2) as executor:
+        with pytest.raises(Exception, match="coordinator") as failed:
+            executor.run(_logs_until, args=[120.0], callbacks=[kill_host])
+        assert killed and time.monotonic() - killed[0] < 10 + 20, str(failed.value)
+        assert executor.run(_sum_of_ranks) == [1.0, 1.0]

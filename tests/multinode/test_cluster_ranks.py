@@ -67,3 +67,17 @@ def test_num_workers_spills_across_nodes_when_needed(ray_two_nodes):
     assert all(r["sum"] == 3.0 for r in results)
     # ranks are contiguous per node
     assert results[0]["node"] == results[1]["node"] != results[2]["node"]
+
+
+def test_the_multi_node_cluster_refuses_a_driver_without_its_token(ray_two_nodes):
+    """The raylets of these tests run with Ray's token authentication, as a new local cluster does by
+    default: a driver presenting another token is refused."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)
+    code = f"import ray; ray.init(address={ray_two_nodes.address!r}, log_to_driver=False); print('JOINED')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "JOINED" not in done.stdout and done.returncode != 0, done.stdout + done.stderr[-2000:]
+    assert os.environ.get("RAY_AUTH_MODE") == "token"

@@ -127,3 +127,30 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
     else:
         assert any(t["state"] == "recovering" for t in recorder.transitions())
     assert elapsed < BOUND_S[cpu_load], f"took {elapsed:.0f} s"
+
+
+#: faults in the job's first epoch, inside the first ``hvd.init()`` that ``train_job`` calls before
+#: ``hvd.elastic.run`` (as Horovod's scripts do): the matrix above hits epoch 2 with exits and node losses
+FIRST_EPOCH = [("init", "exit"), ("rendezvous", "remove_node")]
+
+
+@pytest.mark.timeout(BOUND_S["quiet"] + 60)
+@pytest.mark.parametrize("point,action", FIRST_EPOCH, ids=[f"{a}-at-{p}-epoch-1" for p, a in FIRST_EPOCH])
+def test_a_fault_in_the_first_hvd_init_is_a_reset(cluster, tmp_path, point, action):
+    """Rank 1 dies (or loses its node) inside its first ``hvd.init()``, before any state exists: the
+    survivors' ``hvd.init()`` takes part in the recovery instead of failing the job, and the job re-forms
+    (a replacement on the same node after its cool-down, or without the lost node) and finishes."""
+    use_nodes(cluster, 3)
+    started = time.monotonic()
+    recorder = Recorder()
+    env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=1)
+    responder = faults.Responder(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
+                                 lambda: cluster.add_node(num_cpus=1))
+    with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
+        ex.start(extra_env_vars=env)
+        results = ex.run(train_job, args=[EPOCHS], callbacks=[recorder, responder])
+    fired = responder.fired()
+    assert fired is not None and (fired["point"], fired["action"], fired["epoch"]) == (point, action, 1), fired
+    check_invariants(results, recorder, EPOCHS)
+    assert any(t["state"] == "recovering" for t in recorder.transitions())
+    assert time.monotonic() - started < BOUND_S["quiet"]
