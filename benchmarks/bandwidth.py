@@ -15,7 +15,7 @@ Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, allgather ``(n-1
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
 speeds are operand bytes per second (an add of two S-byte tensors in S / t).
 
-    python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--no-huge-pages]
+    python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--huge-pages]
 
 "copy, fresh output" is a copy into a tensor allocated for it, as a collective's output is: its
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting).
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
-    parser.add_argument("--no-huge-pages", action="store_true",
-                        help="the workers without transparent huge pages for large tensors (huge_pages=False)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="the workers with transparent huge pages for large tensors (huge_pages=True)")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from hvdray import RayExecutor
 
     try:
-        settings = RayExecutor.create_settings(timeout_s=120, huge_pages=not args.no_huge_pages)
+        settings = RayExecutor.create_settings(timeout_s=120, huge_pages=args.huge_pages)
         with RayExecutor(settings, num_workers=args.workers) as ex:
             ex.run(setup_raw_gloo)
             bandwidth_rows(record, ex, args.workers, args.sizes_mb, args.repeats, args.quick)

@@ -141,10 +141,10 @@ class Settings(BaseModel):
         "several rounds.",
     )
     huge_pages: bool = Field(
-        True, description="Workers ask the kernel for transparent huge pages for tensors of 2 MiB and more "
-        "(torch's THP_MEM_ALLOC_ENABLE, unless the worker's environment sets it): a fresh 64 MB tensor is "
-        "ready in about a third of the time (collectives' fresh outputs, gradients), at the cost of up to "
-        "2 MiB of memory per such tensor.",
+        False, description="Workers ask the kernel for transparent huge pages for tensors of 2 MiB and more "
+        "(torch's THP_MEM_ALLOC_ENABLE, unless the worker's environment sets it): a fresh tensor above 32 MiB "
+        "(a large collective's output) is ready in about a third of the time, but fresh tensors of 32 MiB and "
+        "less, which glibc otherwise hands out again warm, get slower; up to 2 MiB of memory more per tensor.",
     )
 
     @field_validator("hierarchical_allreduce", mode="before")

@@ -1,7 +1,7 @@
-"""``huge_pages``: workers back large tensors with transparent huge pages, unless told otherwise.
+"""``huge_pages``: workers back large tensors with transparent huge pages when asked.
 
 Checked in the worker's own memory map: the mapping that holds a fresh 64 MB tensor has huge pages
-(``AnonHugePages`` in ``/proc/self/smaps``) by default, none with ``huge_pages=False``, and a worker
+(``AnonHugePages`` in ``/proc/self/smaps``) with ``huge_pages=True``, none by default, and a worker
 whose environment sets torch's ``THP_MEM_ALLOC_ENABLE`` keeps that value.
 """
 
@@ -47,13 +47,13 @@ def _fresh_tensor_huge_kb() -> tuple[object, int]:
 @pytest.mark.parametrize(
     "settings_kwargs,env,expected_variable,huge",
     [
-        ({}, None, "1", True),
-        ({"huge_pages": False}, None, None, False),
-        ({}, {"THP_MEM_ALLOC_ENABLE": "0"}, "0", False),
+        ({"huge_pages": True}, None, "1", True),
+        ({}, None, None, False),
+        ({"huge_pages": True}, {"THP_MEM_ALLOC_ENABLE": "0"}, "0", False),
     ],
-    ids=["default", "huge_pages-false", "the-workers-environment-wins"],
+    ids=["huge_pages-true", "default", "the-workers-environment-wins"],
 )
-def test_large_tensors_get_huge_pages_unless_turned_off(ray_local, settings_kwargs, env, expected_variable, huge):
+def test_large_tensors_get_huge_pages_when_asked(ray_local, settings_kwargs, env, expected_variable, huge):
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60, **settings_kwargs)
     with RayExecutor(settings, num_workers=1) as executor:
         executor.start(extra_env_vars=env)
