@@ -49,7 +49,8 @@ def test_stalled_tensor_warns_then_fails_on_the_waiting_rank(make_executor, cach
     assert error1 is None
     assert error0 is not None and "'lonely'" in error0 and "[1]" in error0 and "stall_shutdown_s" in error0
     assert 1.5 < took0 < 10
-    assert any("'lonely'" in m and "[1]" in m for m in records0)
+    # who waits for whom: rank 0 submitted it, rank 1 is missing
+    assert any("'lonely'" in m and "for rank(s) [1]" in m and "(ranks [0] submitted it)" in m for m in records0), records0
 
 
 def _each_rank_its_own_name(cached_first: bool = False, late_rank_sleeps_s: float = 0.0):
