@@ -26,7 +26,9 @@ run, the loaded and starved ones once; ``HVDRAY_FAULT_REPEATS=N`` runs every cas
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +102,8 @@ _PARAMS = [
 
 
 @pytest.mark.parametrize("cpu_load,point,action,repeat", _PARAMS, indirect=["cpu_load"])
-def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat):
+def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat, caplog):
+    caplog.set_level(logging.WARNING, logger="hvdray.driver")
     use_nodes(cluster, 2)
     started = time.monotonic()
     recorder = Recorder()
@@ -126,6 +129,11 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
         assert len(results) == 3 and results[0]["sizes"][-1] == 3, results[0]["sizes"]
     else:
         assert any(t["state"] == "recovering" for t in recorder.transitions())
+    # only the failed worker's node is cooled down, and no survivor is dropped for being slow
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    cooled = set(re.findall(r"on node (\w+) lost; node blacklisted", "\n".join(warnings)))
+    assert cooled <= ({fired["node_id"][:8]} if not joining else set()), (cooled, fired, warnings)
+    assert not [w for w in warnings if "dropping them" in w], warnings
     assert elapsed < BOUND_S[cpu_load], f"took {elapsed:.0f} s"
 
 
