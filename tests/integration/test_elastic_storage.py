@@ -14,6 +14,7 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import ray.cloudpickle
@@ -50,8 +51,14 @@ def test_a_storage_path_that_is_a_file_is_refused_by_name(tmp_path):
 
 
 # -- real elastic jobs --------------------------------------------------------------------------------
-def _train(until: int, die_after: int, marker: str) -> dict:
-    """Count epochs with a model; every rank dies right after commit ``die_after`` the first time through."""
+def _train(until: Optional[int], die_after: int = 0, marker: str = "", epochs_dir: Optional[str] = None,
+           more: Optional[int] = None) -> dict:
+    """Count epochs with a model, committing each. Every rank dies right after commit ``die_after`` the
+    first time through (0: never). ``until``: the last epoch (None: no last one); ``more``: stop that many
+    epochs after the one it resumed from; ``epochs_dir``: rank 0 marks each committed epoch there (a file
+    named by its number), one epoch per 0.3 s."""
+    import time
+
     import torch
 
     import hvdray.torch as hvd
@@ -66,7 +73,7 @@ def _train(until: int, die_after: int, marker: str) -> dict:
     @hvd.elastic.run
     def train(state):
         started_at = state.epoch
-        while state.epoch < until:
+        while (until is None or state.epoch < until) and (more is None or state.epoch < started_at + more):
             optimizer.zero_grad()
             model.weight.grad = torch.ones_like(model.weight)  # each epoch moves every weight by -1
             hvd.allreduce_(model.weight.grad, name="grad")
@@ -74,6 +81,10 @@ def _train(until: int, die_after: int, marker: str) -> dict:
             state.epoch += 1
             state.seen = state.seen + [state.epoch]
             state.commit()
+            if epochs_dir is not None:
+                if hvd.rank() == 0:
+                    open(os.path.join(epochs_dir, str(state.epoch)), "w").close()
+                time.sleep(0.3)
             if state.epoch == die_after and not os.path.exists(marker):
                 hvd.barrier()  # every rank has committed (rank 0 wrote it) before any dies
                 open(marker + f".{hvd.rank()}", "w").close()
@@ -116,44 +127,20 @@ def test_a_new_job_on_the_same_storage_path_resumes_where_the_last_one_committed
 
 
 _DRIVER = """
-import json, os, sys, time
+import json, sys
 import ray
 from hvdray import RayExecutor
 
-def train(storage_epochs, extra):
-    import torch
-    import hvdray.torch as hvd
-    torch.set_num_threads(1)
-    hvd.init()
-    model = torch.nn.Linear(2, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    state = hvd.elastic.TorchState(model, optimizer, epoch=0, seen=[])
+address, storage, epochs_dir, more, here = sys.argv[1:6]
+sys.path.insert(0, here)
+from test_elastic_storage import _train
 
-    @hvd.elastic.run
-    def loop(state):
-        started_at = state.epoch
-        while extra is None or state.epoch < started_at + extra:
-            optimizer.zero_grad()
-            model.weight.grad = torch.ones_like(model.weight)
-            hvd.allreduce_(model.weight.grad, name="grad")
-            optimizer.step()
-            state.epoch += 1
-            state.seen = state.seen + [state.epoch]
-            state.commit()
-            if hvd.rank() == 0:
-                open(os.path.join(storage_epochs, str(state.epoch)), "w").close()
-            time.sleep(0.3)
-        return {"started_at": started_at, "seen": state.seen, "weight": model.weight.sum().item()}
-
-    return loop(state)
-
-address, storage, epochs_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 ray.init(address=address, log_to_driver=False)
 settings = RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=60, discovery_interval_s=0.5,
                                        elastic_timeout=120, storage_path=storage)
 with RayExecutor(settings, min_workers=2, max_workers=2) as executor:
-    results = executor.run(train, args=[epochs_dir, None if extra == "forever" else int(extra)])
+    more = None if more == "forever" else int(more)
+    results = executor.run(_train, args=[None], kwargs={"epochs_dir": epochs_dir, "more": more})
 print("RESULTS " + json.dumps(results), flush=True)
 """
 
@@ -176,8 +163,9 @@ def test_a_new_driver_process_resumes_after_the_last_one_was_killed(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
     try:
+        here = str(Path(__file__).parent)
         first = subprocess.Popen([sys.executable, str(script), cluster.address, str(storage), str(epochs_dir),
-                                  "forever"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  "forever", here], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 180
         while len(os.listdir(epochs_dir)) < 3 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
@@ -185,8 +173,8 @@ def test_a_new_driver_process_resumes_after_the_last_one_was_killed(tmp_path):
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         committed = max(int(name) for name in os.listdir(epochs_dir))
-        second = subprocess.run([sys.executable, str(script), cluster.address, str(storage), str(epochs_dir), "2"],
-                                env=env, capture_output=True, text=True, timeout=240)
+        second = subprocess.run([sys.executable, str(script), cluster.address, str(storage), str(epochs_dir), "2",
+                                 here], env=env, capture_output=True, text=True, timeout=240)
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
         results = json.loads(second.stdout.split("RESULTS ", 1)[1].splitlines()[0])
     finally:
