@@ -58,6 +58,10 @@ class CoordinatorClient:
             raise AttributeError(method)
         return _TokenCall(self.handle, self._token, method)
 
+    def close_job(self) -> Any:
+        """Drop the job's table from the host: its waits end, its token is refused from then on."""
+        return self.handle.close_job.remote(self._token)
+
 
 class _TokenCall:
     __slots__ = ("_handle", "_token", "_method")
@@ -79,12 +83,12 @@ class JobCoordinator:
     def close(self) -> None:
         """Drop the job's table from the host (its token is refused from now on); does not wait."""
         try:
-            self.client.handle.close_job.remote(self.client._token)
+            self.client.close_job()
         except Exception:  # noqa: BLE001 - the host (or Ray) is gone already: nothing is left to drop
             pass
 
 
-_hosts_lock = threading.Lock()
+_host_lock = threading.Lock()
 #: this process's coordinator host: ``((Ray job id, node id), handle)``; a new Ray session starts another
 _host: Optional[tuple[tuple[str, str], Any]] = None
 _host_names = itertools.count()
@@ -106,7 +110,7 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
     digest = hashlib.sha256(token).digest()
     context = ray.get_runtime_context()
     where = (context.get_job_id(), context.get_node_id())
-    with _hosts_lock:
+    with _host_lock:
         handle = _host[1] if _host is not None and _host[0] == where else None
         if handle is not None:
             try:
