@@ -3,9 +3,9 @@
 For N = 16, 64, 256, 1024 this runs hvdray's own control-plane code with N lightweight in-process
 members (threads, no tensors, no sockets):
 
-* **rendezvous** (one membership epoch): the real :class:`~hvdray.driver.coordinator.CoordinatorHost` (an
+* **rendezvous** (one membership epoch): the real :class:`~hvdray.driver.coordinator_host.CoordinatorHost` (an
   in-process object on an asyncio loop instead of an actor, reached through the real
-  :class:`~hvdray.driver.coordinator.CoordinatorClient` and token check), its rank assignment
+  :class:`~hvdray.driver.coordinator_host.CoordinatorClient` and token check), its rank assignment
   (``assign``), and every member's real :class:`~hvdray.worker.rendezvous.CoordinatorStore` under
   :class:`~hvdray.collective.transport.mesh_store.FullMeshStore`, through which each member replays
   what its ``Communicator`` asks of the store: Gloo's full-mesh connect of the job's group (one
@@ -56,7 +56,7 @@ from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.topology import WorkerSlot
 from hvdray.collective.transport.gloo import RECURSIVE_DOUBLING_MIN_RANKS, recursive_doubling_messages
 from hvdray.collective.transport.mesh_store import FullMeshStore
-from hvdray.driver.coordinator import CoordinatorClient, CoordinatorHost
+from hvdray.driver.coordinator_host import CoordinatorClient, CoordinatorHost
 from hvdray.worker.rendezvous import CoordinatorStore
 
 #: bytes Gloo publishes per pair in a rank's full-mesh key (torch 2.x's TCP transport): checked

@@ -1,4 +1,4 @@
-"""The coordinator: rank assignment, each job's rendezvous table, and the worker record channel.
+"""One job's coordination table: rank assignment, the rendezvous keys, and the worker record channel.
 
 Rank assignment happens here and nowhere else. Every assignment starts a new membership epoch; the
 rendezvous keys of an older epoch are dropped, and a worker still waiting on one is answered at once
@@ -7,13 +7,9 @@ member died while it formed or ran): its rendezvous waits are answered ``superse
 worker is handed that epoch any more. In an elastic job workers wait here for the epoch that includes them and
 poll the host-update counter the driver bumps.
 
-One :class:`Coordinator` holds one job's state. They live in a :class:`CoordinatorHost` actor, one per
-driver process and Ray session, shared by the executors that driver runs (one after another or at
-once): a job's coordination costs a table in a process that is already up, not a process of its own
-(starting one took a third of a 2-worker job's start here, see docs/performance_start_and_scale.md).
-Each job has its own token; a call is answered from the table of the job whose token it presents, and
-a job's table is dropped when its executor shuts down. The actor is asynchronous so that many workers
-can wait at once; it needs no CPU.
+Every call presents the job's token. The tables of a driver's jobs live in one actor,
+:class:`~hvdray.driver.coordinator_host.CoordinatorHost`, asynchronous so that many workers can wait at
+once; it needs no CPU.
 """
 
 from __future__ import annotations
@@ -21,19 +17,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import inspect
-import itertools
-import os
-import secrets
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
 
-#: how long a driver waits for its coordinator host to take a new job before it starts another host
-HOST_ANSWER_S = 30.0
 #: how long a worker's record waits for one its sender numbered before it (see ``Coordinator._add_record``)
 RECORD_GAP_S = 2.0
 
@@ -42,127 +30,9 @@ RECORD_GAP_S = 2.0
 Record = tuple[dict[str, Any], Optional[tuple[dict[str, Any], Optional[str]]]]
 
 
-class CoordinatorClient:
-    """A job's view of its coordinator: the host's actor handle plus the job's token, presented on every call.
-
-    ``client.kv_get.remote(key, timeout_s)`` runs ``Coordinator.kv_get(token, key, timeout_s)`` on the
-    job's table in the host. The driver makes one with :func:`start_job_coordinator` and hands it to
-    the job's workers."""
-
-    def __init__(self, handle: Any, token: bytes) -> None:
-        self.handle = handle
-        self._token = token
-
-    def __getattr__(self, method: str) -> "_TokenCall":
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return _TokenCall(self.handle, self._token, method)
-
-    def close_job(self) -> Any:
-        """Drop the job's table from the host: its waits end, its token is refused from then on."""
-        return self.handle.close_job.remote(self._token)
-
-
-class _TokenCall:
-    __slots__ = ("_handle", "_token", "_method")
-
-    def __init__(self, handle: Any, token: bytes, method: str) -> None:
-        self._handle, self._token, self._method = handle, token, method
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self._handle.call.remote(self._token, self._method, *args, **kwargs)
-
-
-@dataclass(frozen=True)
-class JobCoordinator:
-    """A job's coordinator (its client, holding the token) and the secret its workers share."""
-
-    client: CoordinatorClient
-    secret: bytes
-
-    def close(self) -> None:
-        """Drop the job's table from the host (its token is refused from now on); does not wait."""
-        try:
-            self.client.close_job()
-        except Exception:  # noqa: BLE001 - the host (or Ray) is gone already: nothing is left to drop
-            pass
-
-
-_host_lock = threading.Lock()
-#: this process's coordinator host: ``((Ray job id, node id), handle)``; a new Ray session starts another
-_host: Optional[tuple[tuple[str, str], Any]] = None
-_host_names = itertools.count()
-
-
-def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
-    """A new job's coordinator, with a fresh token and secret, in this driver's coordinator host.
-
-    The host is started by the first job of this process in this Ray session, on the driver's node and
-    never spilled elsewhere (losing another node must not lose it), and kept for the next jobs. A host
-    that died, or that does not take the job within ``answer_s``, is replaced by a new one."""
-    global _host
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from hvdray.driver.cluster import actor_class
-
-    token = secrets.token_bytes(32)
-    digest = hashlib.sha256(token).digest()
-    context = ray.get_runtime_context()
-    where = (context.get_job_id(), context.get_node_id())
-    with _host_lock:
-        handle = _host[1] if _host is not None and _host[0] == where else None
-        if handle is not None:
-            try:
-                ray.get(handle.open_job.remote(digest), timeout=answer_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                ray.kill(handle, no_restart=True)
-                handle = None
-        if handle is None:
-            handle = actor_class(CoordinatorHost).options(
-                num_cpus=0,
-                name=f"hvdray-coordinator-{os.getpid()}-{next(_host_names)}",
-                scheduling_strategy=NodeAffinitySchedulingStrategy(where[1], soft=False),
-            ).remote(digest)
-            _host = (where, handle)
-    return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
-
-
-class CoordinatorHost:
-    """The actor: the :class:`Coordinator` of every open job of one driver, found by the caller's token."""
-
-    def __init__(self, first_job_digest: bytes) -> None:
-        self._jobs: dict[bytes, Coordinator] = {}
-        self.open_job(first_job_digest)
-
-    def open_job(self, token_digest: bytes) -> None:
-        """A new job whose callers present the token with this SHA-256 digest."""
-        self._jobs[token_digest] = Coordinator(token_digest)
-
-    async def close_job(self, token: bytes) -> None:
-        """Drop the job's table: its waits end, and its token is refused from now on."""
-        job = self._jobs.pop(self._digest(token), None)
-        if job is not None:
-            await job.close()
-
-    async def call(self, token: bytes, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``Coordinator.<method>(token, *args, **kwargs)`` on the table of the job holding ``token``."""
-        job = self._jobs.get(self._digest(token))
-        if job is None:
-            raise PermissionError("this hvdray job's coordinator only answers callers that hold the job's token"
-                                  " (or the job was shut down)")
-        if method not in _JOB_CALLS:
-            raise AttributeError(f"the coordinator has no call {method!r}")
-        answer = getattr(job, method)(token, *args, **kwargs)
-        return await answer if inspect.isawaitable(answer) else answer
-
-    def jobs(self) -> int:
-        """How many jobs are open here."""
-        return len(self._jobs)
-
-    @staticmethod
-    def _digest(token: Any) -> bytes:
-        return hashlib.sha256(token).digest() if isinstance(token, bytes) else b""
+def token_digest(token: Any) -> bytes:
+    """The SHA-256 of a caller's token (empty for anything that is not bytes, which matches no job)."""
+    return hashlib.sha256(token).digest() if isinstance(token, bytes) else b""
 
 
 class Coordinator:
@@ -203,7 +73,7 @@ class Coordinator:
 
     def _admit(self, token: Any) -> None:
         """Refuse a caller that does not present the job's rendezvous token."""
-        if not isinstance(token, bytes) or not hmac.compare_digest(hashlib.sha256(token).digest(), self._token_digest):
+        if not hmac.compare_digest(token_digest(token), self._token_digest):
             raise PermissionError("this hvdray job's coordinator only answers callers that hold the job's token")
 
     # -- membership ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from hvdray.driver.arguments import (
 )
 from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
-from hvdray.driver.coordinator import JobCoordinator, start_job_coordinator
+from hvdray.driver.coordinator_host import JobCoordinator, start_job_coordinator
 from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.payload import PayloadGuard, call_pieces

@@ -36,7 +36,7 @@ import ray
 from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
-from hvdray.driver.coordinator import CoordinatorClient, JobCoordinator
+from hvdray.driver.coordinator_host import CoordinatorClient, JobCoordinator
 from hvdray.driver.datasets import DatasetSplitter, end_split
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker

@@ -57,7 +57,7 @@ OUTSIDER = textwrap.dedent(
             outcome[label] = type(exc.cause if hasattr(exc, "cause") and exc.cause else exc).__name__ + ": " + str(exc)[-200:]
 
     # building a Gloo group on the job's store: the store's first call is refused
-    from hvdray.driver.coordinator import CoordinatorClient
+    from hvdray.driver.coordinator_host import CoordinatorClient
     from hvdray.worker.rendezvous import CoordinatorStore
     from hvdray.collective.transport import Communicator
     try:

@@ -19,7 +19,7 @@ import ray.cloudpickle
 
 from hvdray import RayExecutor
 from hvdray.collective.topology import WorkerSlot
-from hvdray.driver.coordinator import start_job_coordinator
+from hvdray.driver.coordinator_host import start_job_coordinator
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -99,7 +99,7 @@ def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
 
     from hvdray.collective.errors import HorovodInternalError
     from hvdray.collective.topology import WorkerSlot
-    from hvdray.driver.coordinator import start_job_coordinator
+    from hvdray.driver.coordinator_host import start_job_coordinator
     from hvdray.worker.rendezvous import CoordinatorStore
 
     job = start_job_coordinator()

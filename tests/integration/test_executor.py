@@ -287,9 +287,9 @@ def test_a_restart_that_fails_leaves_no_actors_behind(make_executor, tmp_path):
         time.sleep(0.2)
     assert not [n for n in names if _named_actor_alive(n)], "a failed restart left its actors running"
     # the driver's coordinator actor stays for its next executors, holding no table of this job's
-    from hvdray.driver import coordinator
+    from hvdray.driver import coordinator_host
 
-    assert ray.get(coordinator._host[1].jobs.remote(), timeout=30) == 0
+    assert ray.get(coordinator_host._host[1].jobs.remote(), timeout=30) == 0
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def _actor_classes() -> int:
     """Classes derived from hvdray's actor classes: ``ray.remote`` derives one each time it is called."""
     import gc
 
-    from hvdray.driver.coordinator import CoordinatorHost
+    from hvdray.driver.coordinator_host import CoordinatorHost
     from hvdray.worker.actor import Worker
 
     return sum(isinstance(o, type) and issubclass(o, (Worker, CoordinatorHost)) for o in gc.get_objects())

@@ -15,7 +15,8 @@ HEAVY = ("torch", "tensorflow", "keras")
 
 @pytest.mark.parametrize(
     "module",
-    ["hvdray", "hvdray.driver.executor", "hvdray.driver.coordinator", "hvdray.tune.trainable", "hvdray.runner.cli"],
+    ["hvdray", "hvdray.driver.executor", "hvdray.driver.coordinator_host", "hvdray.tune.trainable",
+     "hvdray.runner.cli"],
 )
 def test_driver_modules_import_no_framework(module):
     code = (

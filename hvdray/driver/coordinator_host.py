@@ -1,0 +1,149 @@
+"""The coordinator's actor and the driver's view of it: one :class:`CoordinatorHost` per driver process.
+
+The host holds the :class:`~hvdray.driver.coordinator.Coordinator` table of every job its driver runs,
+one after another or at once, found by the token each call presents: a job's coordination costs a table
+in a process that is already up, not a process of its own (starting one took a third of a 2-worker
+job's start here, see docs/performance_start_and_scale.md). The driver's first job starts it (on the
+driver's node), later jobs open a table in it, and a job's table is dropped when its executor shuts
+down. A host that died or stopped answering is replaced at the next start.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hvdray.driver.coordinator import Coordinator, token_digest
+
+#: how long a driver waits for its coordinator host to take a new job before it starts another host
+HOST_ANSWER_S = 30.0
+
+
+#: what a job's callers may ask of its table (through ``CoordinatorHost.call``)
+_JOB_CALLS = frozenset(
+    name for name, member in vars(Coordinator).items() if not name.startswith("_") and callable(member)
+) - {"close"}
+
+
+class CoordinatorClient:
+    """A job's view of its coordinator: the host's actor handle plus the job's token, presented on every call.
+
+    ``client.kv_get.remote(key, timeout_s)`` runs ``Coordinator.kv_get(token, key, timeout_s)`` on the
+    job's table in the host. The driver makes one with :func:`start_job_coordinator` and hands it to
+    the job's workers."""
+
+    def __init__(self, handle: Any, token: bytes) -> None:
+        self.handle = handle
+        self._token = token
+
+    def __getattr__(self, method: str) -> "_TokenCall":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _TokenCall(self.handle, self._token, method)
+
+    def close_job(self) -> Any:
+        """Drop the job's table from the host: its waits end, its token is refused from then on."""
+        return self.handle.close_job.remote(self._token)
+
+
+class _TokenCall:
+    __slots__ = ("_handle", "_token", "_method")
+
+    def __init__(self, handle: Any, token: bytes, method: str) -> None:
+        self._handle, self._token, self._method = handle, token, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._handle.call.remote(self._token, self._method, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class JobCoordinator:
+    """A job's coordinator (its client, holding the token) and the secret its workers share."""
+
+    client: CoordinatorClient
+    secret: bytes
+
+    def close(self) -> None:
+        """Drop the job's table from the host (its token is refused from now on); does not wait."""
+        try:
+            self.client.close_job()
+        except Exception:  # noqa: BLE001 - the host (or Ray) is gone already: nothing is left to drop
+            pass
+
+
+_host_lock = threading.Lock()
+#: this process's coordinator host: ``((Ray job id, node id), handle)``; a new Ray session starts another
+_host: Optional[tuple[tuple[str, str], Any]] = None
+_host_names = itertools.count()
+
+
+def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
+    """A new job's coordinator, with a fresh token and secret, in this driver's coordinator host.
+
+    The host is started by the first job of this process in this Ray session, on the driver's node and
+    never spilled elsewhere (losing another node must not lose it), and kept for the next jobs. A host
+    that died, or that does not take the job within ``answer_s``, is replaced by a new one."""
+    global _host
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from hvdray.driver.cluster import actor_class
+
+    token = secrets.token_bytes(32)
+    digest = token_digest(token)
+    context = ray.get_runtime_context()
+    where = (context.get_job_id(), context.get_node_id())
+    with _host_lock:
+        handle = _host[1] if _host is not None and _host[0] == where else None
+        if handle is not None:
+            try:
+                ray.get(handle.open_job.remote(digest), timeout=answer_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(handle, no_restart=True)
+                handle = None
+        if handle is None:
+            handle = actor_class(CoordinatorHost).options(
+                num_cpus=0,
+                name=f"hvdray-coordinator-{os.getpid()}-{next(_host_names)}",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(where[1], soft=False),
+            ).remote(digest)
+            _host = (where, handle)
+    return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
+
+
+class CoordinatorHost:
+    """The actor: the :class:`Coordinator` of every open job of one driver, found by the caller's token."""
+
+    def __init__(self, first_job_digest: bytes) -> None:
+        self._jobs: dict[bytes, Coordinator] = {}
+        self.open_job(first_job_digest)
+
+    def open_job(self, token_digest: bytes) -> None:
+        """A new job whose callers present the token with this SHA-256 digest."""
+        self._jobs[token_digest] = Coordinator(token_digest)
+
+    async def close_job(self, token: bytes) -> None:
+        """Drop the job's table: its waits end, and its token is refused from now on."""
+        job = self._jobs.pop(token_digest(token), None)
+        if job is not None:
+            await job.close()
+
+    async def call(self, token: bytes, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``Coordinator.<method>(token, *args, **kwargs)`` on the table of the job holding ``token``."""
+        job = self._jobs.get(token_digest(token))
+        if job is None:
+            raise PermissionError("this hvdray job's coordinator only answers callers that hold the job's token"
+                                  " (or the job was shut down)")
+        if method not in _JOB_CALLS:
+            raise AttributeError(f"the coordinator has no call {method!r}")
+        answer = getattr(job, method)(token, *args, **kwargs)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    def jobs(self) -> int:
+        """How many jobs are open here."""
+        return len(self._jobs)
