@@ -11,8 +11,9 @@ rounds (A B A B ...), so that the machine's noise hits both alike:
 
 Both include the placement group, the actors' processes, importing torch in them and the shutdown is
 not timed. The first hvdray executor of the driver also starts the driver's coordinator host (an actor
-its later executors share): it runs before the timed rounds and is reported on its own. Prints the median of each, their ratio (hvdray / raw, at most 1 is the goal), and with
-``--phases`` where hvdray's time goes (driver-side time stamps of each start step).
+its later executors share): it runs before the timed rounds and is reported on its own. Prints the
+median of each, their ratio (hvdray / raw, at most 1 is the goal), and with ``--phases`` where hvdray's
+time goes (driver-side time stamps of each start step).
 
 ``--load K`` keeps K processes spinning on the CPUs during the rounds, at ``--load-niceness`` (0 by
 default, like programs outside Ray; Ray runs its workers at niceness 15, so those starve them, and
