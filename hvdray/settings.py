@@ -140,6 +140,17 @@ class Settings(BaseModel):
         32.0, ge=1, le=4096, description="Shared memory per node and job in MiB; larger messages go through it in "
         "several rounds.",
     )
+    share_reduced_tensors: bool = Field(
+        True, description="A private tensor of 4 MiB or more that an in-place allreduce reduces a second time "
+        "moves into shared memory (torch's share_memory_(), one copy): from then on the ranks of a node reduce "
+        "straight between each other's tensors instead of copying through the shared buffer. Only while "
+        "/dev/shm has room for it and 256 MiB more.",
+    )
+    output_pool_mb: float = Field(
+        512.0, ge=0, description="MiB of freed collective outputs (out-of-place allreduce, allgather and broadcast "
+        "results of 1 MiB and more) a worker keeps to hand out again warm: a fresh output's first touch of its "
+        "memory costs more than the collective itself. 0 turns it off. Such outputs cannot be resized.",
+    )
     huge_pages: bool = Field(
         False, description="Workers ask the kernel for transparent huge pages for tensors of 2 MiB and more "
         "(torch's THP_MEM_ALLOC_ENABLE, unless the worker's environment sets it): a fresh tensor above 32 MiB "

@@ -239,9 +239,9 @@ def allreduce_async(
     if pre != 1.0 or post != 1.0:
         source, pre, post, late_post = _outside_engine_scales(tensor, pre, post)
         if late_post != 1.0 or source is not tensor:
-            request = _allreduce_requests(source, name, op, pre, post, output)[0]
+            request = _allreduce_requests(engine, source, name, op, pre, post, output)[0]
             return OpHandle([engine.submit(request)], _postscaled(_first, [late_post]))
-    requests = _allreduce_requests(tensor, name, op, pre, post, output)
+    requests = _allreduce_requests(engine, tensor, name, op, pre, post, output)
     if len(requests) == 1:
         return OpHandle([engine.submit(requests[0])], _first)
     engine.submit_many(requests)
@@ -249,12 +249,12 @@ def allreduce_async(
 
 
 def _allreduce_requests(
-    tensor: torch.Tensor, name: str, op: ReduceOp, pre: float, post: float, output: Optional[torch.Tensor]
+    engine: Engine, tensor: torch.Tensor, name: str, op: ReduceOp, pre: float, post: float, output: Optional[torch.Tensor]
 ) -> list[Request]:
     """The engine requests of one checked allreduce: the tensor's, and for a floating-point min or max a
     NaN mask's beside it (Gloo's min/max keep or drop a NaN depending on the order of the operands;
     IEEE 754's minimum/maximum, and torch, propagate it)."""
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format) if output is None else output
+    out = engine.outputs.empty_like(tensor) if output is None else output
     requests = [Request(_allreduce_desc(name, tensor, op, pre, post), tensor, out, Handle(name))]
     if (op is Min or op is Max) and tensor.is_floating_point():
         nan, nan_name = tensor.isnan(), f"{name}.nan"
@@ -299,7 +299,7 @@ def grouped_allreduce_async(
     late_posts = []
     for i, t in enumerate(tensors):
         source, t_pre, t_post, late_post = _outside_engine_scales(t, pre, post)
-        mine = _allreduce_requests(source, f"{base}.{i}", op, t_pre, t_post, t if inplace else None)
+        mine = _allreduce_requests(engine, source, f"{base}.{i}", op, t_pre, t_post, t if inplace else None)
         requests += mine
         parts.append(len(mine))
         late_posts.append(late_post)
@@ -373,7 +373,7 @@ def broadcast_async(
     engine, ps = resolve(process_set, "broadcast")
     root = check_root(root_rank, ps)
     name = check_name(name, "broadcast", engine)
-    out = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = tensor if inplace else engine.outputs.empty_like(tensor)
     return OpHandle([_submit(engine, _desc(OpKind.BROADCAST, name, tensor, root=root), tensor, out)], _first)
 
 

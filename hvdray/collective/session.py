@@ -214,6 +214,7 @@ class Session:
                     hierarchical=settings.hierarchical_allreduce,
                     buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
                     job_tag=shm.job_tag(job.secret),
+                    adopt_tensors=settings.share_reduced_tensors,
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - a peer that vanished during the rendezvous
@@ -231,6 +232,7 @@ class Session:
             cache_capacity=settings.cache_capacity,
             tuner=tuner,
             call=self.call,
+            output_pool_bytes=int(settings.output_pool_mb * 1024 * 1024),
         )
         started.timeline = self.timeline
         return started

@@ -454,6 +454,95 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
     assert len({r[3] for r in results}) == 1
 
 
+def _reduce_and_check(node, rank, size, tensor, n, source=None):
+    """Allreduce (out of place with ``source``) and compare with the sum of every rank's inputs."""
+    node.allreduce(tensor, ReduceOp.SUM, source=source)
+    return torch.equal(tensor, sum(_inputs(r, torch.float32, n) for r in range(size)))
+
+
+def _private_tensors_reduced_again(node, rank, size):
+    """Private tensors of ADOPT_MIN_BYTES and more: in place and as an out-of-place input, the second
+    reduction moves them into shared memory, the third reads the peers' tensors (slots untouched)."""
+    n = shared_tensors.ADOPT_MIN_BYTES // 4 + 1001
+    checks = {}
+    t = _inputs(rank, torch.float32, n)
+    checks["first"] = _reduce_and_check(node, rank, size, t, n) and not t.is_shared()
+    t.copy_(_inputs(rank, torch.float32, n))
+    checks["second"] = _reduce_and_check(node, rank, size, t, n) and t.is_shared() and node.adoption.adopted == 1
+    data = node._data
+
+    def mark_slots():
+        for half in range(2):
+            at = node._slot_offset(half, rank)
+            data[at : at + node.slot_bytes] = 0xAB
+
+    def slots_untouched():
+        return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB)
+                        .all()) for h in range(2))
+
+    mark_slots()
+    t.copy_(_inputs(rank, torch.float32, n))
+    checks["third"] = _reduce_and_check(node, rank, size, t, n) and slots_untouched()
+    source = _inputs(rank, torch.float32, n)
+    out = torch.empty(n)
+    checks["oop first"] = _reduce_and_check(node, rank, size, out, n, source) and not source.is_shared()
+    checks["oop second"] = (_reduce_and_check(node, rank, size, out, n, source) and source.is_shared()
+                            and node.adoption.adopted == 2)
+    mark_slots()
+    out = torch.empty(n)
+    checks["oop third"] = _reduce_and_check(node, rank, size, out, n, source) and slots_untouched()
+    checks["inputs kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
+    # floats summed out of place straight from the inputs: bit-identical on every rank
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float()
+    y = torch.empty(n)
+    for _ in range(3):
+        node.allreduce(y, ReduceOp.SUM, source=x)
+    # not moved: a view of a larger storage, numpy's memory; a rank whose tensor is fresh every time
+    whole = torch.zeros(n + 16)
+    view = whole[16:]
+    for _ in range(3):
+        view.copy_(_inputs(rank, torch.float32, n))
+        checks["view"] = _reduce_and_check(node, rank, size, view, n) and not whole.is_shared()
+    aliased = torch.from_numpy(np.zeros(n, dtype=np.float32))  # numpy sees this memory too: never moved
+    for _ in range(3):
+        aliased.copy_(_inputs(rank, torch.float32, n))
+        checks["numpy memory"] = _reduce_and_check(node, rank, size, aliased, n) and not aliased.is_shared()
+    kept = _inputs(rank, torch.float32, n)
+    for _ in range(3):
+        mixed = kept if rank == 0 else _inputs(rank, torch.float32, n)
+        mixed.copy_(_inputs(rank, torch.float32, n))
+        checks["mixed"] = _reduce_and_check(node, rank, size, mixed, n)
+    checks["mixed moved on rank 0 only"] = kept.is_shared() == (rank == 0)
+    return checks, y.numpy().tobytes()
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_private_tensors_reduced_again_move_into_shared_memory(local_size):
+    results = _run_node(local_size, _private_tensors_reduced_again, slot_bytes=1 << 20)
+    for checks, _ in results:
+        assert all(checks.values()), checks
+    assert len({r[1] for r in results}) == 1
+
+
+def _adoption_declined(node, rank, size):
+    """No move without room in /dev/shm for the tensor and the headroom, nor with the setting off."""
+    n = shared_tensors.ADOPT_MIN_BYTES // 4
+    shared_tensors.SHM_HEADROOM_BYTES = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    t = _inputs(rank, torch.float32, n)
+    no_room = all(_reduce_and_check(node, rank, size, t.copy_(_inputs(rank, torch.float32, n)), n)
+                  for _ in range(3)) and not t.is_shared()
+    shared_tensors.SHM_HEADROOM_BYTES = 0
+    node.adoption.enabled = False
+    u = _inputs(rank, torch.float32, n)
+    off = all(_reduce_and_check(node, rank, size, u.copy_(_inputs(rank, torch.float32, n)), n)
+              for _ in range(3)) and not u.is_shared()
+    return no_room, off, node.adoption.adopted
+
+
+def test_private_tensors_stay_private_without_room_or_when_turned_off():
+    assert _run_node(2, _adoption_declined, slot_bytes=1 << 20) == [(True, True, 0)] * 2
+
+
 def _peer_tensor_unreadable_on_rank_1(node, rank, size):
     if rank == 1:  # as when /proc/<pid>/fd cannot be opened (another user, a restricted /proc)
         def refuse(place):

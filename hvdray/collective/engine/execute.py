@@ -17,6 +17,7 @@ from hvdray.collective.engine.cache import RankDescs
 from hvdray.collective.engine.fusion import Action, FusionPlanner
 from hvdray.collective.engine.handle import Request
 from hvdray.collective.errors import HvdrayError
+from hvdray.collective.output_pool import OutputPool
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import reducescatter_rows
@@ -37,8 +38,9 @@ class EngineStats:
 class Executor:
     """Runs one rank's actions (engine thread only)."""
 
-    def __init__(self, comm: Communicator, planner: FusionPlanner, stats: EngineStats) -> None:
+    def __init__(self, comm: Communicator, planner: FusionPlanner, stats: EngineStats, outputs: OutputPool) -> None:
         self.comm = comm
+        self._outputs = outputs
         self._size = comm.size
         self._rank = comm.rank
         self._planner = planner
@@ -181,7 +183,7 @@ class Executor:
         rows = [descs[r].shape[0] for r in range(self._size)]
         longest = max(rows)
         if all(n == longest for n in rows):  # gathered straight into the result
-            out = tensor.new_empty((self._size * longest, *tensor.shape[1:]))
+            out = self._outputs.empty((self._size * longest, *tensor.shape[1:]), tensor.dtype)
             self.comm.allgather_into(tensor, out.view(self._size, *tensor.shape))
             return out
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))

@@ -29,6 +29,7 @@ from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
 from hvdray.collective.engine.handle import Handle, Request
 from hvdray.collective.engine.negotiation import Finished, RoundMessage
+from hvdray.collective.output_pool import OutputPool
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
 from hvdray.collective.protocol import GENERATED_NAME_MARK
 from hvdray.collective.timeline import Timeline
@@ -53,6 +54,7 @@ class Engine:
         cache_capacity: int = 1024,
         tuner: Optional[Autotuner] = None,
         call: int = 0,
+        output_pool_bytes: int = 0,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -96,7 +98,9 @@ class Engine:
             self.rank, self.size, fusion_threshold_bytes, stall_warning_s, stall_shutdown_s, cache_capacity, tuner
         )
         self._step = self._agreement.step
-        self._executor = Executor(comm, self._agreement.planner, self.stats)
+        #: the memory of the tensors collectives return (out of place), used again once dropped
+        self.outputs = OutputPool(output_pool_bytes)
+        self._executor = Executor(comm, self._agreement.planner, self.stats, self.outputs)
 
         # set from other threads (start/stop_timeline); the engine thread reads it once per tick
         self.timeline: Optional[Timeline] = None
@@ -216,6 +220,7 @@ class Engine:
             self._wake.notify()
         self._thread.join(timeout_s)
         self.comm.close()
+        self.outputs.close()
 
     @property
     def alive(self) -> bool:

@@ -176,6 +176,10 @@ class NodeBarrier:
                 f"local rank {peer} did not reach the shared-memory barrier within {self._timeout_s} s"
             )
 
+    def peer_pids(self) -> list[int]:
+        """The local peers' process ids (each rank writes its own when it joins; 0 for one not joined yet)."""
+        return [self._words[self._word(rank, _PID)] for rank in range(self._size) if rank != self._me]
+
     def leave(self) -> None:
         """Mark this rank gone and wake every waiter, so peers fail at once instead of timing out."""
         if self._closed or self._seg.address == 0:

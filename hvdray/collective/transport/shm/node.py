@@ -39,8 +39,9 @@ from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError
 from hvdray.collective.transport.shm.shared_tensors import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
+    SharedMemoryAdoption,
+    allreduce_shared_inputs,
     allreduce_shared_tensors,
-    shared_place,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ CrossReduce = Callable[[torch.Tensor], None]
 class NodeCollectives:
     """Collectives of one node's ranks over a shared :class:`Segment`; used by the engine thread only."""
 
-    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int) -> None:
+    def __init__(
+        self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int, adopt_tensors: bool = True,
+    ) -> None:
         self.segment = segment
         self.local_rank = local_rank
         self.local_size = segment.local_size
@@ -86,6 +89,8 @@ class NodeCollectives:
         self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
         self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped by shared_tensors.py
             PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
+        #: moves tensors the in-place allreduce reduces again into shared memory (shared_tensors.py)
+        self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
 
@@ -189,7 +194,8 @@ class NodeCollectives:
         self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor],
         cross: Optional[CrossReduce],
     ) -> None:
-        place = shared_place(flat) if source is flat else None
+        # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes)
+        place = self.adoption.place(source) if source is flat or cross is None else None
         self.segment.publish_tensor(self.local_rank, place)
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
@@ -198,11 +204,14 @@ class NodeCollectives:
         self.barrier.wait()
         places = [self.segment.published_tensor(r) for r in range(self.local_size)]
         if all(p is not None for p in places):
-            allreduce_shared_tensors(self, flat, places, reducer, cross)
+            if source is flat:
+                allreduce_shared_tensors(self, flat, places, reducer, cross)
+            else:
+                allreduce_shared_inputs(self, flat, source, places, reducer)
             return
         if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
             if place is not None:
-                self._expose(flat, pieces[0], half)
+                self._expose(source, pieces[0], half)
             self.barrier.wait()
         for i, piece in enumerate(pieces):
             if i:

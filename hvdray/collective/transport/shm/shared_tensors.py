@@ -4,6 +4,11 @@ When every local rank's tensor of a flat allreduce lives in torch shared memory 
 the ranks say where in their control blocks (:meth:`Segment.publish_tensor`), map each other's
 tensors (through ``/proc/<pid>/fd``) and skip the slots: each rank sums its part from every rank's
 tensor and writes the sum into all of them.
+
+A private tensor that the in-place allreduce reduces again and again (a gradient bucket, a metrics
+buffer) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into shared memory the
+second time it is reduced, so from then on it takes this path instead of three copies through the
+slots.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ if TYPE_CHECKING:
 
 #: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
 PEER_STORAGES_PER_RANK = 4
+#: an in-place allreduce's tensor of this many bytes or more moves into shared memory when reduced again
+ADOPT_MIN_BYTES = 4 << 20
+#: /dev/shm must keep this much free beside a tensor moved into it
+SHM_HEADROOM_BYTES = 256 << 20
+#: how many recently reduced storages are remembered to notice the second reduction of one
+_RECENT_STORAGES = 16
 
 
 def allreduce_shared_tensors(
@@ -61,6 +72,32 @@ def allreduce_shared_tensors(
         cross(acc)
         for other in others:
             memmove(other.data_ptr(), acc.data_ptr(), (hi - lo) * isz)
+    node.barrier.wait()
+
+
+def allreduce_shared_inputs(
+    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
+    reducer: Callable[..., torch.Tensor],
+) -> None:
+    """Out of place, every local rank's input in shared memory: each rank reduces the whole message
+    straight from every rank's input into its own output, in local-rank order (so every rank's result
+    is bit-identical), and writes nothing to the peers. With two ranks that is one add of the message,
+    what the memory ideal costs when copy and add run at one speed; the last barrier keeps every input
+    unchanged until all ranks have read it."""
+    me, nbytes = node.local_rank, source.numel() * source.element_size()
+    inputs = []
+    for rank, place in enumerate(places):
+        if place.nbytes != nbytes:
+            raise SharedMemoryError(
+                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
+            )
+        inputs.append(source if rank == me else node.peer_tensors.view(place, source.dtype))
+    if len(inputs) == 1:
+        out.copy_(inputs[0])
+    else:
+        reducer(inputs[0], inputs[1], out=out)
+        for other in inputs[2:]:
+            reducer(out, other, out=out)
     node.barrier.wait()
 
 
@@ -124,6 +161,77 @@ class PeerTensors:
 
     def clear(self) -> None:
         self._maps.clear()
+
+
+class SharedMemoryAdoption:
+    """Moves a private tensor that the in-place allreduce reduces a second time into torch shared memory.
+
+    ``Tensor.share_memory_()`` copies the storage into shared memory once and keeps every tensor and
+    view on it valid; from the next reduction on, the local ranks reduce straight between each other's
+    tensors (:func:`allreduce_shared_tensors`). Only a tensor that is its whole storage, allocated by
+    torch (not memory that numpy, DLPack or a buffer also sees), of :data:`ADOPT_MIN_BYTES` or more,
+    under torch's ``file_descriptor`` sharing strategy, while ``/dev/shm`` has room for it and
+    :data:`SHM_HEADROOM_BYTES` more, and where this rank can open its local peers' descriptors. Each
+    rank decides for itself; an op where some ranks' tensors are shared and some not takes the copies,
+    as before. As when torch.multiprocessing sends a tensor, a raw alias taken before the move (an
+    array from ``tensor.numpy()``, a ``data_ptr()``) keeps the old memory."""
+
+    def __init__(self, enabled: bool, peer_pids: Callable[[], list[int]], shm_dir: str = "/dev/shm") -> None:
+        self.enabled = enabled
+        self.adopted = 0  # tensors moved into shared memory (for tests and benchmarks)
+        self._peer_pids = peer_pids
+        self._shm_dir = shm_dir
+        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._peers_open: Optional[bool] = None
+
+    def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
+        """Where ``flat`` lives in shared memory, after moving it there if it is worth it; None if private."""
+        place = shared_place(flat)
+        if place is not None or not self.enabled or not self._second_reduction(flat):
+            return place
+        if not self._room_for(flat.numel() * flat.element_size()) or not self._can_open_peers():
+            return None
+        flat.share_memory_()
+        self.adopted += 1
+        return shared_place(flat)
+
+    def _second_reduction(self, flat: torch.Tensor) -> bool:
+        nbytes = flat.numel() * flat.element_size()
+        storage = flat.untyped_storage()
+        if nbytes < ADOPT_MIN_BYTES or storage.nbytes() != nbytes or storage.data_ptr() != flat.data_ptr():
+            return False
+        if not storage.resizable():  # memory torch did not allocate (numpy, DLPack, a buffer): aliased elsewhere
+            return False
+        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+            return False
+        key = (flat.data_ptr(), nbytes)
+        if key in self._recent:
+            del self._recent[key]
+            return True
+        self._recent[key] = None
+        while len(self._recent) > _RECENT_STORAGES:
+            self._recent.popitem(last=False)
+        return False
+
+    def _room_for(self, nbytes: int) -> bool:
+        try:
+            fs = os.statvfs(self._shm_dir)
+        except OSError:
+            return False
+        return fs.f_bavail * fs.f_frsize >= nbytes + SHM_HEADROOM_BYTES
+
+    def _can_open_peers(self) -> bool:
+        if self._peers_open is None:
+            pids = self._peer_pids()
+            if not all(pids):  # a peer that has not joined yet: ask again at the next reduction
+                return False
+            try:
+                for pid in pids:
+                    os.listdir(f"/proc/{pid}/fd")
+                self._peers_open = True
+            except OSError:
+                self._peers_open = False
+        return self._peers_open
 
 
 def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:

@@ -1,0 +1,77 @@
+"""Where collectives keep memory, on real Ray workers: outputs reused once dropped (never while held),
+private tensors reduced again moved into shared memory, and both turned off by their settings."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray.cloudpickle
+
+from hvdray import RayExecutor
+from hvdray.collective.transport import shm
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MB = 1 << 20
+
+
+def _memory_use(steps: int) -> dict:
+    """A training-loop shape: the same buffers reduced in place and out of place, outputs kept for a
+    while (a list of the last few) and then dropped, allgathers of a large shard."""
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    n = 2 * MB  # floats: 8 MB
+    bucket = torch.full((n,), float(rank + 1))
+    grads = torch.full((n,), float(rank + 1))
+    want = float(size * (size + 1) // 2)
+    kept, wrong = [], []
+    for step in range(steps):
+        bucket.fill_(rank + 1)
+        hvd.allreduce_(bucket, op=hvd.Sum, name="bucket")
+        out = hvd.allreduce(grads, op=hvd.Sum, name="grads")
+        gathered = hvd.allgather(torch.full((MB // 4, 4), float(step)), name="shard")
+        kept.append((step, out, gathered))
+        if len(kept) > 3:
+            kept.pop(0)
+        for s, o, g in kept:  # outputs still held are never handed out again
+            if not (bool((o == want).all()) and bool((g == s).all()) and g.shape == (size * MB // 4, 4)):
+                wrong.append(step)
+        if float(bucket[0]) != want or not bool((bucket == want).all()):
+            wrong.append(("bucket", step))
+    engine = session._session.engine
+    node = engine.comm._node
+    return {
+        "wrong": wrong,
+        "reused": engine.outputs.reused,
+        "bucket shared": bucket.is_shared(),
+        "grads shared": grads.is_shared(),
+        "grads kept": bool((grads == rank + 1).all()),
+        "adopted": node.adoption.adopted if node is not None else None,
+    }
+
+
+@pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
+def test_outputs_reused_and_tensors_moved_by_default(make_executor):
+    executor = make_executor(settings=RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    for result in executor.run(_memory_use, args=[8]):
+        assert result["wrong"] == []
+        assert result["reused"] >= 8  # from the second step on, both outputs come back warm
+        assert result["bucket shared"] and result["grads shared"] and result["grads kept"]
+        assert result["adopted"] == 2
+
+
+def test_both_off_by_their_settings(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0, share_reduced_tensors=False)
+    executor = make_executor(settings=settings, num_workers=2)
+    for result in executor.run(_memory_use, args=[4]):
+        assert result["wrong"] == []
+        assert result["reused"] == 0
+        assert not result["bucket shared"] and not result["grads shared"]
+        assert result["adopted"] in (0, None)

@@ -1,0 +1,113 @@
+"""The collectives' output pool: large outputs reuse the memory of dropped ones, never of live ones."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from hvdray.collective.output_pool import IDLE_BLOCKS_PER_SIZE, MIN_BYTES, OutputPool
+
+MB = 1 << 20
+
+
+def test_small_outputs_are_plain_tensors():
+    pool = OutputPool(64 * MB)
+    t = pool.empty((10, 3), torch.float32)
+    assert t.shape == (10, 3) and t.dtype == torch.float32 and t.untyped_storage().resizable()
+    t.resize_(100)  # a plain torch.empty tensor
+    assert pool.idle_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
+                                   torch.complex64, torch.uint8])
+def test_a_dropped_output_is_handed_out_again_with_its_shape_and_dtype(dtype):
+    pool = OutputPool(64 * MB)
+    shape = (MIN_BYTES // dtype.itemsize // 4, 4)
+    first = pool.empty(shape, dtype)
+    assert first.shape == shape and first.dtype == dtype and first.is_contiguous()
+    assert first.data_ptr() % 64 == 0
+    address = first.data_ptr()
+    del first
+    second = pool.empty(shape, dtype)
+    assert second.data_ptr() == address and pool.reused == 1
+    other_shape = pool.empty((shape[0] * shape[1],), dtype)  # same bytes, another shape: a fresh block
+    assert other_shape.shape == (shape[0] * shape[1],) and other_shape.data_ptr() != address
+
+
+def test_memory_still_seen_through_a_view_is_never_handed_out():
+    pool = OutputPool(64 * MB)
+    out = pool.empty((MIN_BYTES,), torch.uint8)
+    out.fill_(7)
+    view = out[10:20]
+    address = out.data_ptr()
+    del out
+    gc.collect()
+    again = pool.empty((MIN_BYTES,), torch.uint8)
+    assert again.data_ptr() != address and pool.reused == 0
+    again.fill_(1)
+    assert bool((view == 7).all())
+    del view
+    third = pool.empty((MIN_BYTES,), torch.uint8)  # the view was the last holder: now its block is back
+    assert third.data_ptr() == address and pool.reused == 1
+
+
+def test_idle_blocks_are_bounded_per_size_and_in_all_oldest_size_first():
+    pool = OutputPool(5 * MB)
+    outs = [pool.empty((MB,), torch.uint8) for _ in range(IDLE_BLOCKS_PER_SIZE + 2)]
+    del outs
+    assert pool.idle_bytes == IDLE_BLOCKS_PER_SIZE * MB == 2 * MB
+    big = [pool.empty((2 * MB,), torch.uint8) for _ in range(2)]
+    del big  # 2 x 1 MiB + 2 x 2 MiB > 5 MiB: a 1 MiB block, of the size freed longest ago, goes
+    assert pool.idle_bytes == 5 * MB
+    again = [pool.empty((2 * MB,), torch.uint8), pool.empty((2 * MB,), torch.uint8), pool.empty((MB,), torch.uint8)]
+    assert pool.reused == 3 and pool.idle_bytes == 0
+    del again
+    huge = pool.empty((8 * MB,), torch.uint8)  # larger than the whole limit: never kept
+    del huge
+    assert pool.idle_bytes == 5 * MB
+
+
+def test_a_zero_limit_or_a_closed_pool_keeps_nothing():
+    off = OutputPool(0)
+    t = off.empty((2 * MB,), torch.uint8)
+    assert t.untyped_storage().resizable()  # plain torch.empty
+    pool = OutputPool(64 * MB)
+    out = pool.empty((2 * MB,), torch.uint8)
+    pool.close()
+    del out
+    assert pool.idle_bytes == 0
+    assert pool.empty((2 * MB,), torch.uint8).untyped_storage().resizable()
+
+
+def test_outputs_dropped_on_other_threads_come_back_safely():
+    pool = OutputPool(64 * MB)
+    outs = [pool.empty((MB,), torch.float32) for _ in range(8)]
+    barrier = threading.Barrier(4)
+
+    def drop(chunk):
+        barrier.wait()
+        chunk.clear()
+
+    threads = [threading.Thread(target=drop, args=(outs[i::4],)) for i in range(4)]
+    del outs
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pool.idle_bytes == IDLE_BLOCKS_PER_SIZE * 4 * MB
+    live = [pool.empty((MB,), torch.float32) for _ in range(3)]
+    assert len({t.data_ptr() for t in live}) == 3 and pool.reused == IDLE_BLOCKS_PER_SIZE
+
+
+def test_pooled_outputs_behave_like_tensors_except_growing():
+    pool = OutputPool(64 * MB)
+    out = pool.empty((MB // 4,), torch.float32).fill_(2.0)
+    assert float(out.sum()) == 2.0 * (MB // 4)
+    out.share_memory_()  # moves to shared memory like any tensor
+    assert out.is_shared() and float(out.sum()) == 2.0 * (MB // 4)
+    grown = pool.empty((MB // 4,), torch.float32)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        grown.resize_(MB)
