@@ -18,7 +18,13 @@ speeds are operand bytes per second (an add of two S-byte tensors in S / t).
     python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--huge-pages]
 
 "copy, fresh output" is a copy into a tensor allocated for it, as a collective's output is: its
-first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting).
+first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
+hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
+fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
+smallest sizes. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool and
+without moving reduced tensors into shared memory is::
+
+    HVDRAY_OUTPUT_POOL_MB=0 HVDRAY_SHARE_REDUCED_TENSORS=false python benchmarks/bandwidth.py
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     gathered = torch.empty(hvd.size() * numel)
     times["allgather raw gloo"] = timed(lambda: dist.all_gather_single(gathered, tensor), iterations)
     times["allgather hvdray"] = timed(lambda: hvd.allgather(tensor, name="bw.ag"), iterations)
+    tiny = torch.ones(1)
+    times["4 bytes raw gloo"] = timed(lambda: dist.all_reduce(tiny), 20)
+    times["4 bytes hvdray"] = timed(lambda: hvd.allreduce_(tiny, op=hvd.Sum, name="bw.tiny"), 20)
     return times
 
 
@@ -96,6 +105,8 @@ def bandwidth_rows(
         size_bytes = max(16, int(size * (1 << 20)) // 4) * 4
         iterations = 2 if quick else max(3, int(128 / size))
         samples = alternate(executor, _round, [size, iterations], repeats)
+        fixed = {impl: [t * 1e6 for t in samples.pop(f"4 bytes {impl}")] for impl in ("raw gloo", "hvdray")}
+        record(f"allreduce of 4 bytes, {ranks} ranks ({size:g} MB round)", fixed, "us", "raw gloo", False)
         copies, adds = samples["copy"], samples["add"]
         record(f"one core's memory speed, {size:g} MB", {
             "copy": [size_bytes / t / 1e9 for t in copies], "add (operand bytes)": [size_bytes / t / 1e9 for t in adds],
