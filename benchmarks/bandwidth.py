@@ -21,10 +21,11 @@ speeds are operand bytes per second (an add of two S-byte tensors in S / t).
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool and
-without moving reduced tensors into shared memory is::
+smallest sizes. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool, and
+with reduced tensors moved into shared memory, are::
 
-    HVDRAY_OUTPUT_POOL_MB=0 HVDRAY_SHARE_REDUCED_TENSORS=false python benchmarks/bandwidth.py
+    HVDRAY_OUTPUT_POOL_MB=0 python benchmarks/bandwidth.py
+    HVDRAY_SHARE_REDUCED_TENSORS=true python benchmarks/bandwidth.py
 """
 
 from __future__ import annotations

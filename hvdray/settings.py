@@ -141,10 +141,12 @@ class Settings(BaseModel):
         "several rounds.",
     )
     share_reduced_tensors: bool = Field(
-        True, description="A private tensor of 4 MiB or more that an in-place allreduce reduces a second time "
-        "moves into shared memory (torch's share_memory_(), one copy): from then on the ranks of a node reduce "
-        "straight between each other's tensors instead of copying through the shared buffer. Only while "
-        "/dev/shm has room for it and 256 MiB more.",
+        False, description="A private tensor of 4 MiB or more that an allreduce reduces a second time (in place, "
+        "or as an out-of-place input) moves into shared memory (torch's share_memory_(), one copy): from then on "
+        "the ranks of a node reduce straight between each other's tensors instead of copying through the shared "
+        "buffer. Only while /dev/shm has room for it and 256 MiB more. Off by default: torch crashes when a "
+        "tensor in shared memory is grown (resize_ to a larger size), and an alias taken before the move "
+        "(tensor.numpy()) keeps the old memory.",
     )
     output_pool_mb: float = Field(
         512.0, ge=0, description="MiB of freed collective outputs (out-of-place allreduce, allgather and broadcast "

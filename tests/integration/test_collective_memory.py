@@ -1,5 +1,6 @@
 """Where collectives keep memory, on real Ray workers: outputs reused once dropped (never while held),
-private tensors reduced again moved into shared memory, and both turned off by their settings."""
+by default; private tensors reduced again moved into shared memory with ``share_reduced_tensors``;
+both off by their settings."""
 
 from __future__ import annotations
 
@@ -57,18 +58,28 @@ def _memory_use(steps: int) -> dict:
     }
 
 
-@pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
-def test_outputs_reused_and_tensors_moved_by_default(make_executor):
+def test_outputs_reused_and_tensors_left_private_by_default(make_executor):
     executor = make_executor(settings=RayExecutor.create_settings(timeout_s=60), num_workers=2)
     for result in executor.run(_memory_use, args=[8]):
         assert result["wrong"] == []
         assert result["reused"] >= 8  # from the second step on, both outputs come back warm
+        assert not result["bucket shared"] and not result["grads shared"] and result["grads kept"]
+        assert result["adopted"] in (0, None)
+
+
+@pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
+def test_tensors_reduced_again_move_into_shared_memory_when_asked(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=60, share_reduced_tensors=True)
+    executor = make_executor(settings=settings, num_workers=2)
+    for result in executor.run(_memory_use, args=[8]):
+        assert result["wrong"] == []
+        assert result["reused"] >= 8
         assert result["bucket shared"] and result["grads shared"] and result["grads kept"]
         assert result["adopted"] == 2
 
 
-def test_both_off_by_their_settings(make_executor):
-    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0, share_reduced_tensors=False)
+def test_the_pool_off_by_its_setting(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0)
     executor = make_executor(settings=settings, num_workers=2)
     for result in executor.run(_memory_use, args=[4]):
         assert result["wrong"] == []

@@ -464,7 +464,8 @@ def _private_tensors_reduced_again(node, rank, size):
     """Private tensors of ADOPT_MIN_BYTES and more: in place and as an out-of-place input, the second
     reduction moves them into shared memory, the third reads the peers' tensors (slots untouched)."""
     n = shared_tensors.ADOPT_MIN_BYTES // 4 + 1001
-    checks = {}
+    checks = {"off by default": not node.adoption.enabled}
+    node.adoption.enabled = True  # share_reduced_tensors=True
     t = _inputs(rank, torch.float32, n)
     checks["first"] = _reduce_and_check(node, rank, size, t, n) and not t.is_shared()
     t.copy_(_inputs(rank, torch.float32, n))
@@ -527,6 +528,7 @@ def test_private_tensors_reduced_again_move_into_shared_memory(local_size):
 def _adoption_declined(node, rank, size):
     """No move without room in /dev/shm for the tensor and the headroom, nor with the setting off."""
     n = shared_tensors.ADOPT_MIN_BYTES // 4
+    node.adoption.enabled = True
     shared_tensors.SHM_HEADROOM_BYTES = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
     t = _inputs(rank, torch.float32, n)
     no_room = all(_reduce_and_check(node, rank, size, t.copy_(_inputs(rank, torch.float32, n)), n)

@@ -22,7 +22,7 @@ class TransportOptions:
     hierarchical: Optional[bool] = None  # None: automatic
     buffer_bytes: int = 32 << 20
     job_tag: str = ""
-    adopt_tensors: bool = True  # share_reduced_tensors: see shm.SharedMemoryAdoption
+    adopt_tensors: bool = False  # share_reduced_tensors: see shm.SharedMemoryAdoption
 
 
 @dataclass(frozen=True)

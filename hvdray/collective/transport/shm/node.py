@@ -73,7 +73,7 @@ class NodeCollectives:
     """Collectives of one node's ranks over a shared :class:`Segment`; used by the engine thread only."""
 
     def __init__(
-        self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int, adopt_tensors: bool = True,
+        self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int, adopt_tensors: bool = False,
     ) -> None:
         self.segment = segment
         self.local_rank = local_rank

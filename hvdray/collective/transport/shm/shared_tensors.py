@@ -5,10 +5,10 @@ the ranks say where in their control blocks (:meth:`Segment.publish_tensor`), ma
 tensors (through ``/proc/<pid>/fd``) and skip the slots: each rank sums its part from every rank's
 tensor and writes the sum into all of them.
 
-A private tensor that the in-place allreduce reduces again and again (a gradient bucket, a metrics
-buffer) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into shared memory the
-second time it is reduced, so from then on it takes this path instead of three copies through the
-slots.
+With ``share_reduced_tensors`` a private tensor that an allreduce reduces again and again (a gradient
+bucket, a metrics buffer) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into
+shared memory the second time it is reduced, so from then on it takes this path instead of three
+copies through the slots.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class SharedMemoryAdoption:
     :data:`SHM_HEADROOM_BYTES` more, and where this rank can open its local peers' descriptors. Each
     rank decides for itself; an op where some ranks' tensors are shared and some not takes the copies,
     as before. As when torch.multiprocessing sends a tensor, a raw alias taken before the move (an
-    array from ``tensor.numpy()``, a ``data_ptr()``) keeps the old memory."""
+    array from ``tensor.numpy()``, a ``data_ptr()``) keeps the old memory, and torch 2.x crashes when a
+    tensor in shared memory is grown (``resize_``): hence the ``share_reduced_tensors`` setting, off by
+    default."""
 
     def __init__(self, enabled: bool, peer_pids: Callable[[], list[int]], shm_dir: str = "/dev/shm") -> None:
         self.enabled = enabled
