@@ -61,7 +61,7 @@ class OutputPool:
             start = -raw.ctypes.data % ALIGNMENT
             block = raw[start : start + nbytes]
         lease = block[:]  # a view of its own: its life is the output storage's
-        weakref.finalize(lease, self._give_back, block)
+        weakref.finalize(lease, self._give_back, block).atexit = False  # nothing to give back at exit
         return torch.from_numpy(lease).view(dtype).view(shape)
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:

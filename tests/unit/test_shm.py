@@ -777,3 +777,12 @@ def test_transport_settings_defaults_env_and_validation(monkeypatch):
                           ({"hierarchical_allreduce": "sometimes"}, "hierarchical_allreduce")]:
         with pytest.raises(ValueError, match=field):
             make_settings(**kwargs)
+
+
+def test_torch_crashes_growing_a_tensor_in_shared_memory_so_moving_one_is_opt_in():
+    """Why ``share_reduced_tensors`` is off by default: torch (2.13 here) dies with a segmentation fault
+    when a tensor in shared memory is grown, which a caller who never asked for the move cannot expect.
+    If a torch release fixes it, this fails, and the setting's default and docs can be looked at again."""
+    code = "import torch; t = torch.ones(10); t.share_memory_(); t.resize_(20); print('grown')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGSEGV, (done.returncode, done.stdout, done.stderr[-500:])
