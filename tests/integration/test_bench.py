@@ -33,11 +33,12 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
         "one core's memory speed, 4 MB", "allreduce 4 MB bus bandwidth, 2 ranks", "allgather 4 MB bus bandwidth, 2 ranks",
         "broadcast 4 MB bus bandwidth, 2 ranks", "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
         *training, "scaling efficiency 1 -> 2 workers (CNN)", "scaling efficiency 1 -> 2 workers (MLP)",
-        "idle CPU (no ops submitted)", "start to first allreduce",
+        "idle CPU (no ops submitted)", "start to first allreduce", "allreduce of 4 bytes, 2 ranks (4 MB round)",
     }
     impls = {(r["section"], r["impl"]) for r in rows}
-    assert {impl for section, impl in impls if section.startswith("allreduce")} == {
+    assert {impl for section, impl in impls if section.startswith("allreduce ") and "bus bandwidth" in section} == {
         "memory ideal", "raw gloo", "hvdray in place", "hvdray out of place"}
+    assert {impl for section, impl in impls if section.startswith("allreduce of 4 bytes")} == {"raw gloo", "hvdray"}
     assert {impl for section, impl in impls if section.startswith(("allgather", "broadcast"))} == {
         "memory ideal", "raw gloo", "hvdray"}
     for section in training | {"scaling efficiency 1 -> 2 workers (CNN)"}:
