@@ -89,7 +89,7 @@ class NodeCollectives:
         self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
         self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped by shared_tensors.py
             PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
-        #: moves tensors the in-place allreduce reduces again into shared memory (shared_tensors.py)
+        #: moves tensors an allreduce reduces again into shared memory, if asked (shared_tensors.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
 PEER_STORAGES_PER_RANK = 4
-#: an in-place allreduce's tensor of this many bytes or more moves into shared memory when reduced again
+#: a tensor of this many bytes or more moves into shared memory when reduced again (share_reduced_tensors)
 ADOPT_MIN_BYTES = 4 << 20
 #: /dev/shm must keep this much free beside a tensor moved into it
 SHM_HEADROOM_BYTES = 256 << 20
@@ -164,7 +164,8 @@ class PeerTensors:
 
 
 class SharedMemoryAdoption:
-    """Moves a private tensor that the in-place allreduce reduces a second time into torch shared memory.
+    """Moves a private tensor that an allreduce reduces a second time (in place, or as an out-of-place
+    input) into torch shared memory, when ``share_reduced_tensors`` asks for it.
 
     ``Tensor.share_memory_()`` copies the storage into shared memory once and keeps every tensor and
     view on it valid; from the next reduction on, the local ranks reduce straight between each other's
