@@ -54,6 +54,8 @@ class OutputPool:
             blocks = self._idle.get(nbytes)
             block = blocks.pop() if blocks else None
             if block is not None:
+                if not blocks:  # only sizes with idle blocks stay listed (the oldest-first dropping takes one)
+                    del self._idle[nbytes]
                 self._idle_bytes -= nbytes
                 self.reused += 1
         if block is None:

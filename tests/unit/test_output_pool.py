@@ -111,3 +111,15 @@ def test_pooled_outputs_behave_like_tensors_except_growing():
     grown = pool.empty((MB // 4,), torch.float32)
     with pytest.raises(RuntimeError, match="not resizable"):
         grown.resize_(MB)
+
+
+def test_a_size_whose_blocks_are_all_out_does_not_stop_the_oldest_first_dropping():
+    pool = OutputPool(3 * MB)
+    small = [pool.empty((MB,), torch.uint8) for _ in range(2)]
+    del small
+    taken = [pool.empty((MB,), torch.uint8) for _ in range(2)]  # every idle 1 MiB block is out again
+    big = [pool.empty((2 * MB,), torch.uint8) for _ in range(2)]
+    del big  # 2 x 2 MiB > 3 MiB: one is dropped, past the 1 MiB size that has nothing idle
+    assert pool.idle_bytes == 2 * MB
+    del taken
+    assert pool.idle_bytes <= 3 * MB
