@@ -29,8 +29,8 @@ from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
 from hvdray.collective.engine.handle import Handle, Request
 from hvdray.collective.engine.negotiation import Finished, RoundMessage
-from hvdray.collective.output_pool import OutputPool
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
+from hvdray.collective.output_pool import OutputPool
 from hvdray.collective.protocol import GENERATED_NAME_MARK
 from hvdray.collective.timeline import Timeline
 

@@ -47,15 +47,8 @@ def allreduce_shared_tensors(
     parts, so the only wait is the last barrier, after which every tensor holds the whole result.
     With ``cross`` the part is reduced whole, handed to it, then written to the peers."""
     me, size, isz = node.local_rank, node.local_size, flat.element_size()
-    nbytes = flat.numel() * isz
-    peers = []
-    for rank, place in enumerate(places):
-        if place.nbytes != nbytes:
-            raise SharedMemoryError(
-                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
-            )
-        if rank != me:
-            peers.append(node.peer_tensors.view(place, flat.dtype))
+    views = _every_ranks_tensor(node, flat, places)
+    peers = [view for rank, view in enumerate(views) if rank != me]
     bounds = part_bounds(flat.numel(), size, isz)
     lo, hi = bounds[me], bounds[me + 1]
     acc = flat[lo:hi]
@@ -84,14 +77,7 @@ def allreduce_shared_inputs(
     is bit-identical), and writes nothing to the peers. With two ranks that is one add of the message,
     what the memory ideal costs when copy and add run at one speed; the last barrier keeps every input
     unchanged until all ranks have read it."""
-    me, nbytes = node.local_rank, source.numel() * source.element_size()
-    inputs = []
-    for rank, place in enumerate(places):
-        if place.nbytes != nbytes:
-            raise SharedMemoryError(
-                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
-            )
-        inputs.append(source if rank == me else node.peer_tensors.view(place, source.dtype))
+    inputs = _every_ranks_tensor(node, source, places)
     if len(inputs) == 1:
         out.copy_(inputs[0])
     else:
@@ -99,6 +85,20 @@ def allreduce_shared_inputs(
         for other in inputs[2:]:
             reducer(out, other, out=out)
     node.barrier.wait()
+
+
+def _every_ranks_tensor(node: "NodeCollectives", mine: torch.Tensor, places: list[TensorPlace]) -> list[torch.Tensor]:
+    """Every local rank's shared tensor in rank order (``mine`` for this rank, the peers' mapped), after
+    checking that all have ``mine``'s size."""
+    me, nbytes = node.local_rank, mine.numel() * mine.element_size()
+    tensors = []
+    for rank, place in enumerate(places):
+        if place.nbytes != nbytes:
+            raise SharedMemoryError(
+                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
+            )
+        tensors.append(mine if rank == me else node.peer_tensors.view(place, mine.dtype))
+    return tensors
 
 
 def map_peer_storage(place: TensorPlace) -> mmap.mmap:
