@@ -26,6 +26,8 @@ def test_explicit_values_and_extra_fields():
         ({"cycle_time_ms": "fast"}, "cycle_time_ms"),
         ({"verbose": 7}, "verbose"),
         ({"fusion_threshold_mb": -1}, "fusion_threshold_mb"),
+        ({"output_pool_mb": -1}, "output_pool_mb"),
+        ({"share_reduced_tensors": "sometimes"}, "share_reduced_tensors"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
