@@ -38,6 +38,7 @@ from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
 from hvdray.driver.coordinator_host import CoordinatorClient, JobCoordinator
 from hvdray.driver.datasets import DatasetSplitter, end_split
+from hvdray.driver.node_liveness import NodeProbe
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker
 
@@ -49,6 +50,7 @@ _RECORD_WAIT_S = 30.0  # how long one coordinator call waits for the next worker
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
+_NODE_ASKED_EVERY_S = 1.0  # liveness: the node of a silent worker found up is asked again this long after
 
 
 class WorkerLostError(RuntimeError):
@@ -240,6 +242,7 @@ class WorkerGroup:
         self._split: list[dict[str, Any]] = []  # the shards of the current split, one per rank (none: [])
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
+        self._node_probe = NodeProbe(interval_s=_NODE_ASKED_EVERY_S)
         #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
         self.on_report: Optional[Callable[[dict[str, Any], Optional[str]], None]] = None
         self._records_after: Optional[int] = None  # the number of the next worker record to hand on (None: unknown)
@@ -460,7 +463,9 @@ class WorkerGroup:
     def poll_liveness(self, unanswered_s: float) -> list[str]:
         """Ids of running workers found gone, without waiting: a ping (one in flight per worker, sent
         again ``_PING_EVERY_S`` after its answer) that failed, or that has gone unanswered for
-        ``unanswered_s`` (its node may be down: Ray itself reports such actors dead much later)."""
+        ``unanswered_s`` while the worker's node is down (:mod:`hvdray.driver.node_liveness`: Ray itself
+        reports such actors dead much later). A silent worker on a node that is up is slow, not gone:
+        it is pinged on, and its node asked again at most every ``_NODE_ASKED_EVERY_S``."""
         now = time.monotonic()
         for worker in self.workers.values():
             if worker.done or worker.worker_id in self._pings:
@@ -480,7 +485,10 @@ class WorkerGroup:
                 ray.get(ref)
             except Exception:  # noqa: BLE001 - any failure to answer means the worker is gone
                 gone.append(worker_id)
-        gone += [worker_id for worker_id, (_, sent) in self._pings.items() if now - sent > unanswered_s]
+        silent = [worker_id for worker_id, (_, sent) in self._pings.items() if now - sent > unanswered_s]
+        if silent:  # gone only if the node is: a worker on a node that is up is slow (starved), not dead
+            down = self._node_probe.down(self.workers[worker_id].node_id for worker_id in silent)
+            gone += [worker_id for worker_id in silent if self.workers[worker_id].node_id in down]
         return gone
 
     def held(self) -> dict[str, int]:
