@@ -110,6 +110,11 @@ def elastic_fn():
 
     return train(state)
 
+from hvdray.driver.node_liveness import down_nodes   # liveness asks the cluster about nodes it cannot reach
+
+live = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+print("DOWN", sorted(down_nodes(live + ["f" * 56])) == ["f" * 56], flush=True)
+
 with RayExecutor(settings.model_copy(update={"discovery_interval_s": 0.5}), min_workers=2, max_workers=2,
                  elastic_timeout=120) as executor:
     print("ELASTIC", executor.run(elastic_fn), flush=True)
@@ -138,6 +143,7 @@ def test_a_ray_client_driver_runs_fixed_elastic_data_and_tune_jobs(head, tmp_pat
     assert done.returncode == 0, output
     assert "FIXED [3.0, 3.0]" in output, output
     assert "DATA [20, 20]" in output, output
+    assert "DOWN True" in output, output
     assert "ELASTIC [2, 2]" in output, output
     assert "TUNE [4.0, 8.0]" in output, output
 
