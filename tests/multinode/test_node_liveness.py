@@ -63,13 +63,16 @@ def test_a_node_whose_raylet_was_killed_is_down_before_ray_says_so(cluster):
     assert down_nodes(["f" * 56]) == {"f" * 56}, "a node Ray does not know is down"
 
 
-def test_a_frozen_worker_on_a_live_node_is_waited_for_not_dropped(cluster, caplog):
+def test_a_frozen_worker_on_a_live_node_is_waited_for_not_dropped(cluster, caplog, tmp_path):
     """Rank 1's process is stopped (SIGSTOP: what a worker starved of CPU looks like to its pings) for
-    longer than a ping may go unanswered; its node is up, so the job waits and goes on with both ranks."""
+    longer than a ping may go unanswered; its node is up, so the job waits and goes on with both ranks.
+    The ranks commit in a loop before epoch 2 until the test has let rank 1 go on, so the job cannot
+    end before the freeze, however late the commit record that starts it arrives."""
     caplog.set_level(logging.WARNING, logger="hvdray.driver")
     use_nodes(cluster, 2)
     recorder = Recorder()
     frozen: dict[str, float] = {}
+    released = tmp_path / "released"
 
     def freeze(record):
         def stop_then_continue():
@@ -78,13 +81,16 @@ def test_a_frozen_worker_on_a_live_node_is_waited_for_not_dropped(cluster, caplo
             time.sleep(FROZEN_S)
             os.kill(record["pid"], signal.SIGCONT)
             frozen["for"] = time.monotonic() - frozen["at"]
+            released.touch()
 
         threading.Thread(target=stop_then_continue, daemon=True).start()
 
     recorder.on(lambda r: r.get("kind") == "commit" and r["rank"] == 1 and r["epoch"] == 0, freeze)
     with elastic_executor(min_workers=2, max_workers=2) as ex:
         ex.start()
-        results = ex.run(train_job, args=[EPOCHS], callbacks=[recorder])
+        # hold: before epoch 2, commit until the job has 3 workers (never: at most 2) or ``released`` exists
+        results = ex.run(train_job, args=[EPOCHS], kwargs={"hold": (2, 3, 120.0, str(released))},
+                         callbacks=[recorder])
     assert frozen.get("for", 0) >= FROZEN_S, frozen
     check_invariants(results, recorder, EPOCHS)
     assert len(results) == 2 and results[0]["sizes"] == [2] * EPOCHS, results[0]["sizes"]
