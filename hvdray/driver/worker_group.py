@@ -485,10 +485,11 @@ class WorkerGroup:
                 ray.get(ref)
             except Exception:  # noqa: BLE001 - any failure to answer means the worker is gone
                 gone.append(worker_id)
-        silent = [worker_id for worker_id, (_, sent) in self._pings.items() if now - sent > unanswered_s]
+        silent = {worker_id: self.workers[worker_id].node_id
+                  for worker_id, (_, sent) in self._pings.items() if now - sent > unanswered_s}
         if silent:  # gone only if the node is: a worker on a node that is up is slow (starved), not dead
-            down = self._node_probe.down(self.workers[worker_id].node_id for worker_id in silent)
-            gone += [worker_id for worker_id in silent if self.workers[worker_id].node_id in down]
+            down = self._node_probe.down(silent.values())
+            gone += [worker_id for worker_id, node_id in silent.items() if node_id in down]
         return gone
 
     def held(self) -> dict[str, int]:
