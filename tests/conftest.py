@@ -27,16 +27,57 @@ def ray_token_authentication():
     yield
 
 
+#: the address of the local Ray that :func:`ray_local` started and shares between modules, if any
+_shared_local_ray: dict[str, str] = {}
+
+
+def _cluster_is_clean(timeout_s: float = 5.0) -> bool:
+    """No actor but the driver's coordinator host and no placement group alive (both go away
+    asynchronously after an executor's shutdown, so this waits up to ``timeout_s`` for it)."""
+    import time
+
+    from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [a for a in actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] != "CoordinatorHost"]
+        groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        if not alive and not groups:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray instance with 4 logical CPUs (the machine has 2 cores; workers use 1 thread each)."""
+    """A local Ray instance with 4 logical CPUs (the machine has 2 cores; workers use 1 thread each).
+
+    One instance serves every module that uses this fixture in a row: starting and stopping one costs
+    ~6 s of the 2 cores, ~3 min over the suite. A module that needs another Ray (a multi-node cluster, a
+    dashboard) shuts it down, and the next module here starts a fresh one. A module that leaves an actor
+    (other than the driver's coordinator host, which a driver's executors share by design) or a placement
+    group behind gets its instance shut down after it, so the next module starts from a clean one."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address != _shared_local_ray.get("address"):
         ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+        _shared_local_ray["address"] = ray.get_runtime_context().gcs_address
     yield ray
-    ray.shutdown()
+    if ray.is_initialized() and not _cluster_is_clean():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shut_down_the_shared_local_ray():
+    yield
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == _shared_local_ray.get("address"):
+        ray.shutdown()
 
 
 @pytest.fixture

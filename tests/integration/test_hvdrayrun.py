@@ -136,12 +136,16 @@ def test_argument_errors_exit_2_with_a_message(args, message, capsys, monkeypatc
 
     from hvdray.runner import main
 
+    # another module's Ray may be up in this process: watch for an attempt to start or join one instead
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: started.append((a, kw)))
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert not started
 
 
 @pytest.mark.parametrize(

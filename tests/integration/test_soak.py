@@ -1,6 +1,6 @@
 """Soak: many executor lifecycles and many collectives leak nothing.
 
-* 25 start / run / shutdown cycles in one driver process leave the driver's open file descriptors
+* 15 start / run / shutdown cycles in one driver process leave the driver's open file descriptors
   and threads, the cluster's live actors (the driver's coordinator host alone) and placement groups,
   its free CPUs and /dev/shm as they were after the first cycle (which warms up Ray's own connections
   and starts the host), and make no new Ray actor class
@@ -22,7 +22,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 #: enough for a leak of one descriptor, thread, actor or segment per cycle to show past the slack; the 200-cycle
 #: soak with its figures is ``benchmarks/soak.py``
-CYCLES = 25
+CYCLES = 15
 COLLECTIVES = 10_000
 #: Slack for descriptors Ray opens lazily (log files, gRPC channels) the first few times.
 FD_SLACK = 8
