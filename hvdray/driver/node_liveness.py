@@ -15,13 +15,17 @@ not called down (a starved cluster is slow, not gone).
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 import ray
 import ray.util.client
+
+log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 1.0  # a raylet's host that takes longer than this to accept a connection is gone
 _ON_CLUSTER_TIMEOUT_S = 10.0  # how long a Ray Client driver waits for the cluster to answer for its nodes
@@ -64,19 +68,44 @@ def _down_nodes_on_cluster(node_ids: list[str]) -> list[str]:
 
 
 class NodeProbe:
-    """Asks :func:`down_nodes` about each node at most once per ``interval_s`` (a node found up stays up
-    for that long), so that a control loop ticking every few milliseconds can ask on every tick."""
+    """Asks :func:`down_nodes` about nodes on a thread of its own, so that a control loop ticking every
+    few milliseconds can ask on every tick and never waits for an answer (a connect timeout, or a Ray
+    Client round trip to a starved cluster): :meth:`down` returns what the answers so far say, and starts
+    a question about the nodes it was asked for that are due (one question at a time). A node found up
+    counts as up for ``interval_s``; a node found down stays down (Ray never revives a node id)."""
 
     def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
         self._up_until: dict[str, float] = {}  # node id -> until when it counts as up
+        self._found_down: set[str] = set()
+        self._question: Optional[threading.Thread] = None
+        self._answer: Optional[tuple[set[str], set[str]]] = None  # (asked, found down), set by the question
 
     def down(self, node_ids: Iterable[Optional[str]]) -> set[Optional[str]]:
-        """Those of ``node_ids`` found down (an unknown node, None, counts as down)."""
-        now = time.monotonic()
+        """Those of ``node_ids`` found down so far (an unknown node, None, counts as down)."""
         wanted = set(node_ids)
-        due = {n for n in wanted if n is not None and self._up_until.get(n, 0.0) <= now}
-        found = down_nodes(due) if due else set()
-        for node_id in due - found:
-            self._up_until[node_id] = now + self._interval_s
-        return found | ({None} & wanted)
+        self._take_answer()
+        now = time.monotonic()
+        due = {n for n in wanted - self._found_down if n is not None and self._up_until.get(n, 0.0) <= now}
+        if due and self._question is None:
+            self._question = threading.Thread(target=self._ask, args=(due,), name="hvdray-node-probe", daemon=True)
+            self._question.start()
+        return (self._found_down & wanted) | ({None} & wanted)
+
+    def _ask(self, node_ids: set[str]) -> None:
+        try:
+            found = down_nodes(node_ids)
+        except Exception:  # noqa: BLE001 - Ray's node table unreadable now: no node is called down for it
+            log.debug("could not ask whether nodes %s are down", sorted(node_ids), exc_info=True)
+            found = set()
+        self._answer = (node_ids, found)
+
+    def _take_answer(self) -> None:
+        if self._question is None or self._question.is_alive():
+            return
+        asked, found = self._answer or (set(), set())
+        self._question, self._answer = None, None
+        self._found_down |= found
+        until = time.monotonic() + self._interval_s
+        for node_id in asked - found:
+            self._up_until[node_id] = until
