@@ -10,7 +10,8 @@ members (threads, no tensors, no sockets):
   :class:`~hvdray.collective.transport.mesh_store.FullMeshStore`, through which each member replays
   what its ``Communicator`` asks of the store: Gloo's full-mesh connect of the job's group (one
   ``set`` of its pairs' addresses, then a ``wait`` and a ``get`` of every rank's key, in rank order:
-  the sequence a real ``ProcessGroupGloo`` issues, checked by ``tests/unit/test_control_plane_scale.py``),
+  the sequence a real ``ProcessGroupGloo`` issues, with records of a real one's size, checked by
+  ``tests/unit/test_control_plane_scale.py``),
   the node's shared-memory segment name (set by local rank 0, read by the others) and, on several
   nodes, the connect of its cross-node group. Counted: every coordinator call (store operations and
   the assignment) and the value bytes the members read.
@@ -23,8 +24,11 @@ members (threads, no tensors, no sockets):
   hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling among 4 or more
   (P log2 P messages), a full round's allgather is Gloo's ring among all ranks (N(N-1)).
 
-``--no-gather`` replays the rendezvous without ``FullMeshStore`` (what Gloo asks of a plain store):
-the quadratic baseline. ``--plot PATH`` saves the curves as a PNG (``docs/img/control_plane_scale.png``).
+``--rendezvous`` picks how the members read the Gloo records: ``parts`` (hvdray: one gathered wait
+per group, each record cut to the reader's part, ``hvdray.collective.gloo_record``), ``whole`` (one
+gathered wait, whole records: O(N) bytes a record, O(N^3) in all) or ``per-key`` (no ``FullMeshStore``:
+what Gloo asks of a plain store, a wait and a get per record, O(N^2) calls). ``--baseline`` adds the
+other two for the plot, ``--plot PATH`` saves the curves as a PNG (``docs/img/control_plane_scale.png``).
 
     python benchmarks/control_plane_scale.py --sizes 16 64 256 1024 --plot docs/img/control_plane_scale.png
 """
@@ -37,6 +41,7 @@ import hashlib
 import json
 import math
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -49,6 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hvdray.collective import gloo_record
 from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.handle import Handle, Request
 from hvdray.collective.engine.negotiation import RoundMessage
@@ -59,9 +65,10 @@ from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.driver.coordinator_host import CoordinatorClient, CoordinatorHost
 from hvdray.worker.rendezvous import CoordinatorStore
 
-#: bytes Gloo publishes per pair in a rank's full-mesh key (torch 2.x's TCP transport): checked
-#: against a real ProcessGroupGloo by tests/unit/test_control_plane_scale.py
-GLOO_PAIR_ADDRESS_BYTES = 62
+#: bytes of the device address in a rank's Gloo record (torch 2.x's TCP transport: a sockaddr_storage
+#: and a sequence number): checked against a real ProcessGroupGloo by tests/unit/test_control_plane_scale.py
+GLOO_DEVICE_ADDRESS_BYTES = 136
+RENDEZVOUS_MODES = ("parts", "whole", "per-key")
 TIMEOUT_S = 600.0
 
 
@@ -100,10 +107,9 @@ class InProcessCoordinator:
                 values = result[1] if method == "kv_read" else [result[1]]
                 self.value_bytes += sum(len(v) for v in values)
 
-    def reset_counts(self) -> None:
-        with self._lock:
-            self.calls.clear()
-            self.value_bytes = 0
+    def cpu_seconds(self) -> float:
+        """CPU time the coordinator's thread has used: the serial part of a rendezvous."""
+        return self._on_loop(time.thread_time).result()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -131,18 +137,48 @@ def resolve(future: Future) -> Any:
 
 # -- the rendezvous ------------------------------------------------------------------------------
 def gloo_connect(store: dist.Store, rank: int, size: int) -> None:
-    """What a ``ProcessGroupGloo`` of ``size`` ranks (one device) asks of its store while it connects."""
-    store.set(f"0/{rank}", bytes(GLOO_PAIR_ADDRESS_BYTES * (size - 1)))
+    """What a ``ProcessGroupGloo`` of ``size`` ranks (one device) asks of its store while it connects: its
+    record (host name, device address, one pair identifier per rank), then every rank's record."""
+    address = bytes(GLOO_DEVICE_ADDRESS_BYTES)
+    store.set(f"0/{rank}", gloo_record.record(socket.gethostname().encode(), address, list(range(size))))
     for peer in range(size):
         store.wait([f"0/{peer}"])
-        store.get(f"0/{peer}")
+        own_pair_id = store.get(f"0/{peer}")[-8 * (size - rank):][:8]  # all of the record that Gloo uses
+        if peer != rank and own_pair_id != rank.to_bytes(8, sys.byteorder):
+            raise RuntimeError(f"rank {rank} read rank {peer}'s record without its own pair identifier")
+
+
+class WholeRecords(dist.Store):
+    """``store`` without its record parts: a gathered wait brings back whole records."""
+
+    def __init__(self, store: CoordinatorStore) -> None:
+        super().__init__()
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self._store.wait(keys)
+
+
+def gloo_store(store: CoordinatorStore, rank: int, size: int, mode: str) -> dist.Store:
+    """The store a member's Gloo group connects through, for ``--rendezvous mode``."""
+    if mode == "parts":
+        return FullMeshStore(store, rank, size)
+    if mode == "whole":
+        return FullMeshStore(WholeRecords(store), rank, size)
+    return store
 
 
 def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: int, per_node: int,
-                      gather: bool) -> None:
+                      mode: str) -> None:
     """One member's rendezvous, as its ``Communicator`` runs it (job group, node segment, cross-node group)."""
     store = CoordinatorStore(sim.client, f"e{epoch}/gen1/", TIMEOUT_S, resolve=resolve)
-    gloo_connect(FullMeshStore(store, size) if gather else store, rank, size)
+    gloo_connect(gloo_store(store, rank, size, mode), rank, size)
     node, local_rank = divmod(rank, per_node)
     if per_node > 1:  # the node's shared-memory segment: local rank 0 names it, the others read the name
         key = f"hvdray-shm/{node * per_node}"
@@ -152,27 +188,28 @@ def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: in
             store.get(key)
     nodes = size // per_node
     if per_node > 1 and nodes > 1:  # hierarchical: the group of this local rank across the nodes
-        cross = dist.PrefixStore(f"hvdray-cross/{local_rank}/", store)
-        gloo_connect(FullMeshStore(cross, nodes) if gather else cross, node, nodes)
+        gloo_connect(gloo_store(store.prefixed(f"hvdray-cross/{local_rank}/"), node, nodes, mode), node, nodes)
 
 
-def rendezvous(size: int, per_node: int, gather: bool) -> dict[str, Any]:
+def rendezvous(size: int, per_node: int, mode: str) -> dict[str, Any]:
     """One epoch's rank assignment and every member's rendezvous; coordinator calls counted."""
     sim = InProcessCoordinator()
     try:
         slots = [WorkerSlot(node_id=f"node-{r // per_node}", hostname=f"host-{r // per_node}",
                             ip=f"10.0.{r // per_node // 250}.{r // per_node % 250}") for r in range(size)]
-        started = time.perf_counter()
+        started, coordinator_cpu = time.perf_counter(), sim.cpu_seconds()
         epoch, infos, _ = resolve(sim.client.assign.remote(slots))
         if [i.rank for i in infos] != list(range(size)):
             raise RuntimeError("the coordinator did not rank the slots in node order")
         with ThreadPoolExecutor(max_workers=size) as pool:
-            for done in [pool.submit(member_rendezvous, sim, epoch, r, size, per_node, gather) for r in range(size)]:
+            for done in [pool.submit(member_rendezvous, sim, epoch, r, size, per_node, mode) for r in range(size)]:
                 done.result()
         seconds = time.perf_counter() - started
+        coordinator_cpu = sim.cpu_seconds() - coordinator_cpu
         calls = dict(sim.calls)
         return {
             "seconds": seconds,
+            "coordinator_cpu_seconds": coordinator_cpu,
             "coordinator_calls": sum(calls.values()),
             "store_ops": sum(n for m, n in calls.items() if m.startswith("kv_")),
             "calls_by_method": calls,
@@ -250,16 +287,17 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
 
 
 # -- the report ----------------------------------------------------------------------------------
-def measure(sizes: list[int], per_node: int, tensors: int, steps: int, gather: bool) -> list[dict[str, Any]]:
+def measure(sizes: list[int], per_node: int, tensors: int, steps: int, mode: str) -> list[dict[str, Any]]:
     rows = []
     for size in sizes:
         if size % per_node:
             raise ValueError(f"--sizes: {size} is not a multiple of --ranks-per-node {per_node}")
-        row = {"size": size, "rendezvous": rendezvous(size, per_node, gather),
+        row = {"size": size, "rendezvous": rendezvous(size, per_node, mode),
                "steps": negotiation(size, per_node, tensors, steps)}
         rows.append(row)
         r, last = row["rendezvous"], row["steps"][-1]
-        print(f"N={size:5d}: rendezvous {r['seconds']:.2f} s, {r['store_ops']} store ops, "
+        print(f"N={size:5d}: rendezvous {r['seconds']:.2f} s (coordinator CPU {r['coordinator_cpu_seconds']:.2f} s), "
+              f"{r['store_ops']} store ops, "
               f"{r['coordinator_calls']} coordinator calls, {r['value_bytes'] / 2**20:.1f} MiB read; "
               f"first step {row['steps'][0]['control_collectives']} control collectives, steady step "
               f"{last['control_collectives']} ({last['bytes_per_rank']} B per rank, {last['messages']} messages)",
@@ -273,30 +311,39 @@ def growth_exponent(rows: list[dict[str, Any]], value: Callable[[dict[str, Any]]
     return math.log(value(last) / value(first)) / math.log(last["size"] / first["size"])
 
 
-def plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]] | None, path: str) -> None:
+def plot(rows: list[dict[str, Any]], baseline: dict[str, list[dict[str, Any]]] | None, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    baseline = baseline or {}
     sizes = [r["size"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops (gathered)")
-    left.loglog(sizes, [r["rendezvous"]["coordinator_calls"] for r in rows], "s--", label="coordinator calls")
-    if baseline:
-        left.loglog([r["size"] for r in baseline], [r["rendezvous"]["store_ops"] for r in baseline], "x:",
-                    label="store ops (per-key waits, before)")
-    left.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
-    left.set_xlabel("ranks N")
-    left.set_title("rendezvous of one membership epoch")
-    left.legend(fontsize=8)
-    right.loglog(sizes, [r["steps"][-1]["messages"] for r in rows], "o-", label="control messages / steady step")
-    right.loglog(sizes, [r["steps"][-1]["bytes_per_rank"] for r in rows], "s--", label="control bytes / rank / step")
-    right.loglog(sizes, [r["rendezvous"]["seconds"] for r in rows], "^-.", label="rendezvous seconds (in-process)")
-    right.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
-    right.set_xlabel("ranks N")
-    right.set_title("per step (negotiation) and rendezvous time")
-    right.legend(fontsize=8)
+    fig, (calls, volume, step) = plt.subplots(1, 3, figsize=(15, 4.2))
+    calls.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops (gathered wait)")
+    calls.loglog(sizes, [r["rendezvous"]["coordinator_calls"] for r in rows], "s--", label="coordinator calls")
+    if baseline.get("per-key"):
+        calls.loglog([r["size"] for r in baseline["per-key"]], [r["rendezvous"]["store_ops"] for r in baseline["per-key"]],
+                     "x:", label="store ops (per-key waits)")
+    calls.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
+    calls.set_title("rendezvous of one epoch: calls")
+    volume.loglog(sizes, [r["rendezvous"]["value_bytes"] for r in rows], "o-", label="bytes read (record parts)")
+    if baseline.get("whole"):
+        volume.loglog([r["size"] for r in baseline["whole"]], [r["rendezvous"]["value_bytes"] for r in baseline["whole"]],
+                      "+:", label="bytes read (whole records)")
+    scale = rows[0]["rendezvous"]["value_bytes"] / sizes[0] ** 2
+    volume.loglog(sizes, [scale * n * n for n in sizes], color="grey", lw=0.8, label="N^2")
+    volume.loglog(sizes, [scale * n ** 3 / sizes[0] for n in sizes], color="grey", lw=0.8, ls="--", label="N^3")
+    volume.set_title("rendezvous of one epoch: bytes through the coordinator")
+    step.loglog(sizes, [r["steps"][-1]["messages"] for r in rows], "o-", label="control messages / steady step")
+    step.loglog(sizes, [r["steps"][-1]["bytes_per_rank"] for r in rows], "s--", label="control bytes / rank / step")
+    step.loglog(sizes, [r["rendezvous"]["coordinator_cpu_seconds"] for r in rows], "^-.",
+                label="rendezvous: coordinator CPU s")
+    step.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
+    step.set_title("per step (negotiation); coordinator CPU")
+    for axes in (calls, volume, step):
+        axes.set_xlabel("ranks N")
+        axes.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -308,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--tensors", type=int, default=16, help="named allreduces per training step")
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first negotiates names)")
-    parser.add_argument("--no-gather", action="store_true", help="the rendezvous without FullMeshStore")
-    parser.add_argument("--baseline", action="store_true", help="also run --no-gather's rendezvous (for the plot)")
+    parser.add_argument("--rendezvous", choices=RENDEZVOUS_MODES, default="parts",
+                        help="how members read the Gloo records (see above)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run the rendezvous of the other --rendezvous modes (for the plot)")
     parser.add_argument("--baseline-max", type=int, default=256,
-                        help="largest N of the baseline (its N^2 store calls take minutes beyond)")
+                        help="largest N of the per-key baseline (its N^2 store calls take minutes beyond)")
     parser.add_argument("--plot", default=None, help="save the curves as a PNG here")
     parser.add_argument("--json", default=None, help="write the measurements here")
     args = parser.parse_args(argv)
@@ -320,14 +369,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks_per_node < 1 or args.tensors < 1 or args.steps < 2:
         parser.error("--ranks-per-node and --tensors must be at least 1, --steps at least 2")
     torch.set_num_threads(1)
-    rows = measure(args.sizes, args.ranks_per_node, args.tensors, args.steps, gather=not args.no_gather)
+    rows = measure(args.sizes, args.ranks_per_node, args.tensors, args.steps, args.rendezvous)
     baseline = None
     if args.baseline:
-        print("baseline (per-key waits):")
-        baseline = measure([n for n in args.sizes if n <= args.baseline_max], args.ranks_per_node, args.tensors, 2,
-                           gather=False)
+        baseline = {}
+        for mode in RENDEZVOUS_MODES:
+            if mode != args.rendezvous:
+                print(f"baseline (--rendezvous {mode}):")
+                sizes = [n for n in args.sizes if mode != "per-key" or n <= args.baseline_max]
+                baseline[mode] = measure(sizes, args.ranks_per_node, args.tensors, 2, mode)
     print(f"\ngrowth exponents (N^k): store ops {growth_exponent(rows, lambda r: r['rendezvous']['store_ops']):.2f}, "
           f"coordinator calls {growth_exponent(rows, lambda r: r['rendezvous']['coordinator_calls']):.2f}, "
+          f"bytes read {growth_exponent(rows, lambda r: r['rendezvous']['value_bytes']):.2f}, "
           f"steady-step messages {growth_exponent(rows, lambda r: r['steps'][-1]['messages']):.2f}")
     if args.plot:
         plot(rows, baseline, args.plot)

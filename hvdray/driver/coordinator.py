@@ -20,6 +20,7 @@ import hmac
 import time
 from typing import Any, Optional, Sequence
 
+from hvdray.collective import gloo_record
 from hvdray.collective.topology import RankInfo, WorkerSlot, assign_ranks, visible_devices
 
 #: how long a worker's record waits for one its sender numbered before it (see ``Coordinator._add_record``)
@@ -178,11 +179,20 @@ class Coordinator:
         status, values = await self.kv_read(token, [key], timeout_s)
         return status, values[0] if values is not None else None
 
-    async def kv_read(self, token: bytes, keys: list[str], timeout_s: float) -> tuple[str, Optional[list[bytes]]]:
+    async def kv_read(
+        self, token: bytes, keys: list[str], timeout_s: float, reader: Optional[tuple[int, int]] = None
+    ) -> tuple[str, Optional[list[bytes]]]:
         """Wait for ``keys`` as :meth:`kv_wait` does and answer ``("ok", their values)`` in one reply, or
-        ``("timeout"|"superseded", None)``: a Gloo group's connect reads all its ranks' keys in one call."""
+        ``("timeout"|"superseded", None)``: a Gloo group's connect reads all its ranks' keys in one call.
+        With ``reader=(rank, size)`` each value is cut to what that rank of a Gloo group of ``size`` reads
+        of it (:func:`hvdray.collective.gloo_record.part_for`): O(1) bytes a key instead of O(size)."""
         status = await self.kv_wait(token, keys, timeout_s)
-        return status, [self._kv[k] for k in keys] if status == "ok" else None
+        if status != "ok":
+            return status, None
+        values = [self._kv[k] for k in keys]
+        if reader is not None:
+            values = [gloo_record.part_for(value, *reader) for value in values]
+        return status, values
 
     async def kv_add(self, token: bytes, key: str, amount: int) -> int:
         self._admit(token)
@@ -201,7 +211,8 @@ class Coordinator:
         self._admit(token)
         if not keys:
             return "ok"
-        if not all(self._live(k) for k in keys):
+        epoch = f"e{self._epoch}/"
+        if not self._joinable() or not all(k.startswith(epoch) for k in keys):  # _live, for every key at once
             return "superseded"
         deadline = time.monotonic() + timeout_s
         for key in keys:  # woken only by the key awaited now (or the epoch's end): O(len(keys)) wake-ups at most

@@ -6,7 +6,8 @@ Ray gives to the job's driver and workers) can read, write or wait on its keys.
 
 A ``wait`` brings back the values of the keys it waited for, and the next ``get`` of each is answered
 from them without another call: rendezvous keys are written once, and Gloo reads every key it waits
-for (``hvdray.collective.transport.mesh_store`` makes its connect one wait for all ranks' keys).
+for (``hvdray.collective.transport.mesh_store`` makes its connect one wait for all ranks' keys), and
+that wait brings back only this rank's part of each peer's Gloo record (``hvdray.collective.gloo_record``).
 
 A wait on keys of an epoch that is over (a newer one formed, or the elastic driver abandoned it
 because a member died) raises :class:`HorovodInternalError` at once: an elastic worker then waits
@@ -16,16 +17,19 @@ for the next epoch instead of for ``timeout_s``.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Optional
+import functools
+from typing import Any, Callable, Optional, Union
 
 import ray
 import torch.distributed as dist
 
+from hvdray.collective import gloo_record
 from hvdray.collective.errors import HorovodInternalError
+from hvdray.collective.transport.mesh_store import RecordStore
 from hvdray.testing import faults
 
 
-class CoordinatorStore(dist.Store):
+class CoordinatorStore(RecordStore):
     """A Store backed by the coordinator's key-value table, under ``prefix``.
 
     ``resolve`` turns what a coordinator call returns into its answer: ``ray.get`` for the actor; an
@@ -37,7 +41,8 @@ class CoordinatorStore(dist.Store):
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._resolve = resolve
-        self._waited: dict[str, bytes] = {}  # values a wait brought back, until their first get
+        # values a wait brought back, until their first get; a Gloo record's part is rebuilt at its get
+        self._waited: dict[str, Union[bytes, Callable[[], bytes]]] = {}
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -62,7 +67,8 @@ class CoordinatorStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         if key in self._waited:
-            return self._waited.pop(key)
+            value = self._waited.pop(key)
+            return value() if callable(value) else value
         status, value = self._resolve(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
         self._raise_for(status, [key], self._timeout_s)
         return value
@@ -72,13 +78,26 @@ class CoordinatorStore(dist.Store):
         return self._resolve(self._coordinator.kv_add.remote(self._key(key), int(amount)))
 
     def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        self._read(keys, timeout, None)
+
+    def read_records(self, keys: list[str], reader: int, size: int, timeout: Optional[datetime.timedelta]) -> None:
+        self._read(keys, timeout, (reader, size))
+
+    def _read(self, keys: list[str], timeout: Optional[datetime.timedelta], reader: Optional[tuple[int, int]]) -> None:
+        """One coordinator call waits for the keys not read yet and brings back their values (each Gloo
+        record cut to ``reader``'s part and rebuilt here, if ``reader`` is given)."""
         missing = [k for k in keys if k not in self._waited]
         if not missing:
             return
         seconds = self._seconds(timeout)
-        status, values = self._resolve(self._coordinator.kv_read.remote([self._key(k) for k in missing], seconds))
+        status, values = self._resolve(self._coordinator.kv_read.remote([self._key(k) for k in missing], seconds, reader))
         self._raise_for(status, keys, seconds)
+        if reader is not None:
+            values = [functools.partial(gloo_record.as_read_by, part, *reader) for part in values]
         self._waited.update(zip(missing, values))
+
+    def prefixed(self, prefix: str) -> "CoordinatorStore":
+        return CoordinatorStore(self._coordinator, self._prefix + prefix, self._timeout_s, self._resolve)
 
     def check(self, keys: list[str]) -> bool:
         return self._resolve(self._coordinator.kv_check.remote([self._key(k) for k in keys]))

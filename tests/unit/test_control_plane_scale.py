@@ -1,13 +1,14 @@
 """The control-plane simulation (``benchmarks/control_plane_scale.py``) at small N: the rendezvous stays
-within N log N coordinator calls (and would not without the gathered wait), the steady training step
-costs one control collective of constant size, and the simulation replays exactly what a real
-``ProcessGroupGloo`` asks of its store."""
+within N log N coordinator calls (and would not without the gathered wait) and N^2 bytes read (and
+would not with whole Gloo records), the steady training step costs one control collective of
+constant size, and the simulation replays exactly what a real ``ProcessGroupGloo`` asks of its store."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.util
 import math
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -94,12 +95,14 @@ def test_replayed_gloo_connect_is_what_real_gloo_asks_of_its_store(scale):
     real_ops = _connect_all(size, real)
     replayed_ops = _connect_all(size, lambda rank, store: scale.gloo_connect(store, rank, size))
     assert real_ops == replayed_ops
-    assert real_ops[0][0] == ("set", "0/0", (size - 1) * scale.GLOO_PAIR_ADDRESS_BYTES)
+    # the record: host name and device address, each after its 8-byte length, and a pair id per rank
+    record_bytes = 16 + len(socket.gethostname()) + scale.GLOO_DEVICE_ADDRESS_BYTES + 8 * size
+    assert real_ops[0][0] == ("set", "0/0", record_bytes)
 
 
 def test_rendezvous_grows_at_most_n_log_n_and_per_key_waits_would_not(scale):
-    gathered = {n: scale.rendezvous(n, per_node=8, gather=True) for n in (16, 64)}
-    per_key = {n: scale.rendezvous(n, per_node=8, gather=False) for n in (16, 64)}
+    gathered = {n: scale.rendezvous(n, per_node=8, mode="parts") for n in (16, 64)}
+    per_key = {n: scale.rendezvous(n, per_node=8, mode="per-key") for n in (16, 64)}
     bound = (64 * math.log2(64)) / (16 * math.log2(16))  # N log N from 16 to 64: x6
     gathered_growth = gathered[64]["coordinator_calls"] / gathered[16]["coordinator_calls"]
     assert gathered_growth <= bound
@@ -109,8 +112,17 @@ def test_rendezvous_grows_at_most_n_log_n_and_per_key_waits_would_not(scale):
     assert gathered[64]["calls_by_method"]["assign"] == 1
 
 
+def test_rendezvous_bytes_grow_as_n_squared_with_record_parts_and_whole_records_would_not(scale):
+    """Each rank reads O(1) bytes of each peer's record (O(N^2) in all); whole records are O(N) each."""
+    parts = {n: scale.rendezvous(n, per_node=1, mode="parts")["value_bytes"] for n in (32, 128)}
+    whole = {n: scale.rendezvous(n, per_node=1, mode="whole")["value_bytes"] for n in (32, 128)}
+    assert parts[128] / parts[32] <= 4**2 * 1.01
+    assert whole[128] / whole[32] > 4**2 * 1.5  # the check can fail
+    assert parts[128] < whole[128] / 5
+
+
 def test_one_rank_per_node_rendezvous_is_two_store_calls_per_rank(scale):
-    result = scale.rendezvous(16, per_node=1, gather=True)
+    result = scale.rendezvous(16, per_node=1, mode="parts")
     assert result["calls_by_method"] == {"assign": 1, "kv_set": 16, "kv_read": 16}
 
 

@@ -47,7 +47,7 @@ class Communicator:
         self.rank = rank
         self.size = size
         options = gloo.group_options(timeout_s, hostname, interface)
-        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, size), rank, size, options)
+        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, rank, size), rank, size, options)
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
         self.plan = TransportPlan(False, False, "no rank placement given")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from hvdray.collective.transport.mesh_store import FullMeshStore
+from hvdray.collective.transport.mesh_store import FullMeshStore, prefixed
 from hvdray.collective.transport.reductions import TransportOp
 from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
@@ -26,8 +26,8 @@ def cross_node_group(
     store: dist.Store, local_rank: int, node: int, num_nodes: int, options: "ProcessGroupGloo._Options"
 ) -> ProcessGroupGloo:
     """The Gloo group of the ranks with ``local_rank`` on every node (this rank is number ``node``)."""
-    cross_store = dist.PrefixStore(f"hvdray-cross/{local_rank}/", store)
-    return ProcessGroupGloo(FullMeshStore(cross_store, num_nodes), node, num_nodes, options)
+    cross_store = prefixed(store, f"hvdray-cross/{local_rank}/")
+    return ProcessGroupGloo(FullMeshStore(cross_store, node, num_nodes), node, num_nodes, options)
 
 
 class HierarchicalAllreduce(SharedMemoryAllreduce):

@@ -1,0 +1,110 @@
+"""Gloo's full-mesh records cut to one reader's part (``hvdray.collective.gloo_record``): a real
+``ProcessGroupGloo`` connects and reduces when every record it reads was cut by the coordinator and
+rebuilt by the reader's store, and a value that is not a record passes through whole."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hvdray.collective import gloo_record
+
+
+class _PartsOnly(dist.Store):
+    """What the coordinator and a worker's store do to Gloo's records, over a shared HashStore: every
+    value read is cut to this rank's part, then rebuilt; the bytes that crossed are counted."""
+
+    def __init__(self, base: dist.HashStore, rank: int, size: int) -> None:
+        super().__init__()
+        self.base, self.rank, self.size = base, rank, size
+        self.stored = self.crossed = 0
+
+    def set(self, key, value):
+        self.stored += len(value)
+        self.base.set(key, value)
+
+    def get(self, key):
+        part = gloo_record.part_for(self.base.get(key), self.rank, self.size)
+        self.crossed += len(part)
+        return gloo_record.as_read_by(part, self.rank, self.size)
+
+    def wait(self, keys, timeout=None):
+        self.base.wait(keys)
+
+    def add(self, key, amount):
+        return self.base.add(key, amount)
+
+    def check(self, keys):
+        return self.base.check(keys)
+
+
+def _in_threads(size, fn):
+    errors, results = [], [None] * size
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_a_real_gloo_group_connects_from_record_parts(size):
+    base = dist.HashStore()
+    stores = [_PartsOnly(base, rank, size) for rank in range(size)]
+
+    def connect(rank):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=30)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return dist.ProcessGroupGloo(stores[rank], rank, size, options)
+
+    groups = _in_threads(size, connect)
+
+    def reduce(rank):
+        tensor = torch.full((3,), float(rank + 1))
+        groups[rank].allreduce([tensor]).wait()
+        return tensor.tolist()
+
+    assert _in_threads(size, reduce) == [[size * (size + 1) / 2] * 3] * size
+    # each rank read every record, but only the record's header and its own pair identifier crossed
+    record = stores[0].stored
+    assert all(s.stored == record for s in stores)
+    assert all(s.crossed == size * (1 + record - 8 * size + 8) for s in stores)
+
+
+def test_the_part_holds_the_header_and_the_readers_own_pair_id_only():
+    record = gloo_record.record(b"host-a", b"\x07" * 20, [10, 11, 12, 13])
+    part = gloo_record.part_for(record, 2, 4)
+    assert len(part) == 1 + 16 + 6 + 20 + 8
+    rebuilt = gloo_record.as_read_by(part, 2, 4)
+    assert rebuilt == gloo_record.record(b"host-a", b"\x07" * 20, [0, 0, 12, 0])
+    assert len(rebuilt) == len(record)
+
+
+@pytest.mark.parametrize("value", [
+    b"", b"rank 3's shared-memory segment", b"\x01" * 7,
+    gloo_record.record(b"h", b"addr", [1, 2, 3]),  # a record of a group of 3, read as one of 4
+    gloo_record.record(b"h", b"addr", []),  # Gloo's lazy connect publishes no pair ids
+])
+def test_a_value_that_is_not_a_record_of_the_group_passes_whole(value):
+    assert gloo_record.as_read_by(gloo_record.part_for(value, 1, 4), 1, 4) == value
+
+
+def test_a_reader_outside_the_group_gets_the_whole_value_and_a_broken_part_is_refused():
+    record = gloo_record.record(b"h", b"addr", [0, 1])
+    assert gloo_record.as_read_by(gloo_record.part_for(record, 5, 2), 5, 2) == record
+    with pytest.raises(ValueError, match="not a part of a Gloo record for rank 1 of 2"):
+        gloo_record.as_read_by(b"\x02junk", 1, 2)
