@@ -44,7 +44,7 @@ class Coordinator:
         self._token_digest = token_digest
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
-        self._arrivals: dict[str, asyncio.Event] = {}  # key -> set when it is written (rendezvous waits)
+        self._key_waits: dict[str, list[_KeyWait]] = {}  # key -> the rendezvous waits it is missing from
         self._changed = asyncio.Condition()  # membership changes
         self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
         self._first_record = 0  # the number of self._records[0]
@@ -214,34 +214,38 @@ class Coordinator:
         epoch = f"e{self._epoch}/"
         if not self._joinable() or not all(k.startswith(epoch) for k in keys):  # _live, for every key at once
             return "superseded"
-        deadline = time.monotonic() + timeout_s
-        for key in keys:  # woken only by the key awaited now (or the epoch's end): O(len(keys)) wake-ups at most
-            while key not in self._kv:
-                if not self._live(key):
-                    return "superseded"
-                arrival = self._arrivals.setdefault(key, asyncio.Event())
-                try:
-                    await asyncio.wait_for(arrival.wait(), timeout=max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    return "timeout"
-        if not self._live(keys[0]):
-            return "superseded"
-        if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
-            return await self.kv_wait(token, keys, max(deadline - time.monotonic(), 0.0))
+        missing = [k for k in keys if k not in self._kv]
+        if missing:
+            # one wake-up for the whole wait, when its last key arrives: N readers of N keys cost O(N^2)
+            # counter updates, not O(N^2) asyncio waits
+            wait = _KeyWait(len(missing))
+            for key in missing:
+                self._key_waits.setdefault(key, []).append(wait)
+            deadline = time.monotonic() + timeout_s
+            try:
+                await asyncio.wait_for(wait.complete.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                return "timeout"
+            if not self._live(keys[0]):
+                return "superseded"
+            if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
+                return await self.kv_wait(token, keys, max(deadline - time.monotonic(), 0.0))
         return "ok"
 
     def _arrived(self, key: str) -> None:
-        """``key`` was written: wake whoever waits for it."""
-        arrival = self._arrivals.pop(key, None)
-        if arrival is not None:
-            arrival.set()
+        """``key`` was written: count it off every wait missing it, and wake those it completes."""
+        for wait in self._key_waits.pop(key, ()):
+            wait.missing -= 1
+            if wait.missing <= 0:
+                wait.complete.set()
 
     def _clear_kv(self) -> None:
         """Drop every key (the epoch is over) and wake every rendezvous wait, which then answers ``superseded``."""
         self._kv.clear()
-        arrivals, self._arrivals = self._arrivals, {}
-        for arrival in arrivals.values():
-            arrival.set()
+        key_waits, self._key_waits = self._key_waits, {}
+        for waits in key_waits.values():
+            for wait in waits:
+                wait.complete.set()
 
     def kv_check(self, token: bytes, keys: list[str]) -> bool:
         self._admit(token)
@@ -369,7 +373,11 @@ class Coordinator:
         return self._next_checkpoint - 1
 
 
-#: what a job's callers may ask of its table (through ``CoordinatorHost.call``)
-_JOB_CALLS = frozenset(
-    name for name, member in vars(Coordinator).items() if not name.startswith("_") and callable(member)
-) - {"close"}
+class _KeyWait:
+    """One rendezvous wait: how many of its keys are still missing, and the event set when none is."""
+
+    __slots__ = ("missing", "complete")
+
+    def __init__(self, missing: int) -> None:
+        self.missing = missing
+        self.complete = asyncio.Event()
