@@ -5,16 +5,17 @@ constant size, and the simulation replays exactly what a real ``ProcessGroupGloo
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import math
 import socket
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_threads import gloo_group, in_threads  # noqa: E402 - shared by the Gloo unit tests
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane_scale.py"
 
@@ -65,20 +66,7 @@ def _connect_all(size, connect):
     """Run ``connect(rank, store)`` for every rank in threads; each rank's recorded operations."""
     base = dist.HashStore()
     stores = [_Recording(base) for _ in range(size)]
-    errors = []
-
-    def run(rank):
-        try:
-            connect(rank, stores[rank])
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    in_threads(size, lambda rank: connect(rank, stores[rank]))
     return [s.ops for s in stores]
 
 
@@ -87,10 +75,7 @@ def test_replayed_gloo_connect_is_what_real_gloo_asks_of_its_store(scale):
     groups = []
 
     def real(rank, store):
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=30)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        groups.append(dist.ProcessGroupGloo(store, rank, size, options))
+        groups.append(gloo_group(store, rank, size))
 
     real_ops = _connect_all(size, real)
     replayed_ops = _connect_all(size, lambda rank, store: scale.gloo_connect(store, rank, size))

@@ -4,14 +4,17 @@ rebuilt by the reader's store, and a value that is not a record passes through w
 
 from __future__ import annotations
 
-import datetime
-import threading
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from hvdray.collective import gloo_record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_threads import gloo_group, in_threads  # noqa: E402 - shared by the Gloo unit tests
 
 
 class _PartsOnly(dist.Store):
@@ -42,43 +45,19 @@ class _PartsOnly(dist.Store):
         return self.base.check(keys)
 
 
-def _in_threads(size, fn):
-    errors, results = [], [None] * size
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize("size", [2, 5])
 def test_a_real_gloo_group_connects_from_record_parts(size):
     base = dist.HashStore()
     stores = [_PartsOnly(base, rank, size) for rank in range(size)]
 
-    def connect(rank):
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=30)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return dist.ProcessGroupGloo(stores[rank], rank, size, options)
-
-    groups = _in_threads(size, connect)
+    groups = in_threads(size, lambda rank: gloo_group(stores[rank], rank, size))
 
     def reduce(rank):
         tensor = torch.full((3,), float(rank + 1))
         groups[rank].allreduce([tensor]).wait()
         return tensor.tolist()
 
-    assert _in_threads(size, reduce) == [[size * (size + 1) / 2] * 3] * size
+    assert in_threads(size, reduce) == [[size * (size + 1) / 2] * 3] * size
     # each rank read every record, but only the record's header and its own pair identifier crossed
     record = stores[0].stored
     assert all(s.stored == record for s in stores)
