@@ -226,6 +226,8 @@ class Coordinator:
                 await asyncio.wait_for(wait.complete.wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 return "timeout"
+            finally:  # timed out or cancelled: the keys still missing forget this wait
+                self._forget(wait, missing)
             if not self._live(keys[0]):
                 return "superseded"
             if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
@@ -238,6 +240,17 @@ class Coordinator:
             wait.missing -= 1
             if wait.missing <= 0:
                 wait.complete.set()
+
+    def _forget(self, wait: "_KeyWait", keys: list[str]) -> None:
+        """``wait`` no longer waits for those of ``keys`` that have not arrived."""
+        if wait.missing <= 0:
+            return  # every key arrived: none holds it any more
+        for key in keys:
+            waits = self._key_waits.get(key)
+            if waits is not None and wait in waits:
+                waits.remove(wait)
+                if not waits:
+                    del self._key_waits[key]
 
     def _clear_kv(self) -> None:
         """Drop every key (the epoch is over) and wake every rendezvous wait, which then answers ``superseded``."""

@@ -63,6 +63,12 @@ def test_a_wait_times_out_and_waits_again_for_a_key_deleted_meanwhile():
     async def scenario() -> None:
         coordinator, epoch = await _coordinator()
         assert await coordinator.kv_wait(TOKEN, [f"e{epoch}/never"], 0.05) == "timeout"
+        assert coordinator._key_waits == {}  # a wait that timed out is forgotten
+        cancelled = asyncio.ensure_future(coordinator.kv_wait(TOKEN, [f"e{epoch}/never"], 60.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()  # the caller went away
+        await asyncio.sleep(0.01)
+        assert coordinator._key_waits == {}
         a, b = f"e{epoch}/a", f"e{epoch}/b"
         await coordinator.kv_set(TOKEN, a, b"1")
         waiting = asyncio.ensure_future(coordinator.kv_read(TOKEN, [a, b], 60.0))
