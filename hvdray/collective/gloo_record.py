@@ -4,7 +4,7 @@ torch's Gloo (TCP transport) connects a group's full mesh through the store: eve
 record per device, ``[host name length][host name][address length][address][one 8-byte pair
 identifier per rank of the group]``, and every rank reads every record. A reader uses the host name,
 the address and *its own* pair identifier only, yet the records are ``O(size)`` bytes each, so a
-group's connect moves ``O(size**3)`` bytes through the rendezvous (8.6 GB at 1,024 ranks).
+group's connect moves ``O(size**3)`` bytes through the rendezvous (8.8 GB for one group of 1,024 ranks).
 
 :func:`part_for` cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
 that part back into a record of the original length (the other identifiers zero), which the reader's
