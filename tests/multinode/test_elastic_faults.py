@@ -129,7 +129,11 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
     if joining:
         assert len(results) == 3 and results[0]["sizes"][-1] == 3, results[0]["sizes"]
     else:
-        assert any(t["state"] == "recovering" for t in recorder.transitions())
+        # the job recovered from the loss, or the loss came after the last commit, when the other members
+        # had returned (the driver was finishing): the job ends without the lost member (one result short)
+        lost_after_the_end = point in ("commit", "after_commit") and len(results) == results[0]["sizes"][-1] - 1
+        assert any(t["state"] == "recovering" for t in recorder.transitions()) or lost_after_the_end, (
+            [(t["previous"], t["state"], t["reason"]) for t in recorder.transitions()], len(results))
     # only the failed worker's node is cooled down, and no survivor is dropped for being slow
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     cooled = set(re.findall(r"on node (\w+) lost; node blacklisted", "\n".join(warnings)))
