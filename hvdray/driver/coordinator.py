@@ -169,7 +169,7 @@ class Coordinator:
     # -- rendezvous key-value table ----------------------------------------------------------
     async def kv_set(self, token: bytes, key: str, value: bytes) -> None:
         self._admit(token)
-        if not self._live(key):
+        if not self._live([key]):
             return  # a key of an epoch that is over would never be read
         self._kv[key] = value
         self._arrived(key)
@@ -201,9 +201,10 @@ class Coordinator:
         self._arrived(key)
         return value
 
-    def _live(self, key: str) -> bool:
-        """``key`` belongs to the current epoch, and the driver has not abandoned it."""
-        return key.startswith(f"e{self._epoch}/") and self._joinable()
+    def _live(self, keys: Sequence[str]) -> bool:
+        """``keys`` belong to the current epoch, and the driver has not abandoned it."""
+        epoch = f"e{self._epoch}/"
+        return self._joinable() and all(key.startswith(epoch) for key in keys)
 
     async def kv_wait(self, token: bytes, keys: list[str], timeout_s: float) -> str:
         """``"ok"`` once all ``keys`` exist; ``"superseded"`` as soon as their epoch is over (a newer one
@@ -211,8 +212,7 @@ class Coordinator:
         self._admit(token)
         if not keys:
             return "ok"
-        epoch = f"e{self._epoch}/"
-        if not self._joinable() or not all(k.startswith(epoch) for k in keys):  # _live, for every key at once
+        if not self._live(keys):
             return "superseded"
         missing = [k for k in keys if k not in self._kv]
         if missing:
@@ -228,7 +228,7 @@ class Coordinator:
                 return "timeout"
             finally:  # timed out or cancelled: the keys still missing forget this wait
                 self._forget(wait, missing)
-            if not self._live(keys[0]):
+            if not self._live(keys[:1]):
                 return "superseded"
             if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
                 return await self.kv_wait(token, keys, max(deadline - time.monotonic(), 0.0))
