@@ -1,6 +1,7 @@
 """Gloo's full-mesh records cut to one reader's part (``hvdray.collective.gloo_record``): a real
 ``ProcessGroupGloo`` connects and reduces when every record it reads was cut by the coordinator and
-rebuilt by the reader's store, and a value that is not a record passes through whole."""
+rebuilt by the reader's store, and a value that is not a record passes through whole; a full-mesh store
+refuses a rank outside its group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hvdray.collective import gloo_record
+from hvdray.collective.transport.mesh_store import FullMeshStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo_threads import gloo_group, in_threads  # noqa: E402 - shared by the Gloo unit tests
@@ -87,3 +89,9 @@ def test_a_reader_outside_the_group_gets_the_whole_value_and_a_broken_part_is_re
     assert gloo_record.as_read_by(gloo_record.part_for(record, 5, 2), 5, 2) == record
     with pytest.raises(ValueError, match="not a part of a Gloo record for rank 1 of 2"):
         gloo_record.as_read_by(b"\x02junk", 1, 2)
+
+
+@pytest.mark.parametrize("rank,size,argument", [(0, 0, "size"), (2, 2, "rank"), (-1, 3, "rank")])
+def test_a_full_mesh_store_refuses_a_rank_outside_its_group(rank, size, argument):
+    with pytest.raises(ValueError, match=f"^{argument} must"):
+        FullMeshStore(dist.HashStore(), rank, size)
