@@ -288,10 +288,13 @@ class ElasticDriver:
                                              aftermath="the job was stopped"))
         if lost:
             self._drop(lost, lost_workers=True)
-            if self._state is not DriverState.FINISHING:
-                return Transition(DriverState.RECOVERING, f"worker(s) {lost} died")
-        if returned and self._state is not DriverState.FINISHING:
-            return Transition(DriverState.FINISHING, "a member returned from the training function")
+        if self._state is DriverState.FINISHING:
+            return None
+        if returned:  # before a loss seen in the same poll: a member that returned never rejoins an epoch
+            meanwhile = f" (worker(s) {lost} lost meanwhile)" if lost else ""
+            return Transition(DriverState.FINISHING, f"a member returned from the training function{meanwhile}")
+        if lost:
+            return Transition(DriverState.RECOVERING, f"worker(s) {lost} died")
         return None
 
     def _given_up_below_minimum(self) -> Optional[Transition]:

@@ -307,6 +307,26 @@ def test_a_returned_member_finishes_the_job_once_its_epoch_has_returned(slots):
     assert [w.result for w in group.ranked() if w.done] == ["zero", "one"]
 
 
+def test_members_that_returned_as_a_peer_was_lost_finish_the_job_without_it(slots):
+    """The last commit's survivors return in the same poll that reports a peer's loss (its node went away
+    after the others were done): the job finishes with them. Recovering instead waited for the returned
+    members to rejoin, up to elastic_timeout (a fault-matrix case hung this way)."""
+    group = FakeGroup()
+    driver = _driver(group)
+    slots.clear()
+    slots.update({A: 2, B: 1})
+    assert _advance(driver, 2) == [S.RUNNING]
+    lost = group.by_rank(2)
+    group.end(group.by_rank(0), RunOutcome.RETURNED, result="zero")
+    group.end(lost, RunOutcome.LOST, RuntimeError("node gone"))
+    group.end(group.by_rank(1), RunOutcome.RETURNED, result="one")
+    assert _advance(driver) == [S.FINISHING]
+    assert lost.worker_id not in group.workers and driver.records[-1]["reason"] == (
+        f"a member returned from the training function (worker(s) {[lost.worker_id]} lost meanwhile)")
+    assert _advance(driver) == [S.FINISHED]
+    assert [w.result for w in group.ranked() if w.done] == ["zero", "one"]
+
+
 def test_too_few_workers_for_elastic_timeout_ends_the_job(slots):
     group = FakeGroup()
     slots.clear()
