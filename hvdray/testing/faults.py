@@ -8,7 +8,8 @@ of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exact
 - ``exit``: its process ends at once (``os._exit``), as a crash would;
 - ``remove_node``: it writes ``<dir>/fired`` (its node id, pid, rank, epoch), sends that as a record to
   the run's callbacks and blocks; the test removes that node (``Cluster.remove_node``), which ends the
-  process;
+  process once it notices its raylet is gone (the test waits for that before it releases the worker,
+  which would otherwise go on and might even return its result first);
 - ``join``: the same, but the test adds a node and then creates ``<dir>/released``, which lets it go on.
 
 :func:`combine` arms several such faults at once, each with its own directory (and its own once-per-job
@@ -38,6 +39,7 @@ EVENT = "hvdray_test_fault"  # the record a blocked worker sends to the run's ca
 POINTS = ("epoch_forming", "rendezvous", "init", "sync", "step", "commit", "after_commit")
 ACTIONS = ("exit", "remove_node", "join")
 _BLOCK_LIMIT_S = 300.0  # a blocked worker whose test never answers ends itself rather than hang
+_GONE_LIMIT_S = 30.0  # how long the test waits for a removed node's worker process to end
 
 _plans: list[dict[str, Any]] = []
 _loaded = False
@@ -140,6 +142,7 @@ class Responder:
         try:
             if record["action"] == "remove_node":
                 self._remove_node(record["node_id"])
+                _wait_until_gone(int(record["pid"]), _GONE_LIMIT_S)
             else:
                 self._add_node()
         finally:
@@ -152,3 +155,17 @@ class Responder:
             return None
         with open(path) as f:
             return json.load(f)
+
+
+def _wait_until_gone(pid: int, seconds: float) -> None:
+    """Until process ``pid`` (on this machine, as a ``Cluster``'s nodes are) has ended or is a zombie:
+    a removed node's worker ends only when it notices that its raylet is gone."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.05)
