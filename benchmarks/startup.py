@@ -15,12 +15,18 @@ its later executors share): it runs before the timed rounds and is reported on i
 median of each, their ratio (hvdray / raw, at most 1 is the goal), and with ``--phases`` where hvdray's
 time goes (driver-side time stamps of each start step).
 
+``--fresh-drivers K`` adds K alternating rounds in which each kind runs in a driver process of its
+own (``python benchmarks/startup.py --alone hvdray|raw``, connected to the same Ray instance; its
+imports and ``ray.init`` are not timed): the first start of a script that runs one job, where hvdray
+starts its coordinator host and both pay their first actor class export, against raw's first start.
+
 ``--load K`` keeps K processes spinning on the CPUs during the rounds, at ``--load-niceness`` (0 by
 default, like programs outside Ray; Ray runs its workers at niceness 15, so those starve them, and
 ``--load-niceness 15`` is load at the workers' own priority, like their data loaders).
 
     python benchmarks/startup.py --workers 2 4 --rounds 5
     python benchmarks/startup.py --workers 2 --rounds 3 --load 2
+    python benchmarks/startup.py --workers 2 4 --rounds 5 --fresh-drivers 5
 """
 
 from __future__ import annotations
@@ -141,6 +147,34 @@ def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) ->
             "ratio": hvdray_s / raw_s, "hvdray_first_s": first, "first_ratio": first / raw_s}
 
 
+def time_in_fresh_driver(kind: str, workers: int, address: str) -> float:
+    """One start of ``kind`` timed by a driver process of its own, connected to the Ray at ``address``."""
+    out = subprocess.run([sys.executable, __file__, "--alone", kind, "--workers", str(workers), "--address", address],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def compare_fresh(workers: int, rounds: int, address: str) -> dict[str, Any]:
+    """Alternate first starts of each kind in fresh driver processes (the order flips each round)."""
+    samples: dict[str, list[float]] = {"hvdray": [], "raw": []}
+    for round_ in range(rounds):
+        for name in (("hvdray", "raw") if round_ % 2 == 0 else ("raw", "hvdray")):
+            samples[name].append(time_in_fresh_driver(name, workers, address))
+            time.sleep(0.5)
+    hvdray_s, raw_s = statistics.median(samples["hvdray"]), statistics.median(samples["raw"])
+    return {"samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s, "ratio": hvdray_s / raw_s}
+
+
+def alone(kind: str, workers: int, address: str) -> int:
+    """``--alone``: connect, time one start of ``kind``, print its seconds (the driver's first start)."""
+    ray.init(address=address)
+    try:
+        print(time_hvdray(workers) if kind == "hvdray" else time_raw(workers), flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
 @contextlib.contextmanager
 def spinning(processes: int, niceness: int):
     """``processes`` busy loops at ``niceness`` for the duration (killed by pid afterwards)."""
@@ -162,13 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the measurements here")
     parser.add_argument("--load", type=int, default=0, help="processes spinning on the CPUs during the rounds")
     parser.add_argument("--load-niceness", type=int, default=0, help="their niceness (Ray's workers run at 15)")
+    parser.add_argument("--fresh-drivers", type=int, default=0,
+                        help="also this many alternating rounds of each kind in a driver process of its own")
+    parser.add_argument("--alone", choices=("hvdray", "raw"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.alone:
+        return alone(args.alone, args.workers[0], args.address)
     if any(n < 1 for n in args.workers):
         parser.error("--workers must be at least 1")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.load < 0 or not 0 <= args.load_niceness <= 19:
         parser.error("--load must be at least 0 and --load-niceness within 0..19")
+    if args.fresh_drivers < 0:
+        parser.error("--fresh-drivers must be at least 0")
 
     ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False)
     rows = []
@@ -183,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{workers} workers: hvdray {row['hvdray_median_s']:.2f} s, raw Ray + Gloo "
                       f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}; the driver's first hvdray "
                       f"executor {row['hvdray_first_s']:.2f} s ({row['first_ratio']:.2f}x raw)", flush=True)
+                if args.fresh_drivers:
+                    fresh = compare_fresh(workers, args.fresh_drivers, ray.get_runtime_context().gcs_address)
+                    row["fresh_drivers"] = fresh
+                    print(f"{workers} workers, each start in a fresh driver: hvdray {fresh['hvdray_median_s']:.2f} s, "
+                          f"raw {fresh['raw_median_s']:.2f} s, ratio {fresh['ratio']:.2f}", flush=True)
     finally:
         ray.shutdown()
     print("\n| workers | hvdray (s, median) | raw Ray actors + Gloo (s, median) | hvdray / raw "
@@ -190,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"| {row['workers']} | {row['hvdray_median_s']:.2f} | {row['raw_median_s']:.2f} | {row['ratio']:.2f} "
               f"| {row['hvdray_first_s']:.2f} | {row['first_ratio']:.2f} |")
+    if args.fresh_drivers:
+        print("\n| workers | hvdray, fresh driver (s, median) | raw, fresh driver (s, median) | hvdray / raw |"
+              "\n|---|---|---|---|")
+        for row in rows:
+            fresh = row["fresh_drivers"]
+            print(f"| {row['workers']} | {fresh['hvdray_median_s']:.2f} | {fresh['raw_median_s']:.2f} "
+                  f"| {fresh['ratio']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
