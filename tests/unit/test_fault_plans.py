@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -69,15 +71,45 @@ def test_a_blocking_fault_and_an_exit_at_the_same_point_both_act(tmp_path):
     assert _fired(join_dir)["node_id"] == "node-1" and _fired(join_dir)["dir"] == str(join_dir)
 
 
+def _ended_process() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
 def test_each_responder_answers_only_its_own_fault(tmp_path):
     acted = []
     mine = faults.Responder(str(tmp_path), lambda node: acted.append(("remove", node)), lambda: acted.append("add"))
-    other = {"event": faults.EVENT, "action": "remove_node", "node_id": "n2", "dir": str(tmp_path / "other")}
+    other = {"event": faults.EVENT, "action": "remove_node", "node_id": "n2", "dir": str(tmp_path / "other"),
+             "pid": _ended_process()}
     mine(other)
     mine({"event": "elastic", "state": "running"})
     assert acted == [] and not (tmp_path / "released").exists()
     mine({**other, "dir": str(tmp_path)})
     assert acted == [("remove", "n2")] and (tmp_path / "released").exists()
+
+
+def test_a_removed_nodes_worker_is_released_only_once_its_process_has_ended(tmp_path):
+    """Released while alive, the blocked worker would go on (and might return its result) before it
+    notices that its raylet is gone; the responder waits for its process to end, zombie included."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen_alive = []
+
+    def remove_node(node_id: str) -> None:  # the node's processes end a moment after it is removed
+        seen_alive.append(worker.poll() is None)
+        threading.Timer(0.5, worker.kill).start()  # not reaped: a zombie until the test waits for it
+
+    responder = faults.Responder(str(tmp_path), remove_node, lambda: None)
+    started = time.monotonic()
+    try:
+        responder({"event": faults.EVENT, "action": "remove_node", "node_id": "n1", "dir": str(tmp_path),
+                   "pid": worker.pid})
+        waited = time.monotonic() - started
+    finally:
+        worker.kill()
+        worker.wait()
+    assert seen_alive == [True] and (tmp_path / "released").exists()
+    assert 0.4 < waited < 10, waited
 
 
 def test_bad_combinations_are_refused_naming_the_argument(tmp_path):
