@@ -127,24 +127,26 @@ def time_raw(workers: int) -> float:
     return elapsed
 
 
-def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
-    """Alternate hvdray and raw rounds (the order flips each round); medians and their ratio."""
+def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, Any]:
+    """``rounds`` rounds of hvdray's and raw's run (the order flips each round); samples, medians, ratio."""
     samples: dict[str, list[float]] = {"hvdray": [], "raw": []}
-    runs: dict[str, Callable[[], float]] = {
-        "hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers),
-    }
-    time_raw(workers)  # warm-up, untimed: the first actors of a fresh Ray instance pay for its start
-    # hvdray's first executor in this driver also starts the driver's coordinator host, which later
-    # executors share: reported apart, as the start a script that runs one job pays
-    first = time_hvdray(workers, None)
-    time.sleep(0.5)
     for round_ in range(rounds):
         for name in (("hvdray", "raw") if round_ % 2 == 0 else ("raw", "hvdray")):
             samples[name].append(runs[name]())
             time.sleep(0.5)  # let the killed actors' processes exit before the next round
     hvdray_s, raw_s = statistics.median(samples["hvdray"]), statistics.median(samples["raw"])
-    return {"workers": workers, "samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s,
-            "ratio": hvdray_s / raw_s, "hvdray_first_s": first, "first_ratio": first / raw_s}
+    return {"samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s, "ratio": hvdray_s / raw_s}
+
+
+def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Alternate hvdray and raw rounds in this driver; medians and their ratio."""
+    time_raw(workers)  # warm-up, untimed: the first actors of a fresh Ray instance pay for its start
+    # hvdray's first executor in this driver also starts the driver's coordinator host, which later
+    # executors share: reported apart, as the start a script that runs one job pays
+    first = time_hvdray(workers, None)
+    time.sleep(0.5)
+    row = alternate({"hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers)}, rounds)
+    return {"workers": workers, **row, "hvdray_first_s": first, "first_ratio": first / row["raw_median_s"]}
 
 
 def time_in_fresh_driver(kind: str, workers: int, address: str) -> float:
@@ -155,14 +157,9 @@ def time_in_fresh_driver(kind: str, workers: int, address: str) -> float:
 
 
 def compare_fresh(workers: int, rounds: int, address: str) -> dict[str, Any]:
-    """Alternate first starts of each kind in fresh driver processes (the order flips each round)."""
-    samples: dict[str, list[float]] = {"hvdray": [], "raw": []}
-    for round_ in range(rounds):
-        for name in (("hvdray", "raw") if round_ % 2 == 0 else ("raw", "hvdray")):
-            samples[name].append(time_in_fresh_driver(name, workers, address))
-            time.sleep(0.5)
-    hvdray_s, raw_s = statistics.median(samples["hvdray"]), statistics.median(samples["raw"])
-    return {"samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s, "ratio": hvdray_s / raw_s}
+    """Alternate first starts of each kind, each in a driver process of its own."""
+    return alternate({kind: (lambda kind=kind: time_in_fresh_driver(kind, workers, address))
+                      for kind in ("hvdray", "raw")}, rounds)
 
 
 def alone(kind: str, workers: int, address: str) -> int:
