@@ -10,15 +10,17 @@ rounds (A B A B ...), so that the machine's noise hits both alike:
   one ``all_reduce`` in every actor; the clock stops when every actor has returned its result.
 
 Both include the placement group, the actors' processes, importing torch in them and the shutdown is
-not timed. The first hvdray executor of the driver also starts the driver's coordinator host (an actor
-its later executors share): it runs before the timed rounds and is reported on its own. Prints the
+not timed. The first hvdray executor of the driver pays for the driver's first export of hvdray's actor
+classes (and, for jobs of more than 16 workers, starts the driver's coordinator host, which its later
+executors share; smaller jobs keep their coordinator in their first worker): it runs before the timed
+rounds and is reported on its own. Prints the
 median of each, their ratio (hvdray / raw, at most 1 is the goal), and with ``--phases`` where hvdray's
 time goes (driver-side time stamps of each start step).
 
 ``--fresh-drivers K`` adds K alternating rounds in which each kind runs in a driver process of its
 own (``python benchmarks/startup.py --alone hvdray|raw``, connected to the same Ray instance; its
-imports and ``ray.init`` are not timed): the first start of a script that runs one job, where hvdray
-starts its coordinator host and both pay their first actor class export, against raw's first start.
+imports and ``ray.init`` are not timed): the first start of a script that runs one job, where both pay
+their first actor class export, against raw's first start.
 
 ``--load K`` keeps K processes spinning on the CPUs during the rounds, at ``--load-niceness`` (0 by
 default, like programs outside Ray; Ray runs its workers at niceness 15, so those starve them, and
@@ -141,8 +143,8 @@ def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, An
 def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
     """Alternate hvdray and raw rounds in this driver; medians and their ratio."""
     time_raw(workers)  # warm-up, untimed: the first actors of a fresh Ray instance pay for its start
-    # hvdray's first executor in this driver also starts the driver's coordinator host, which later
-    # executors share: reported apart, as the start a script that runs one job pays
+    # hvdray's first executor in this driver also exports hvdray's actor classes: reported apart, as the
+    # start a script that runs one job pays
     first = time_hvdray(workers, None)
     time.sleep(0.5)
     row = alternate({"hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers)}, rounds)

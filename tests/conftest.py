@@ -100,6 +100,22 @@ def make_executor(ray_local):
         executor.shutdown()
 
 
+@pytest.fixture(params=["first worker", "driver's host"])
+def coordinator_place(request, monkeypatch):
+    """Runs a test twice: fixed jobs' coordinators in their first worker (the default up to
+    ``HOSTED_BY_WORKER_UP_TO`` workers), and in the driver's coordinator host (larger jobs)."""
+    if request.param == "driver's host":
+        monkeypatch.setattr("hvdray.driver.executor.HOSTED_BY_WORKER_UP_TO", 0)
+    return request.param
+
+
+@pytest.fixture
+def coordinator_in_host(monkeypatch):
+    """Fixed jobs keep their coordinator in the driver's coordinator host, as jobs of more than
+    ``HOSTED_BY_WORKER_UP_TO`` workers do."""
+    monkeypatch.setattr("hvdray.driver.executor.HOSTED_BY_WORKER_UP_TO", 0)
+
+
 @pytest.fixture(scope="module")
 def ray_two_nodes():
     """A real multi-node Ray on this machine: a head without CPUs and two raylets of 2 CPUs each."""

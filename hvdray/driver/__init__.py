@@ -2,7 +2,8 @@
 
 ``executor`` (RayExecutor, its arguments checked in ``arguments``) -> ``worker_group`` (the actors of
 one run: start, run, drain, stop) and, for elastic jobs, ``controller`` (the state machine) with its
-``policies``; ``placement`` (all resource arithmetic), ``coordinator`` (the actor that assigns ranks
-and holds the rendezvous), ``discovery``, ``callbacks``, ``cluster`` (connecting to Ray).
+``policies``; ``placement`` (all resource arithmetic), ``coordinator`` (the table that assigns ranks
+and holds the rendezvous) and ``coordinator_host`` (where it lives: a job's first worker, or one actor
+per driver), ``discovery``, ``callbacks``, ``cluster`` (connecting to Ray).
 Nothing here imports torch: a driver can run where only Ray is installed.
 """

@@ -39,11 +39,13 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, **kw
 
 
 @functools.cache
-def actor_class(cls: type) -> Any:
-    """``ray.remote(cls)``, made once per process. Each ``ray.remote`` call makes a new actor class,
-    which Ray exports and keeps in the driver again: a driver that started and shut down executors grew
-    by about 0.4-0.7 MB per executor until the classes were made once. Ray exports a class again for
-    each new ``ray.init`` by itself."""
+def actor_class(cls: type, concurrency_groups: tuple[tuple[str, int], ...] = ()) -> Any:
+    """``ray.remote(cls)`` (with ``concurrency_groups``, as ``(name, threads)`` pairs), made once per
+    process. Each ``ray.remote`` call makes a new actor class, which Ray exports and keeps in the driver
+    again: a driver that started and shut down executors grew by about 0.4-0.7 MB per executor until the
+    classes were made once. Ray exports a class again for each new ``ray.init`` by itself."""
     import ray
 
+    if concurrency_groups:  # Ray takes concurrency groups only here, not in .options()
+        return ray.remote(concurrency_groups=dict(concurrency_groups))(cls)
     return ray.remote(cls)

@@ -7,9 +7,9 @@ member died while it formed or ran): its rendezvous waits are answered ``superse
 worker is handed that epoch any more. In an elastic job workers wait here for the epoch that includes them and
 poll the host-update counter the driver bumps.
 
-Every call presents the job's token. The tables of a driver's jobs live in one actor,
-:class:`~hvdray.driver.coordinator_host.CoordinatorHost`, asynchronous so that many workers can wait at
-once; it needs no CPU.
+Every call presents the job's token. A table lives on an asyncio loop, so that many workers can wait at
+once, in a small fixed job's first worker or in the driver's one actor for all its other jobs
+(:mod:`hvdray.driver.coordinator_host`); it needs no CPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,22 @@
-"""The coordinator's actor and the driver's view of it: one :class:`CoordinatorHost` per driver process.
+"""Where a job's coordinator lives, and the driver's view of it.
 
-The host holds the :class:`~hvdray.driver.coordinator.Coordinator` table of every job its driver runs,
-one after another or at once, found by the token each call presents: a job's coordination costs a table
-in a process that is already up, not a process of its own (starting one took a third of a 2-worker
-job's start here, see docs/performance_start_and_scale.md). The driver's first job starts it (on the
-driver's node), later jobs open a table in it, and a job's table is dropped when its executor shuts
-down. A host that died or stopped answering is replaced at the next start.
+A job's :class:`~hvdray.driver.coordinator.Coordinator` table lives in one of two places, and is found
+there by the token each call presents; neither costs the job a process of its own (starting one took a
+third of a 2-worker job's start here, see docs/performance_start_and_scale.md):
+
+- **in the job's first worker** (:class:`CoordinatingWorker`), for a fixed-size job of at most
+  :data:`HOSTED_BY_WORKER_UP_TO` workers: losing any worker ends such a job anyway, and its first start
+  then starts no process beyond its workers;
+- **in the driver's coordinator host** (:class:`CoordinatorHost`, one actor per driver process) for
+  elastic jobs (whose workers come and go while the table must stay) and larger fixed ones (whose
+  coordinator work would slow a rank down). The driver's first such job starts it (on the driver's
+  node), later jobs open a table in it, and a job's table is dropped when its executor shuts down. A
+  host that died or stopped answering is replaced at the next start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import os
@@ -18,10 +25,24 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import ray
+
 from hvdray.driver.coordinator import Coordinator, token_digest
+from hvdray.worker.actor import Worker
 
 #: how long a driver waits for its coordinator host to take a new job before it starts another host
 HOST_ANSWER_S = 30.0
+
+#: fixed-size jobs of at most this many workers keep their coordinator in their first worker
+HOSTED_BY_WORKER_UP_TO = 16
+
+#: the worker concurrency group that answers coordinator calls while the user's function runs
+COORDINATION_GROUP = "coordination"
+
+#: threads of a coordinating worker's coordination group: every call that waits (a rank's rendezvous
+#: read, its dataset shard, the driver's wait for records) holds one, so two per rank and a few for the
+#: driver's calls leave one free for the call that ends the waits
+COORDINATION_THREADS = 2 * HOSTED_BY_WORKER_UP_TO + 8
 
 
 #: what a job's callers may ask of its table (through ``CoordinatorHost.call``)
@@ -89,7 +110,6 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
     never spilled elsewhere (losing another node must not lose it), and kept for the next jobs. A host
     that died, or that does not take the job within ``answer_s``, is replaced by a new one."""
     global _host
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from hvdray.driver.cluster import actor_class
@@ -114,6 +134,22 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
             ).remote(digest)
             _host = (where, handle)
     return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
+
+
+def fixed_worker_class(hosts_coordinator: bool) -> Any:
+    """The Ray actor class of a fixed job's worker: every one has the coordination group (so that all
+    ranks run the user's function alike, on the actor's task thread); the first worker of a job whose
+    coordinator it holds has enough threads in it to answer every rank's waiting call at once."""
+    from hvdray.driver.cluster import actor_class
+
+    threads = COORDINATION_THREADS if hosts_coordinator else 1
+    return actor_class(CoordinatingWorker, ((COORDINATION_GROUP, threads),))
+
+
+def hosted_by_worker(token: bytes, actor: Any) -> JobCoordinator:
+    """The coordinator of a job whose table ``actor`` (a :class:`CoordinatingWorker` created with the
+    token's digest) holds."""
+    return JobCoordinator(CoordinatorClient(actor, token), secrets.token_bytes(32))
 
 
 class CoordinatorHost:
@@ -147,3 +183,41 @@ class CoordinatorHost:
     def jobs(self) -> int:
         """How many jobs are open here."""
         return len(self._jobs)
+
+
+class _LoopHost:
+    """A :class:`CoordinatorHost` on an asyncio loop of its own thread, for a process whose actor runs
+    other work: its calls are made from any thread and answered there."""
+
+    def __init__(self, first_job_digest: bytes) -> None:
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="hvdray-coordinator", daemon=True).start()
+        self._host = CoordinatorHost(first_job_digest)
+
+    def answer(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``CoordinatorHost.<method>(*args, **kwargs)``, run on the loop; blocks the calling thread."""
+        return asyncio.run_coroutine_threadsafe(getattr(self._host, method)(*args, **kwargs), self._loop).result()
+
+
+class CoordinatingWorker(Worker):
+    """A fixed job's worker that may also hold the job's coordinator: its table answers on a thread of
+    the coordination group while the user's function runs on the actor's task thread."""
+
+    def __init__(self, first_job_digest: Optional[bytes] = None) -> None:
+        super().__init__()
+        self._table = _LoopHost(first_job_digest) if first_job_digest is not None else None
+
+    def _hosting(self) -> _LoopHost:
+        if self._table is None:
+            raise PermissionError("this hvdray worker holds no job's coordinator")
+        return self._table
+
+    @ray.method(concurrency_group=COORDINATION_GROUP)
+    def call(self, token: bytes, method: str, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`CoordinatorHost.call`."""
+        return self._hosting().answer("call", token, method, *args, **kwargs)
+
+    @ray.method(concurrency_group=COORDINATION_GROUP)
+    def close_job(self, token: bytes) -> None:
+        """As :meth:`CoordinatorHost.close_job`."""
+        self._hosting().answer("close_job", token)

@@ -29,7 +29,7 @@ from hvdray.driver.arguments import (
 )
 from hvdray.driver.cluster import init_ray
 from hvdray.driver.controller import ElasticDriver
-from hvdray.driver.coordinator_host import JobCoordinator, start_job_coordinator
+from hvdray.driver.coordinator_host import HOSTED_BY_WORKER_UP_TO, JobCoordinator, start_job_coordinator
 from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.payload import PayloadGuard, call_pieces
@@ -192,8 +192,10 @@ class RayExecutor:
         return start_job_coordinator(self.settings.timeout_s)
 
     def _start_group(self) -> None:
-        """A new worker group with its own coordinator; if it cannot start, it stops what it started."""
-        self._group = WorkerGroup(self._id, self.settings, self._start_coordinator(), self._runtime_env(),
+        """A new worker group with its own coordinator (in its first worker, for a job of at most
+        ``HOSTED_BY_WORKER_UP_TO`` workers); if it cannot start, it stops what it started."""
+        coordinator = self._start_coordinator() if self.num_workers > HOSTED_BY_WORKER_UP_TO else None
+        self._group = WorkerGroup(self._id, self.settings, coordinator, self._runtime_env(),
                                   elastic=False, owns_coordinator=True)
         self._group.start_fixed(self._placement.actor_options, self.num_workers, self._executable,
                                 self._placement.check_feasible)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -36,7 +37,8 @@ import ray
 from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
-from hvdray.driver.coordinator_host import CoordinatorClient, JobCoordinator
+from hvdray.driver.coordinator import token_digest
+from hvdray.driver.coordinator_host import CoordinatorClient, JobCoordinator, fixed_worker_class, hosted_by_worker
 from hvdray.driver.datasets import DatasetSplitter, end_split
 from hvdray.driver.node_liveness import NodeProbe
 from hvdray.settings import Settings
@@ -110,10 +112,14 @@ def failure_error(
     return error
 
 
-def _is_consequence(exc: BaseException) -> bool:
-    """True for a rank's error that another rank's failure caused: an op a leaving peer never submitted
-    (PeerFinishedError) or a ring broken by a dead one (HorovodInternalError)."""
-    return caused_by_peer(exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc)
+def _consequence_level(exc: BaseException) -> int:
+    """How likely a rank's error is to be another's consequence: 0, its own failure; 1, a call of its
+    to another actor that died (such as the job's coordinator, held by a worker that died); 2, an op a
+    leaving peer never submitted (PeerFinishedError) or a ring a dead one broke (HorovodInternalError)."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    if caused_by_peer(cause):
+        return 2
+    return 1 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError) else 0
 
 
 def _with_headline(error: BaseException, headline: str) -> BaseException:
@@ -215,13 +221,14 @@ class WorkerGroup:
 
     ``elastic`` groups name workers by id, configure each on its own as it starts (it then waits for a
     membership epoch) and answer pings while busy; fixed groups start all ranks at once
-    (:meth:`start_fixed`). A group that owns its coordinator closes the job there when it stops."""
+    (:meth:`start_fixed`). A group that owns its coordinator closes the job there when it stops. A fixed
+    group given no coordinator keeps it in its first worker (``coordinator_host.CoordinatingWorker``)."""
 
     def __init__(
         self,
         executor_id: str,
         settings: Settings,
-        coordinator: JobCoordinator,
+        coordinator: Optional[JobCoordinator],
         runtime_env: Optional[dict[str, Any]],
         elastic: bool,
         owns_coordinator: bool,
@@ -236,6 +243,7 @@ class WorkerGroup:
         self._runtime_env = runtime_env
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
+        self._hosted_by_worker = coordinator is None  # the coordinator dies with a worker: see gather()
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self.epoch = 0  # the membership epoch the coordinator formed last
         self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
@@ -260,7 +268,8 @@ class WorkerGroup:
 
     # -- starting ------------------------------------------------------------------------------
     def launch(self, worker_id: str, actor_options: dict[str, Any], node_id: Optional[str] = None) -> None:
-        """Create one worker actor with ``actor_options`` (from placement); it joins once it answers."""
+        """Create one worker actor with ``actor_options`` (from placement); it joins once it answers. The
+        first worker of a fixed group without a coordinator is created holding the job's coordinator."""
         if self.state in (GroupState.DRAINING, GroupState.STOPPED):
             raise RuntimeError(f"cannot start workers in a {self.state.value} worker group")
         options = dict(actor_options)
@@ -268,8 +277,15 @@ class WorkerGroup:
             options["runtime_env"] = self._runtime_env
         if self._elastic:
             options["max_concurrency"] = 2  # ping answers while run is busy
-        role = f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}"
-        actor = actor_class(Worker).options(name=actor_name(self.executor_id, role), **options).remote()
+            actor = actor_class(Worker).options(name=actor_name(self.executor_id, f"elastic-{worker_id}"), **options)
+            actor = actor.remote()
+        else:
+            token = secrets.token_bytes(32) if self._coordinator is None else None
+            cls = fixed_worker_class(hosts_coordinator=token is not None)
+            actor = cls.options(name=actor_name(self.executor_id, f"rank-{worker_id}"), **options).remote(
+                token_digest(token) if token is not None else None)
+            if token is not None:
+                self._coordinator = hosted_by_worker(token, actor)
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
@@ -431,12 +447,20 @@ class WorkerGroup:
         pending = list(calls)
         failures: list[tuple[int, BaseException]] = []
         grace_ends = None
+        coordinator_lost = False
         while pending and (grace_ends is None or time.monotonic() < grace_ends):
             # wake when a call ends, when a worker record arrives, or when the grace period is over
-            records = [self._next_records()] if self._delivering(callbacks) else []
+            records = [self._next_records()] if self._delivering(callbacks) and not coordinator_lost else []
             timeout = None if grace_ends is None else max(grace_ends - time.monotonic(), 0.0)
             ray.wait(pending + records, num_returns=1, timeout=timeout)
-            self.deliver_logs(callbacks)
+            try:
+                if records:
+                    self.deliver_logs(callbacks)
+            except CoordinatorLostError:
+                if not self._hosted_by_worker:
+                    raise
+                # it died with the worker that held it, whose own call ends with that: wait for it
+                coordinator_lost = True
             ended, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             for call in ended:
                 try:
@@ -444,7 +468,7 @@ class WorkerGroup:
                 except BaseException as exc:  # noqa: BLE001 - re-raised with the rank attached
                     failures.append((rank_of[call], exc))
             if failures and grace_ends is None:
-                if not all(_is_consequence(exc) for _, exc in failures):
+                if not all(_consequence_level(exc) for _, exc in failures):
                     break
                 # a peer's failure shows up in the others first (an op fails, a ring breaks): give the rank
                 # that caused it a moment to report its own error, which says more
@@ -455,7 +479,7 @@ class WorkerGroup:
             except CoordinatorLostError:  # the coordinator is gone too: the rank's error says more
                 log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
             self.stop()
-            rank, exc = min(failures, key=lambda failure: (_is_consequence(failure[1]), failure[0]))
+            rank, exc = min(failures, key=lambda failure: (_consequence_level(failure[1]), failure[0]))
             raise failure_error(exc, rank, len(calls))
         self.deliver_logs(callbacks, flush=True)
         return ray.get(calls)
@@ -621,6 +645,7 @@ class WorkerGroup:
         for worker in self.workers.values():
             ray.kill(worker.actor, no_restart=True)
         if self._owns_coordinator and self._coordinator is not None:
-            self._coordinator.close()
+            if not self._hosted_by_worker:  # a table held by a worker went with it
+                self._coordinator.close()
             self._coordinator = None
         self.state = GroupState.STOPPED

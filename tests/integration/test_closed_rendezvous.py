@@ -1,8 +1,8 @@
 """The rendezvous is closed to anyone without the job's token.
 
 A job runs; a second Ray driver (another process connected to the same cluster, as a stranger on a
-shared cluster would be) finds the driver's coordinator host by listing named actors in every
-namespace, and tries everything the rendezvous offers: reading, writing, adding to, deleting and
+shared cluster would be) finds the actor that holds the job's coordinator (its first worker, or the
+driver's coordinator host) by listing named actors in every namespace, and tries everything the rendezvous offers: reading, writing, adding to, deleting and
 waiting on keys, forming a new membership, reading the workers' logs, closing the job, and building a
 Gloo group on the job's store. Every attempt is refused with ``PermissionError``; the job goes on
 undisturbed.
@@ -12,6 +12,7 @@ Gloo's listening sockets bind to the node's address, not to every interface.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,7 @@ OUTSIDER = textwrap.dedent(
     ray.init(address=sys.argv[1], namespace="outsider", log_to_driver=False)
     name, namespace = next(
         (a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("hvdray-coordinator-")
+        if a["name"] == sys.argv[2]
     )
     coordinator = ray.get_actor(name, namespace=namespace)
     call = coordinator.call.remote
@@ -97,15 +98,21 @@ def _gloo_listen_addresses() -> list[str]:
     return sorted({ip for ip, _ in listening() - before})
 
 
-def test_outsider_cannot_read_write_block_or_join(make_executor, tmp_path):
+def test_outsider_cannot_read_write_block_or_join(make_executor, tmp_path, coordinator_place):
     executor = make_executor(num_workers=2)
     assert executor.run(_train_steps, args=[3]) == [[0.0, 2.0, 4.0]] * 2
+    # the actor that holds the job's table: its first worker, or the driver's coordinator host
+    from ray._private.state import actors as gcs_actors
+
+    holder = gcs_actors()[executor._group.coordinator.handle._actor_id.hex()]["Name"]
+    expected = f"hvdray-{executor._id}-rank-0" if coordinator_place == "first worker" else f"hvdray-coordinator-{os.getpid()}-"
+    assert holder.startswith(expected), holder
 
     script = tmp_path / "outsider.py"
     script.write_text(OUTSIDER)
     address = ray.get_runtime_context().gcs_address
     done = subprocess.run(
-        [sys.executable, str(script), address], capture_output=True, text=True, timeout=180
+        [sys.executable, str(script), address, holder], capture_output=True, text=True, timeout=180
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME ")]
     assert lines, f"the outsider script did not finish:\n{done.stdout}\n{done.stderr}"

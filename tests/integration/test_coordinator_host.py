@@ -1,9 +1,12 @@
-"""One coordinator host per driver: shared by its executors, each job's table its own, replaced when lost.
+"""Where a job's coordinator lives: in a small fixed job's first worker, or in the driver's one host.
 
-The host is started by a driver's first job and kept for the next (a job's start then creates no
-coordinator process): these tests check that two jobs at once in one host do not see each other, that
-a job's token is refused once its executor shut down, that later executors reuse the host, and that a
-killed or frozen host is replaced instead of failing or hanging the next start.
+A fixed job of at most ``HOSTED_BY_WORKER_UP_TO`` workers keeps its coordinator in its first worker
+(its start creates no process beyond its workers): these tests check that it does, that the worker
+answers every rank's waiting call at once while it runs, and that losing that worker fails the run
+naming it. Other jobs share one host per driver, started by the first and kept for the next: these
+tests check that two jobs at once in one host do not see each other, that a job's token is refused once
+its executor shut down, that later executors reuse the host, and that a killed or frozen host is
+replaced instead of failing or hanging the next start.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import ray.cloudpickle
 
 from hvdray import RayExecutor
 from hvdray.collective.topology import WorkerSlot
-from hvdray.driver.coordinator_host import start_job_coordinator
+from hvdray.driver.coordinator import token_digest
+from hvdray.driver.coordinator_host import (
+    COORDINATION_THREADS,
+    CoordinatorClient,
+    fixed_worker_class,
+    start_job_coordinator,
+)
+from hvdray.driver.worker_group import WorkerLostError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -76,7 +86,70 @@ def test_a_closed_jobs_waits_end_at_once(ray_local):
     assert time.monotonic() - asked < 10
 
 
-def test_executors_one_after_another_and_at_once_share_the_host(ray_local):
+def _alive_actors() -> set[str]:
+    from ray._private.state import actors as gcs_actors
+
+    return {a["ActorID"] for a in gcs_actors().values() if a["State"] == "ALIVE"}
+
+
+def test_a_small_fixed_jobs_coordinator_lives_in_its_first_worker_and_starts_no_process(ray_local):
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
+    before = _alive_actors()
+    with RayExecutor(settings, num_workers=2) as first, RayExecutor(settings, num_workers=2) as beside:
+        assert first.run(_sum_of_ranks) == [1.0, 1.0] and beside.run(_sum_of_ranks) == [1.0, 1.0]
+        workers = {w.actor._actor_id.hex() for ex in (first, beside) for w in ex._group.workers.values()}
+        assert _alive_actors() - before == workers  # the two jobs' workers, and no other actor
+        for executor in (first, beside):
+            assert executor._group.coordinator.handle._actor_id.hex() == executor._group.workers["0"].actor._actor_id.hex()
+        # each job's table refuses the other's token
+        with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):
+            ray.get(CoordinatorClient(first._group.coordinator.handle, beside._group.coordinator._token).epoch.remote())
+
+
+def test_the_coordinating_worker_answers_every_waiting_call_at_once(ray_local):
+    """Each of a job's ranks may wait in the coordinator at once (its rendezvous read, its dataset
+    shard), besides the driver: the first worker's coordination group answers the call that ends the
+    waits even with all of them waiting, and a worker holding no table refuses coordinator calls."""
+    token = b"t" * 32
+    holder = fixed_worker_class(hosts_coordinator=True).remote(token_digest(token))
+    client = CoordinatorClient(holder, token)
+    epoch, _, _ = ray.get(client.assign.remote(SLOTS, ["w"]))
+    waits = [client.kv_wait.remote([f"e{epoch}/k"], 60.0) for _ in range(COORDINATION_THREADS - 1)]
+    time.sleep(1.0)
+    asked = time.monotonic()
+    ray.get(client.kv_set.remote(f"e{epoch}/k", b"v"), timeout=30)
+    assert ray.get(waits, timeout=30) == ["ok"] * len(waits)
+    assert time.monotonic() - asked < 10
+    other = fixed_worker_class(hosts_coordinator=False).remote(None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="holds no job's coordinator"):
+        ray.get(CoordinatorClient(other, token).epoch.remote(), timeout=30)
+    for actor in (holder, other):
+        ray.kill(actor, no_restart=True)
+
+
+def test_a_run_whose_coordinating_worker_dies_fails_naming_it_and_the_next_run_starts_anew(ray_local):
+    """The worker that holds the job's coordinator dies while the ranks run and report: the run fails
+    naming that worker's rank (not a peer whose coordinator call failed with it), within ``timeout_s``;
+    the next run starts new workers with a new coordinator."""
+    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60)
+    killed: list[float] = []
+
+    def kill_holder(record):
+        if not killed:
+            killed.append(time.monotonic())
+            ray.kill(executor._group.coordinator.handle, no_restart=True)
+
+    with RayExecutor(settings, num_workers=3) as executor:
+        holder_rank = None
+        with pytest.raises(WorkerLostError) as failed:
+            holder_rank = executor._ready_group().workers["0"].rank
+            executor.run(_logs_until, args=[120.0], callbacks=[kill_holder])
+        assert killed and time.monotonic() - killed[0] < 10 + 20, str(failed.value)
+        assert f"the worker of rank {holder_rank} (of 3) died" in str(failed.value)
+        assert executor.run(_sum_of_ranks) == [3.0] * 3
+
+
+def test_executors_one_after_another_and_at_once_share_the_host(ray_local, coordinator_in_host):
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
     with RayExecutor(settings, num_workers=2) as first:
         assert first.run(_sum_of_ranks) == [1.0, 1.0]
@@ -90,7 +163,7 @@ def test_executors_one_after_another_and_at_once_share_the_host(ray_local):
         assert later._group.coordinator.handle._actor_id.hex() == host
 
 
-def test_a_killed_host_is_replaced(ray_local):
+def test_a_killed_host_is_replaced(ray_local, coordinator_in_host):
     job = start_job_coordinator()
     ray.kill(job.client.handle, no_restart=True)
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
@@ -136,7 +209,7 @@ def _logs_until(seconds: float) -> int:
     return step
 
 
-def test_a_host_lost_during_a_run_fails_the_run_and_the_next_run_gets_a_new_one(ray_local):
+def test_a_host_lost_during_a_run_fails_the_run_and_the_next_run_gets_a_new_one(ray_local, coordinator_in_host):
     """The coordinator's process dies while a fixed-size job runs and reports: the run fails within
     ``timeout_s`` naming the coordinator (it does not hang); the executor's next run starts a new host."""
     settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60)

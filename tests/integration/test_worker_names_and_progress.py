@@ -58,8 +58,8 @@ def test_worker_actors_are_named_by_executor_and_rank(ray_with_dashboard):
         alive = {a.actor_id: a.name for a in list_actors(address=ray_with_dashboard, filters=[("state", "=", "ALIVE")])}
         for actor_id, rank in ranks.items():
             assert alive[actor_id] == f"hvdray-{executor._id}-rank-{rank}"
-        # the coordinator host of this driver process (shared by its executors)
-        assert alive[executor._group.coordinator.handle._actor_id.hex()].startswith(f"hvdray-coordinator-{os.getpid()}-")
+        # a job of 3 keeps its coordinator in its first worker
+        assert alive[executor._group.coordinator.handle._actor_id.hex()] == f"hvdray-{executor._id}-rank-0"
         groups = {g.name: g.state for g in list_placement_groups(address=ray_with_dashboard)}
         assert groups.get(f"hvdray-{executor._id}-pg") == "CREATED", groups
     finally:
@@ -178,7 +178,7 @@ def test_init_ray_keeps_the_dashboard_and_a_piped_progress_bar_writes_one_line_p
     names = json.loads(done.stdout.split("NAMES ", 1)[1].splitlines()[0])
     job = f"hvdray-{names['id']}"
     assert {f"{job}-rank-0", f"{job}-rank-1"} <= set(names["actors"]), names
-    assert any(name.startswith("hvdray-coordinator-") for name in names["actors"]), names
+    assert not any(name.startswith("hvdray-coordinator-") for name in names["actors"]), names  # in rank 0
     assert f"{job}-pg" in names["groups"], names
     assert "RANKS [0, 1]" in done.stdout
     steps = re.findall(r"^digits: .*\| (\d)/3 \[.*loss=([\d.]+)\]$", done.stderr, flags=re.MULTILINE)
