@@ -20,7 +20,9 @@ time goes (driver-side time stamps of each start step).
 ``--fresh-drivers K`` adds K alternating rounds in which each kind runs in a driver process of its
 own (``python benchmarks/startup.py --alone hvdray|raw``, connected to the same Ray instance; its
 imports and ``ray.init`` are not timed): the first start of a script that runs one job, where both pay
-their first actor class export, against raw's first start.
+their first actor class export, against raw's first start. ``--with-host`` adds a third kind to those
+rounds, ``hvdray-host``: hvdray with the job's coordinator in the driver's coordinator host, which the
+job starts (what jobs of more than 16 workers do, and every fixed job did before 2026-11-26).
 
 ``--load K`` keeps K processes spinning on the CPUs during the rounds, at ``--load-niceness`` (0 by
 default, like programs outside Ray; Ray runs its workers at niceness 15, so those starve them, and
@@ -29,6 +31,7 @@ default, like programs outside Ray; Ray runs its workers at niceness 15, so thos
     python benchmarks/startup.py --workers 2 4 --rounds 5
     python benchmarks/startup.py --workers 2 --rounds 3 --load 2
     python benchmarks/startup.py --workers 2 4 --rounds 5 --fresh-drivers 5
+    python benchmarks/startup.py --workers 2 4 --rounds 1 --fresh-drivers 9 --with-host
 """
 
 from __future__ import annotations
@@ -130,14 +133,20 @@ def time_raw(workers: int) -> float:
 
 
 def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, Any]:
-    """``rounds`` rounds of hvdray's and raw's run (the order flips each round); samples, medians, ratio."""
-    samples: dict[str, list[float]] = {"hvdray": [], "raw": []}
+    """``rounds`` rounds of each kind's run (the order rotates each round: with two kinds it flips);
+    samples, medians, and each kind's ratio to raw (``ratio`` is hvdray's)."""
+    kinds = list(runs)
+    samples: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
-        for name in (("hvdray", "raw") if round_ % 2 == 0 else ("raw", "hvdray")):
+        for name in kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]:
             samples[name].append(runs[name]())
             time.sleep(0.5)  # let the killed actors' processes exit before the next round
-    hvdray_s, raw_s = statistics.median(samples["hvdray"]), statistics.median(samples["raw"])
-    return {"samples": samples, "hvdray_median_s": hvdray_s, "raw_median_s": raw_s, "ratio": hvdray_s / raw_s}
+    medians = {kind: statistics.median(samples[kind]) for kind in kinds}
+    row: dict[str, Any] = {"samples": samples, **{f"{kind}_median_s": medians[kind] for kind in kinds}}
+    row["ratio"] = medians["hvdray"] / medians["raw"]
+    if "hvdray-host" in medians:
+        row["host_ratio"] = medians["hvdray-host"] / medians["raw"]
+    return row
 
 
 def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
@@ -158,17 +167,24 @@ def time_in_fresh_driver(kind: str, workers: int, address: str) -> float:
     return float(out.strip().splitlines()[-1])
 
 
-def compare_fresh(workers: int, rounds: int, address: str) -> dict[str, Any]:
+def compare_fresh(workers: int, rounds: int, address: str, with_host: bool = False) -> dict[str, Any]:
     """Alternate first starts of each kind, each in a driver process of its own."""
-    return alternate({kind: (lambda kind=kind: time_in_fresh_driver(kind, workers, address))
-                      for kind in ("hvdray", "raw")}, rounds)
+    kinds = ("hvdray", "hvdray-host", "raw") if with_host else ("hvdray", "raw")
+    return alternate({kind: (lambda kind=kind: time_in_fresh_driver(kind, workers, address)) for kind in kinds},
+                     rounds)
 
 
 def alone(kind: str, workers: int, address: str) -> int:
-    """``--alone``: connect, time one start of ``kind``, print its seconds (the driver's first start)."""
+    """``--alone``: connect, time one start of ``kind``, print its seconds (the driver's first start).
+    ``hvdray-host`` keeps the job's coordinator in the driver's coordinator host, started by this job
+    (as jobs of more than ``HOSTED_BY_WORKER_UP_TO`` workers do, and every fixed job did before)."""
+    if kind == "hvdray-host":
+        import hvdray.driver.executor
+
+        hvdray.driver.executor.HOSTED_BY_WORKER_UP_TO = 0
     ray.init(address=address)
     try:
-        print(time_hvdray(workers) if kind == "hvdray" else time_raw(workers), flush=True)
+        print(time_raw(workers) if kind == "raw" else time_hvdray(workers), flush=True)
     finally:
         ray.shutdown()
     return 0
@@ -197,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-niceness", type=int, default=0, help="their niceness (Ray's workers run at 15)")
     parser.add_argument("--fresh-drivers", type=int, default=0,
                         help="also this many alternating rounds of each kind in a driver process of its own")
-    parser.add_argument("--alone", choices=("hvdray", "raw"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--with-host", action="store_true",
+                        help="the fresh-driver rounds also start hvdray with its coordinator in the driver's host")
+    parser.add_argument("--alone", choices=("hvdray", "hvdray-host", "raw"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.alone:
@@ -210,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--load must be at least 0 and --load-niceness within 0..19")
     if args.fresh_drivers < 0:
         parser.error("--fresh-drivers must be at least 0")
+    if args.with_host and not args.fresh_drivers:
+        parser.error("--with-host needs --fresh-drivers")
 
     ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False)
     rows = []
@@ -225,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}; the driver's first hvdray "
                       f"executor {row['hvdray_first_s']:.2f} s ({row['first_ratio']:.2f}x raw)", flush=True)
                 if args.fresh_drivers:
-                    fresh = compare_fresh(workers, args.fresh_drivers, ray.get_runtime_context().gcs_address)
+                    fresh = compare_fresh(workers, args.fresh_drivers, ray.get_runtime_context().gcs_address,
+                                          args.with_host)
                     row["fresh_drivers"] = fresh
+                    host = (f"; coordinator in the driver's host {fresh['hvdray-host_median_s']:.2f} s, ratio "
+                            f"{fresh['host_ratio']:.2f}" if args.with_host else "")
                     print(f"{workers} workers, each start in a fresh driver: hvdray {fresh['hvdray_median_s']:.2f} s, "
-                          f"raw {fresh['raw_median_s']:.2f} s, ratio {fresh['ratio']:.2f}", flush=True)
+                          f"raw {fresh['raw_median_s']:.2f} s, ratio {fresh['ratio']:.2f}{host}", flush=True)
     finally:
         ray.shutdown()
     print("\n| workers | hvdray (s, median) | raw Ray actors + Gloo (s, median) | hvdray / raw "
@@ -237,12 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['workers']} | {row['hvdray_median_s']:.2f} | {row['raw_median_s']:.2f} | {row['ratio']:.2f} "
               f"| {row['hvdray_first_s']:.2f} | {row['first_ratio']:.2f} |")
     if args.fresh_drivers:
+        host_columns = " coordinator in the host (s) | host / raw |" if args.with_host else ""
         print("\n| workers | hvdray, fresh driver (s, median) | raw, fresh driver (s, median) | hvdray / raw |"
-              "\n|---|---|---|---|")
+              f"{host_columns}\n|---|---|---|---|{'---|---|' if args.with_host else ''}")
         for row in rows:
             fresh = row["fresh_drivers"]
+            host = f" {fresh['hvdray-host_median_s']:.2f} | {fresh['host_ratio']:.2f} |" if args.with_host else ""
             print(f"| {row['workers']} | {fresh['hvdray_median_s']:.2f} | {fresh['raw_median_s']:.2f} "
-                  f"| {fresh['ratio']:.2f} |")
+                  f"| {fresh['ratio']:.2f} |{host}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
