@@ -127,28 +127,6 @@ def test_the_coordinating_worker_answers_every_waiting_call_at_once(ray_local):
         ray.kill(actor, no_restart=True)
 
 
-def test_a_run_whose_coordinating_worker_dies_fails_naming_it_and_the_next_run_starts_anew(ray_local):
-    """The worker that holds the job's coordinator dies while the ranks run and report: the run fails
-    naming that worker's rank (not a peer whose coordinator call failed with it), within ``timeout_s``;
-    the next run starts new workers with a new coordinator."""
-    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60)
-    killed: list[float] = []
-
-    def kill_holder(record):
-        if not killed:
-            killed.append(time.monotonic())
-            ray.kill(executor._group.coordinator.handle, no_restart=True)
-
-    with RayExecutor(settings, num_workers=3) as executor:
-        holder_rank = None
-        with pytest.raises(WorkerLostError) as failed:
-            holder_rank = executor._ready_group().workers["0"].rank
-            executor.run(_logs_until, args=[120.0], callbacks=[kill_holder])
-        assert killed and time.monotonic() - killed[0] < 10 + 20, str(failed.value)
-        assert f"the worker of rank {holder_rank} (of 3) died" in str(failed.value)
-        assert executor.run(_sum_of_ranks) == [3.0] * 3
-
-
 def test_executors_one_after_another_and_at_once_share_the_host(ray_local, coordinator_in_host):
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
     with RayExecutor(settings, num_workers=2) as first:
@@ -209,19 +187,24 @@ def _logs_until(seconds: float) -> int:
     return step
 
 
-def test_a_host_lost_during_a_run_fails_the_run_and_the_next_run_gets_a_new_one(ray_local, coordinator_in_host):
-    """The coordinator's process dies while a fixed-size job runs and reports: the run fails within
-    ``timeout_s`` naming the coordinator (it does not hang); the executor's next run starts a new host."""
+def test_a_coordinator_lost_during_a_run_fails_the_run_and_the_next_run_gets_a_new_one(ray_local, coordinator_place):
+    """The process holding the job's coordinator dies while the ranks run and report. Its first worker:
+    the run fails naming that worker's rank (not a peer whose coordinator call failed with it). The
+    driver's host: the run fails naming the coordinator. Either within ``timeout_s``, never a hang; the
+    executor's next run starts new workers with a new coordinator."""
     settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=60)
     killed: list[float] = []
 
-    def kill_host(record):
+    def kill_holder(record):
         if not killed:
             killed.append(time.monotonic())
             ray.kill(executor._group.coordinator.handle, no_restart=True)
 
-    with RayExecutor(settings, num_workers=2) as executor:
-        with pytest.raises(Exception, match="coordinator") as failed:
-            executor.run(_logs_until, args=[120.0], callbacks=[kill_host])
+    with RayExecutor(settings, num_workers=3) as executor:
+        holder_rank = executor._ready_group().workers["0"].rank
+        expected = (WorkerLostError, f"the worker of rank {holder_rank} \\(of 3\\) died") \
+            if coordinator_place == "first worker" else (Exception, "coordinator")
+        with pytest.raises(expected[0], match=expected[1]) as failed:
+            executor.run(_logs_until, args=[120.0], callbacks=[kill_holder])
         assert killed and time.monotonic() - killed[0] < 10 + 20, str(failed.value)
-        assert executor.run(_sum_of_ranks) == [1.0, 1.0]
+        assert executor.run(_sum_of_ranks) == [3.0] * 3
