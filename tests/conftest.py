@@ -101,11 +101,11 @@ def make_executor(ray_local):
 
 
 @pytest.fixture(params=["first worker", "driver's host"])
-def coordinator_place(request, monkeypatch):
+def coordinator_place(request):
     """Runs a test twice: fixed jobs' coordinators in their first worker (the default up to
     ``HOSTED_BY_WORKER_UP_TO`` workers), and in the driver's coordinator host (larger jobs)."""
     if request.param == "driver's host":
-        monkeypatch.setattr("hvdray.driver.executor.HOSTED_BY_WORKER_UP_TO", 0)
+        request.getfixturevalue("coordinator_in_host")
     return request.param
 
 

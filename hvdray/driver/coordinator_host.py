@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import ray
 
+from hvdray.driver.cluster import actor_class
 from hvdray.driver.coordinator import Coordinator, token_digest
 from hvdray.worker.actor import Worker
 
@@ -112,8 +113,6 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
     global _host
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from hvdray.driver.cluster import actor_class
-
     token = secrets.token_bytes(32)
     digest = token_digest(token)
     context = ray.get_runtime_context()
@@ -133,6 +132,11 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(where[1], soft=False),
             ).remote(digest)
             _host = (where, handle)
+    return _job_coordinator(handle, token)
+
+
+def _job_coordinator(handle: Any, token: bytes) -> JobCoordinator:
+    """A job whose table the actor ``handle`` holds for callers presenting ``token``; with a new secret."""
     return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
 
 
@@ -140,16 +144,16 @@ def fixed_worker_class(hosts_coordinator: bool) -> Any:
     """The Ray actor class of a fixed job's worker: every one has the coordination group (so that all
     ranks run the user's function alike, on the actor's task thread); the first worker of a job whose
     coordinator it holds has enough threads in it to answer every rank's waiting call at once."""
-    from hvdray.driver.cluster import actor_class
-
     threads = COORDINATION_THREADS if hosts_coordinator else 1
     return actor_class(CoordinatingWorker, ((COORDINATION_GROUP, threads),))
 
 
-def hosted_by_worker(token: bytes, actor: Any) -> JobCoordinator:
-    """The coordinator of a job whose table ``actor`` (a :class:`CoordinatingWorker` created with the
-    token's digest) holds."""
-    return JobCoordinator(CoordinatorClient(actor, token), secrets.token_bytes(32))
+def start_coordinating_worker(options: dict[str, Any]) -> tuple[Any, JobCoordinator]:
+    """A fixed job's first worker (created with the Ray actor ``options``), holding a new job's
+    coordinator, and that coordinator."""
+    token = secrets.token_bytes(32)
+    actor = fixed_worker_class(hosts_coordinator=True).options(**options).remote(token_digest(token))
+    return actor, _job_coordinator(actor, token)
 
 
 class CoordinatorHost:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -37,8 +36,12 @@ import ray
 from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
-from hvdray.driver.coordinator import token_digest
-from hvdray.driver.coordinator_host import CoordinatorClient, JobCoordinator, fixed_worker_class, hosted_by_worker
+from hvdray.driver.coordinator_host import (
+    CoordinatorClient,
+    JobCoordinator,
+    fixed_worker_class,
+    start_coordinating_worker,
+)
 from hvdray.driver.datasets import DatasetSplitter, end_split
 from hvdray.driver.node_liveness import NodeProbe
 from hvdray.settings import Settings
@@ -275,17 +278,14 @@ class WorkerGroup:
         options = dict(actor_options)
         if self._runtime_env:
             options["runtime_env"] = self._runtime_env
+        options["name"] = actor_name(self.executor_id, f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}")
         if self._elastic:
             options["max_concurrency"] = 2  # ping answers while run is busy
-            actor = actor_class(Worker).options(name=actor_name(self.executor_id, f"elastic-{worker_id}"), **options)
-            actor = actor.remote()
+            actor = actor_class(Worker).options(**options).remote()
+        elif self._coordinator is None:
+            actor, self._coordinator = start_coordinating_worker(options)
         else:
-            token = secrets.token_bytes(32) if self._coordinator is None else None
-            cls = fixed_worker_class(hosts_coordinator=token is not None)
-            actor = cls.options(name=actor_name(self.executor_id, f"rank-{worker_id}"), **options).remote(
-                token_digest(token) if token is not None else None)
-            if token is not None:
-                self._coordinator = hosted_by_worker(token, actor)
+            actor = fixed_worker_class(hosts_coordinator=False).options(**options).remote()
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:

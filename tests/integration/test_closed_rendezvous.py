@@ -2,10 +2,10 @@
 
 A job runs; a second Ray driver (another process connected to the same cluster, as a stranger on a
 shared cluster would be) finds the actor that holds the job's coordinator (its first worker, or the
-driver's coordinator host) by listing named actors in every namespace, and tries everything the rendezvous offers: reading, writing, adding to, deleting and
-waiting on keys, forming a new membership, reading the workers' logs, closing the job, and building a
-Gloo group on the job's store. Every attempt is refused with ``PermissionError``; the job goes on
-undisturbed.
+driver's coordinator host) by listing named actors in every namespace, and tries everything the
+rendezvous offers: reading, writing, adding to, deleting and waiting on keys, forming a new
+membership, reading the workers' logs, closing the job, and building a Gloo group on the job's store.
+Every attempt is refused with ``PermissionError``; the job goes on undisturbed.
 Gloo's listening sockets bind to the node's address, not to every interface.
 """
 
@@ -105,7 +105,8 @@ def test_outsider_cannot_read_write_block_or_join(make_executor, tmp_path, coord
     from ray._private.state import actors as gcs_actors
 
     holder = gcs_actors()[executor._group.coordinator.handle._actor_id.hex()]["Name"]
-    expected = f"hvdray-{executor._id}-rank-0" if coordinator_place == "first worker" else f"hvdray-coordinator-{os.getpid()}-"
+    expected = (f"hvdray-{executor._id}-rank-0" if coordinator_place == "first worker"
+                else f"hvdray-coordinator-{os.getpid()}-")
     assert holder.startswith(expected), holder
 
     script = tmp_path / "outsider.py"
