@@ -55,6 +55,7 @@ _RECORD_WAIT_S = 30.0  # how long one coordinator call waits for the next worker
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
+_NAME_FREED_POLL_S = 0.05  # how often a worker's start looks again whether its name is free
 _NODE_ASKED_EVERY_S = 1.0  # liveness: the node of a silent worker found up is asked again this long after
 
 
@@ -281,12 +282,31 @@ class WorkerGroup:
         options["name"] = actor_name(self.executor_id, f"elastic-{worker_id}" if self._elastic else f"rank-{worker_id}")
         if self._elastic:
             options["max_concurrency"] = 2  # ping answers while run is busy
-            actor = actor_class(Worker).options(**options).remote()
+            actor = self._create_named(lambda: actor_class(Worker).options(**options).remote(), options["name"])
         elif self._coordinator is None:
-            actor, self._coordinator = start_coordinating_worker(options)
+            actor, self._coordinator = self._create_named(lambda: start_coordinating_worker(options), options["name"])
         else:
-            actor = fixed_worker_class(hosts_coordinator=False).options(**options).remote()
+            worker_class = fixed_worker_class(hosts_coordinator=False)
+            actor = self._create_named(lambda: worker_class.options(**options).remote(), options["name"])
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
+
+    def _create_named(self, create: Callable[[], Any], name: str) -> Any:
+        """``create()``, which creates the actor called ``name``, made again while that name is taken.
+        A rank's name is the same in every group of an executor, and Ray frees it only once the actor
+        that had it is dead: right after a failed run, the killed worker of the last group may still
+        hold it. Waits at most ``placement_group_timeout_s``, the budget of a worker's start."""
+        seconds = self._settings.placement_group_timeout_s
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return create()
+            except ray.exceptions.ActorAlreadyExistsError as exc:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"hvdray executor {self.executor_id}: the worker's actor name {name!r} was still taken "
+                        f"by another actor after placement_group_timeout_s={seconds} s"
+                    ) from exc
+                time.sleep(_NAME_FREED_POLL_S)
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
         """A start step with its own budget: placement_group_timeout_s to start, elastic_timeout to configure."""

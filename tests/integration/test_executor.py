@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -299,6 +300,50 @@ def test_a_restart_that_fails_leaves_no_actors_behind(make_executor, tmp_path, c
     while open_jobs() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert open_jobs() == 0
+
+
+@ray.remote(num_cpus=0)
+class _NameHolder:
+    """An actor that holds a rank's name, as the killed worker of a failed run does until Ray frees it."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def _hold_name(name: str):
+    holder = _NameHolder.options(name=name).remote()
+    ray.get(holder.ready.remote(), timeout=60)
+    return holder
+
+
+def test_a_start_waits_for_a_rank_name_the_last_group_still_holds(make_executor):
+    ex = make_executor(start=False, num_workers=2)
+    holder = _hold_name(f"hvdray-{ex._id}-rank-1")
+    started = time.monotonic()
+    threading.Timer(1.0, ray.kill, (holder,), {"no_restart": True}).start()
+    ex.start()
+    assert time.monotonic() - started >= 1.0, "the start did not wait for the name"
+    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+
+
+def test_a_rank_name_taken_for_good_fails_the_start_within_its_budget(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=5, placement_group_timeout_s=3)
+    ex = make_executor(start=False, settings=settings, num_workers=2)
+    name = f"hvdray-{ex._id}-rank-1"
+    holder = _hold_name(name)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"'{name}' was still taken .* placement_group_timeout_s=3"):
+            ex.start()
+        assert time.monotonic() - started < 3 + 10
+        assert ray.get(holder.ready.remote(), timeout=30), "the start harmed the actor that had the name"
+        rank_0 = f"hvdray-{ex._id}-rank-0"
+        deadline = time.monotonic() + 10
+        while _named_actor_alive(rank_0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _named_actor_alive(rank_0), "the failed start left its first worker running"
+    finally:
+        ray.kill(holder, no_restart=True)
 
 
 @pytest.mark.parametrize(
