@@ -18,6 +18,7 @@ _PUBLIC = {
     "ElasticRayExecutor": "hvdray.driver.executor",
     "MLflowCallback": "hvdray.driver.tracking",
     "MetricsHistory": "hvdray.driver.callbacks",
+    "NetworkDeviceError": "hvdray.collective.errors",
     "PeerFinishedError": "hvdray.collective.errors",
     "ProgressBar": "hvdray.driver.callbacks",
     "RayExecutor": "hvdray.driver.executor",

@@ -21,6 +21,13 @@ class UnsupportedReductionError(HvdrayError, ValueError):
     ``RuntimeError`` as Horovod raises it, and a ``ValueError`` as for any other bad argument."""
 
 
+class NetworkDeviceError(HvdrayError, ValueError):
+    """This rank cannot open the network device its Gloo groups would use: the interface that ``nics``
+    names is not on its node, or the node's address cannot be bound. A fault of the worker's settings or
+    machine, not of a peer, so it is never taken for a broken ring: an elastic job ends with it instead
+    of waiting for another membership epoch that would fail the same way."""
+
+
 class HorovodInternalError(HvdrayError):
     """The ring broke: a peer died, timed out or shut down. Elastic training catches this to reset."""
 

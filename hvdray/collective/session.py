@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 from hvdray.collective.autotune import Autotuner, TunedParams
 from hvdray.collective.engine import Engine
-from hvdray.collective.errors import HorovodInternalError, HvdrayError, NotInitializedError
+from hvdray.collective.errors import HorovodInternalError, HvdrayError, NetworkDeviceError, NotInitializedError
 from hvdray.collective.job import JobConfig, JobSettings, Membership, single_process_job  # noqa: F401 - also read as session.*
 from hvdray.collective.timeline import Timeline
 from hvdray.collective.topology import RankInfo
@@ -98,8 +98,11 @@ class Session:
         """Join the configured job (or start a size-1 one). Calling it again is a no-op until ``shutdown``.
 
         In an elastic job a ring that cannot connect (a member of the epoch died, or the driver abandoned
-        the epoch) is not an error: the worker leaves that epoch and waits for the next one, as often as
-        it takes, within the membership's wait limit.
+        the epoch) is not an error: the worker leaves that epoch and waits for the next one, within the
+        membership's wait limit, until no epoch has connected for ``elastic_timeout`` (then the ring is
+        not coming back: say a firewall between the nodes; that raises). A fault of this worker's own
+        (:class:`NetworkDeviceError`: its ``nics`` interface is missing) raises at once: every epoch would
+        fail the same way.
 
         That holds for an engine that has stopped too (a peer shut down or the ring broke): its ops keep
         raising what stopped it. Re-joining takes ``shutdown()`` then ``init()`` on every rank (what an
@@ -109,6 +112,7 @@ class Session:
             if self.engine is not None:
                 return
             job = self.current_job()
+            failing_since: Optional[float] = None
             while True:
                 if job.rank_info is None:
                     if job.membership is None:
@@ -126,6 +130,14 @@ class Session:
                 except HorovodInternalError as exc:
                     if job.membership is None:
                         raise
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    limit = job.settings.elastic_timeout
+                    if now - failing_since > limit:
+                        raise HvdrayError(
+                            f"no membership epoch could connect for elastic_timeout={limit:g} s, the last one "
+                            f"{job.epoch}: {exc}"
+                        ) from exc
                     # elastic: a member of this epoch is gone; the driver forms the next one with the rest
                     log.warning("hvdray elastic: membership epoch %d could not connect (%s); waiting for the next",
                                 job.epoch, exc)
@@ -200,6 +212,13 @@ class Session:
         without it (process sets) the group is plain Gloo."""
         job = self.current_job()
         settings = job.settings
+        transport = TransportOptions(
+            shm=settings.shm_transport,
+            hierarchical=settings.hierarchical_allreduce,
+            buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
+            job_tag=shm.job_tag(job.secret),
+            adopt_tensors=settings.share_reduced_tensors,
+        )
         try:
             comm = Communicator(
                 job.store_factory(store_prefix),
@@ -209,14 +228,10 @@ class Session:
                 hostname=job.host_ip,
                 interface=settings.nics[0] if settings.nics else None,
                 rank_info=placement,
-                transport=TransportOptions(
-                    shm=settings.shm_transport,
-                    hierarchical=settings.hierarchical_allreduce,
-                    buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
-                    job_tag=shm.job_tag(job.secret),
-                    adopt_tensors=settings.share_reduced_tensors,
-                ),
+                transport=transport,
             )
+        except NetworkDeviceError:
+            raise  # this worker's own fault, before it met any peer
         except Exception as exc:  # noqa: BLE001 - a peer that vanished during the rendezvous
             raise HorovodInternalError(
                 f"rank {rank} could not connect to its {size - 1} peer(s) under {store_prefix!r} "

@@ -10,7 +10,8 @@ import time
 import pytest
 import ray
 
-from hvdray import ElasticRayExecutor, RayExecutor
+from hvdray import ElasticRayExecutor, NetworkDeviceError, RayExecutor
+from hvdray.collective.errors import HvdrayError
 
 
 class _OneNodeDiscovery:
@@ -141,6 +142,43 @@ def test_user_exception_ends_the_job_with_the_rank(ray_local):
         with pytest.raises(KeyError, match="bad batch") as info:
             ex.run(_fails_on_rank_1)
     assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
+
+
+def _init_rank():
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return hvd.rank()
+
+
+@pytest.mark.parametrize("shape", [{"min_workers": 2, "max_workers": 2}, {"num_workers": 2}], ids=["elastic", "fixed"])
+def test_a_missing_network_interface_ends_the_job_at_once_naming_it(ray_local, shape):
+    """Every epoch would fail the same way: the job ends with the cause instead of forming epoch after epoch."""
+    started = time.monotonic()
+    with pytest.raises(NetworkDeviceError, match=r"network interface 'nope0' \(nics\) on node .* whose interfaces are .*lo"):
+        with RayExecutor(_settings(nics=["nope0"]), **shape) as ex:
+            ex.run(_init_rank)
+    assert time.monotonic() - started < 60
+
+
+def _init_behind_a_firewall():
+    """Every Gloo connect fails as if the ports between the workers were blocked (a firewall cannot be
+    set up on this machine, so the connect is replaced: the one stand-in of this test)."""
+    from hvdray.collective.transport import communicator
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Connection refused (this test's firewall)")
+
+    communicator.ProcessGroupGloo = refused
+    return _init_rank()
+
+
+def test_an_elastic_job_whose_epochs_never_connect_ends_after_elastic_timeout(ray_local):
+    started = time.monotonic()
+    with pytest.raises(HvdrayError, match=r"no membership epoch could connect for elastic_timeout=8 s.*this test's firewall"):
+        with RayExecutor(_settings(), min_workers=2, max_workers=2, elastic_timeout=8) as ex:
+            ex.run(_init_behind_a_firewall)
+    assert time.monotonic() - started < 8 + 40
 
 
 def test_elastic_argument_checks(ray_local):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
+from hvdray.collective.errors import NetworkDeviceError
 from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
@@ -65,10 +66,18 @@ def group_options(
     """Options for this rank's Gloo groups: the timeout, and the network interface (or the address) to use."""
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    if interface:
-        device = ProcessGroupGloo.create_device(interface=interface)
-    else:
-        device = ProcessGroupGloo.create_device(hostname=hostname or _loopback_or_host())
+    try:
+        if interface:
+            device = ProcessGroupGloo.create_device(interface=interface)
+        else:
+            device = ProcessGroupGloo.create_device(hostname=hostname or _loopback_or_host())
+    except RuntimeError as exc:
+        if interface:
+            here = ", ".join(name for _, name in socket.if_nameindex())
+            where = f"the network interface {interface!r} (nics) on node {socket.gethostname()}, whose interfaces are {here}"
+        else:
+            where = f"the address {hostname or _loopback_or_host()!r} on node {socket.gethostname()}"
+        raise NetworkDeviceError(f"Gloo cannot open {where}: {exc}") from exc
     options._devices = [device]
     options._threads = 2
     return options
