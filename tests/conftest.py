@@ -116,6 +116,21 @@ def coordinator_in_host(monkeypatch):
     monkeypatch.setattr("hvdray.driver.executor.HOSTED_BY_WORKER_UP_TO", 0)
 
 
+@pytest.fixture
+def fresh_coordinator_host():
+    """Kill this driver's coordinator host, so that the test's next elastic (or large) job starts one of
+    its own, as the first job of a fresh driver does: on a busy node that start is slow."""
+    import ray
+
+    from hvdray.driver import coordinator_host
+
+    with coordinator_host._host_lock:
+        if coordinator_host._host is not None:
+            ray.kill(coordinator_host._host[1], no_restart=True)
+        coordinator_host._host = None
+    yield
+
+
 @pytest.fixture(scope="module")
 def ray_two_nodes():
     """A real multi-node Ray on this machine: a head without CPUs and two raylets of 2 CPUs each."""

@@ -22,6 +22,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -85,10 +86,13 @@ class _TokenCall:
 
 @dataclass(frozen=True)
 class JobCoordinator:
-    """A job's coordinator (its client, holding the token) and the secret its workers share."""
+    """A job's coordinator (its client, holding the token) and the secret its workers share. A host
+    started for the job may still be starting (importing, on a busy node) until ``starts_by``
+    (``time.monotonic()``), its start budget; one that was running already has none (0)."""
 
     client: CoordinatorClient
     secret: bytes
+    starts_by: float = 0.0
 
     def close(self) -> None:
         """Drop the job's table from the host (its token is refused from now on); does not wait."""
@@ -104,12 +108,13 @@ _host: Optional[tuple[tuple[str, str], Any]] = None
 _host_names = itertools.count()
 
 
-def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
+def start_job_coordinator(answer_s: float = HOST_ANSWER_S, start_s: float = HOST_ANSWER_S) -> JobCoordinator:
     """A new job's coordinator, with a fresh token and secret, in this driver's coordinator host.
 
     The host is started by the first job of this process in this Ray session, on the driver's node and
     never spilled elsewhere (losing another node must not lose it), and kept for the next jobs. A host
-    that died, or that does not take the job within ``answer_s``, is replaced by a new one."""
+    that died, or that does not take the job within ``answer_s``, is replaced by a new one, which has
+    ``start_s`` to answer its first call (``JobCoordinator.starts_by``), as a worker has to start."""
     global _host
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -117,6 +122,7 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
     digest = token_digest(token)
     context = ray.get_runtime_context()
     where = (context.get_job_id(), context.get_node_id())
+    starts_by = 0.0
     with _host_lock:
         handle = _host[1] if _host is not None and _host[0] == where else None
         if handle is not None:
@@ -132,12 +138,13 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S) -> JobCoordinator:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(where[1], soft=False),
             ).remote(digest)
             _host = (where, handle)
-    return _job_coordinator(handle, token)
+            starts_by = time.monotonic() + start_s
+    return _job_coordinator(handle, token, starts_by)
 
 
-def _job_coordinator(handle: Any, token: bytes) -> JobCoordinator:
+def _job_coordinator(handle: Any, token: bytes, starts_by: float = 0.0) -> JobCoordinator:
     """A job whose table the actor ``handle`` holds for callers presenting ``token``; with a new secret."""
-    return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32))
+    return JobCoordinator(CoordinatorClient(handle, token), secrets.token_bytes(32), starts_by)
 
 
 def fixed_worker_class(hosts_coordinator: bool) -> Any:

@@ -189,7 +189,7 @@ class RayExecutor:
         return {"env_vars": self._extra_env} if self._extra_env else None
 
     def _start_coordinator(self) -> JobCoordinator:
-        return start_job_coordinator(self.settings.timeout_s)
+        return start_job_coordinator(self.settings.timeout_s, self.settings.placement_group_timeout_s)
 
     def _start_group(self) -> None:
         """A new worker group with its own coordinator (in its first worker, for a job of at most

@@ -244,6 +244,7 @@ class WorkerGroup:
         self._settings = settings
         self._worker_settings = settings.for_workers()
         self._coordinator: Optional[JobCoordinator] = coordinator
+        self._coordinator_answered = False  # see ask_coordinator
         self._runtime_env = runtime_env
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
@@ -414,7 +415,7 @@ class WorkerGroup:
         self._end_split()
         self._datasets = datasets
         if datasets is not None:
-            ray.get(self.coordinator.offer_datasets.remote(self.call, datasets.names), timeout=self._settings.timeout_s)
+            self.ask_coordinator(self.coordinator.offer_datasets.remote(self.call, datasets.names), "an offer of datasets")
             if not self._elastic:
                 self._publish_shards(self.epoch, self.ranked())
         return self.call
@@ -425,8 +426,8 @@ class WorkerGroup:
         assert self._datasets is not None
         self._end_split()
         self._split = self._datasets.split([w.actor for w in ranked], [w.node_id for w in ranked])
-        ray.get(self.coordinator.publish_shards.remote(self.call, epoch, self._split),
-                timeout=self._settings.timeout_s)
+        self.ask_coordinator(self.coordinator.publish_shards.remote(self.call, epoch, self._split),
+                             "the shards of a split")
 
     def _end_split(self) -> None:
         """Stop the current split: a rank still reading it (a peer died) raises instead of waiting forever."""
@@ -546,18 +547,26 @@ class WorkerGroup:
 
     def ask_coordinator(self, call: ray.ObjectRef, what: str) -> Any:
         """The answer to a call to the coordinator, waited for at most ``timeout_s``: a coordinator that
-        died or stopped answering (its node lost or starved) fails the job instead of hanging it."""
+        died or stopped answering (its node lost or starved) fails the job instead of hanging it. Until
+        it has answered once, a coordinator host started for this job has the rest of its start budget
+        (``placement_group_timeout_s``), as a worker has: on a busy node its process may still be starting."""
+        coordinator = self._coordinator
+        wait, limit = self._settings.timeout_s, f"timeout_s={self._settings.timeout_s:g} s"
+        if not self._coordinator_answered and coordinator is not None and coordinator.starts_by - time.monotonic() > wait:
+            wait = coordinator.starts_by - time.monotonic()
+            limit = f"its start budget (placement_group_timeout_s={self._settings.placement_group_timeout_s:g} s)"
         try:
-            return ray.get(call, timeout=self._settings.timeout_s)
+            answer = ray.get(call, timeout=wait)
         except ray.exceptions.GetTimeoutError as exc:
             raise CoordinatorLostError(
-                f"hvdray executor {self.executor_id}: the coordinator did not answer {what} within "
-                f"timeout_s={self._settings.timeout_s:g} s"
+                f"hvdray executor {self.executor_id}: the coordinator did not answer {what} within {limit}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
             raise CoordinatorLostError(
                 f"hvdray executor {self.executor_id}: the coordinator died ({what}): {exc}"
             ) from exc
+        self._coordinator_answered = True
+        return answer
 
     def waiting(self) -> set[str]:
         """Ids of workers waiting in the coordinator for a new membership epoch."""

@@ -5,6 +5,7 @@ tests/multinode/test_elastic.py."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -179,6 +180,34 @@ def test_an_elastic_job_whose_epochs_never_connect_ends_after_elastic_timeout(ra
         with RayExecutor(_settings(), min_workers=2, max_workers=2, elastic_timeout=8) as ex:
             ex.run(_init_behind_a_firewall)
     assert time.monotonic() - started < 8 + 40
+
+
+def test_a_coordinator_host_still_starting_gets_the_start_budget_not_timeout_s(ray_local, fresh_coordinator_host):
+    """A host started for the job may take long to answer its first call (its process imports at a few
+    per cent of a core on a busy node, which the starved fault cases meet): here it is frozen (SIGSTOP)
+    from the moment its process is up until 15 s later, past timeout_s=10, and the job still runs."""
+    import signal
+
+    from ray._private.state import actors as gcs_actors
+
+    ex = RayExecutor(_settings(), min_workers=2, max_workers=2)
+    pid = None
+    try:
+        ex.start()
+        host = ex._coordinator.client.handle._actor_id.hex()
+        deadline = time.monotonic() + 60
+        while pid is None and time.monotonic() < deadline:
+            pid = next((a["Pid"] for a in gcs_actors().values() if a["ActorID"] == host and a["State"] == "ALIVE"), None)
+        assert pid, "the coordinator host did not start"
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(15.0, os.kill, (pid, signal.SIGCONT)).start()
+        started = time.monotonic()
+        assert sorted(ex.run(_init_rank)) == [0, 1]
+        assert time.monotonic() - started > 10, "the host answered while frozen"
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        ex.shutdown()
 
 
 def test_elastic_argument_checks(ray_local):
