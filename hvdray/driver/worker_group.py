@@ -550,10 +550,10 @@ class WorkerGroup:
         died or stopped answering (its node lost or starved) fails the job instead of hanging it. Until
         it has answered once, a coordinator host started for this job has the rest of its start budget
         (``placement_group_timeout_s``), as a worker has: on a busy node its process may still be starting."""
-        coordinator = self._coordinator
         wait, limit = self._settings.timeout_s, f"timeout_s={self._settings.timeout_s:g} s"
-        if not self._coordinator_answered and coordinator is not None and coordinator.starts_by - time.monotonic() > wait:
-            wait = coordinator.starts_by - time.monotonic()
+        starting_for = self._coordinator.starts_by - time.monotonic() if self._coordinator is not None else 0.0
+        if not self._coordinator_answered and starting_for > wait:
+            wait = starting_for
             limit = f"its start budget (placement_group_timeout_s={self._settings.placement_group_timeout_s:g} s)"
         try:
             answer = ray.get(call, timeout=wait)

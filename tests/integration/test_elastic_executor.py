@@ -198,6 +198,7 @@ def test_a_coordinator_host_still_starting_gets_the_start_budget_not_timeout_s(r
         deadline = time.monotonic() + 60
         while pid is None and time.monotonic() < deadline:
             pid = next((a["Pid"] for a in gcs_actors().values() if a["ActorID"] == host and a["State"] == "ALIVE"), None)
+            time.sleep(0 if pid else 0.05)
         assert pid, "the coordinator host did not start"
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(15.0, os.kill, (pid, signal.SIGCONT)).start()

@@ -66,17 +66,18 @@ def group_options(
     """Options for this rank's Gloo groups: the timeout, and the network interface (or the address) to use."""
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
+    address = None if interface else hostname or _loopback_or_host()
     try:
         if interface:
             device = ProcessGroupGloo.create_device(interface=interface)
         else:
-            device = ProcessGroupGloo.create_device(hostname=hostname or _loopback_or_host())
+            device = ProcessGroupGloo.create_device(hostname=address)
     except RuntimeError as exc:
         if interface:
             here = ", ".join(name for _, name in socket.if_nameindex())
             where = f"the network interface {interface!r} (nics) on node {socket.gethostname()}, whose interfaces are {here}"
         else:
-            where = f"the address {hostname or _loopback_or_host()!r} on node {socket.gethostname()}"
+            where = f"the address {address!r} on node {socket.gethostname()}"
         raise NetworkDeviceError(f"Gloo cannot open {where}: {exc}") from exc
     options._devices = [device]
     options._threads = 2
