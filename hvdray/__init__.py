@@ -25,7 +25,7 @@ _PUBLIC = {
     "Settings": "hvdray.settings",
     "TensorBoardCallback": "hvdray.driver.tracking",
     "WandbCallback": "hvdray.driver.tracking",
-    "WorkerLostError": "hvdray.driver.worker_group",
+    "WorkerLostError": "hvdray.driver.failures",
     "get_dataset_shard": "hvdray.worker.datasets",
     "init_ray": "hvdray.driver.cluster",
     "report": "hvdray.worker.reporting",

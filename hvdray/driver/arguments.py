@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-from hvdray.driver.worker_group import Callback
+from hvdray.driver.records import Callback
 from hvdray.settings import Settings
 from hvdray.storage import normalize_storage_path
 

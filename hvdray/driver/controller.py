@@ -38,9 +38,10 @@ import ray
 
 from hvdray.driver.datasets import DatasetSplitter
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
+from hvdray.driver.failures import CoordinatorLostError, failure_error
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
-from hvdray.driver.worker_group import CoordinatorLostError, RunOutcome, WorkerGroup, failure_error
+from hvdray.driver.worker_group import RunOutcome, WorkerGroup
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -150,12 +151,12 @@ class ElasticDriver:
         try:
             while self._state not in _TERMINAL:
                 # first, all of them (flush): records arrive before the transition they cause
-                self._group.deliver_logs(self._callbacks, flush=True)
+                self._group.records.deliver(self._callbacks, flush=True)
                 transition = self.step()
                 if transition is not None:
                     self._enter(transition)
                 time.sleep(_TICK_S)
-            self._group.deliver_logs(self._callbacks, flush=True)
+            self._group.records.deliver(self._callbacks, flush=True)
         except (ray.exceptions.RayActorError, CoordinatorLostError) as exc:  # worker deaths are handled above
             raise ElasticJobError(f"{exc}; the elastic job cannot go on") from exc
         finally:

@@ -32,13 +32,13 @@ from hvdray.driver.controller import ElasticDriver
 from hvdray.driver.coordinator_host import HOSTED_BY_WORKER_UP_TO, JobCoordinator, start_job_coordinator
 from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
+from hvdray.driver.failures import CoordinatorLostError, WorkerLostError
 from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
+from hvdray.driver.records import Callback
 from hvdray.driver.results import RunResults
-from hvdray.driver.worker_group import (
-    Callback, CoordinatorLostError, GroupState, WorkerGroup, WorkerLostError, actor_name,
-)
+from hvdray.driver.worker_group import GroupState, WorkerGroup, actor_name
 from hvdray.settings import Settings, make_settings
 
 if TYPE_CHECKING:
@@ -313,14 +313,14 @@ class RayExecutor:
         if self.settings.storage_path is not None:
             group.ask_coordinator(group.coordinator.begin_checkpoints.remote(results.first_checkpoint()),
                                   "where checkpoints begin")
-        group.on_report = results.add
+        group.records.on_report = results.add
         self._collecting = results
 
     def _finish_results(
         self, group: WorkerGroup, values: Optional[list[Any]] = None, error: Optional[BaseException] = None
     ) -> None:
         """The call ended (with ``values`` in rank order, or ``error``): its result becomes ``self.result``."""
-        group.on_report = None
+        group.records.on_report = None
         results, self._collecting = self._collecting, None
         if results is not None:
             results.finish(error=error, return_value=values[0] if values else None)

@@ -19,8 +19,8 @@ job may wait for workers anyway; a worker that dies meanwhile fails its start at
 keep watching everything else. A fixed group starts all its workers at
 once, gives them ranks and stops whatever it started if any step fails.
 
-Log delivery (the coordinator's record channel to the run's callbacks and result), naming a failed rank and naming
-the job's actors live here, once.
+The workers' records reach the run's callbacks through :class:`~hvdray.driver.records.RecordStream`;
+a failed rank is named by :mod:`hvdray.driver.failures`; the job's actors are named here, once.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from hvdray.collective.errors import caused_by_peer
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver.cluster import actor_class
 from hvdray.driver.coordinator_host import (
@@ -43,15 +42,14 @@ from hvdray.driver.coordinator_host import (
     start_coordinating_worker,
 )
 from hvdray.driver.datasets import DatasetSplitter, end_split
+from hvdray.driver.failures import CoordinatorLostError, consequence_level, failure_error
 from hvdray.driver.node_liveness import NodeProbe
+from hvdray.driver.records import Callback, RecordStream
 from hvdray.settings import Settings
 from hvdray.worker.actor import Worker
 
 log = logging.getLogger(__name__)
 
-#: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
-Callback = Callable[[dict[str, Any]], None]
-_RECORD_WAIT_S = 30.0  # how long one coordinator call waits for the next worker record (then it is made again)
 _ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
@@ -59,107 +57,11 @@ _NAME_FREED_POLL_S = 0.05  # how often a worker's start looks again whether its 
 _NODE_ASKED_EVERY_S = 1.0  # liveness: the node of a silent worker found up is asked again this long after
 
 
-class WorkerLostError(RuntimeError):
-    """A worker actor died (its process exited, was killed, or its node went away)."""
-
-
-class CoordinatorLostError(RuntimeError):
-    """The job's coordinator actor died or did not answer within ``timeout_s``: the job cannot go on."""
-
-
 def actor_name(executor_id: str, role: str) -> str:
     """The Ray name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``) or of its
     placement group (``pg``), so that ``ray list actors`` / ``ray list placement-groups`` and the
     dashboard show who is who."""
     return f"hvdray-{executor_id}-{role}"
-
-
-def failure_error(
-    exc: BaseException,
-    rank: Optional[int],
-    size: Optional[int] = None,
-    worker_id: Optional[str] = None,
-    aftermath: str = "the other workers were stopped",
-) -> BaseException:
-    """The error to raise for a worker whose call failed with ``exc``: a lost worker becomes a
-    :class:`WorkerLostError` naming its rank; the user's exception comes back as an instance of its
-    own class whose ``str()`` starts with the rank (``"rank 1 of 2: bad batch"``), followed by the
-    worker's traceback, plus a note saying what happened to the others (on the exception and on Ray's
-    copy of it, which Tune reads)."""
-    if size is not None:
-        where = f"rank {rank} of {size}"
-    else:
-        where = f"rank {rank}" if rank is not None else "a worker not yet in the ring"
-    if worker_id is not None:
-        where += f" (worker {worker_id})"
-    if isinstance(exc, (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError)):
-        who = f"the worker of {where}" if size is None else f"the worker of rank {rank} (of {size})"
-        if isinstance(exc, ray.exceptions.OutOfMemoryError):
-            first_lines = " ".join(str(exc).strip().splitlines()[:2])
-            lost = WorkerLostError(f"{who} was killed because its node ran out of memory "
-                                   f"(Ray's memory monitor): {first_lines}")
-        else:
-            lost = WorkerLostError(f"{who} died: {exc}")
-        lost.__cause__ = exc
-        return lost
-    note = f"hvdray: raised on {where}; {aftermath}"
-    error = exc
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        _add_note(exc.cause, note)
-        # an instance of both RayTaskError and the user's class; its str() is the worker's traceback
-        error = exc.as_instanceof_cause()
-        headline = f"{where}: {exc.cause}\n\n{error}"
-    else:
-        headline = f"{where}: {exc}"
-    error = _with_headline(error, headline)
-    _add_note(error, note)
-    return error
-
-
-def _consequence_level(exc: BaseException) -> int:
-    """How likely a rank's error is to be another's consequence: 0, its own failure; 1, a call of its
-    to another actor that died (such as the job's coordinator, held by a worker that died); 2, an op a
-    leaving peer never submitted (PeerFinishedError) or a ring a dead one broke (HorovodInternalError)."""
-    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-    if caused_by_peer(cause):
-        return 2
-    return 1 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError) else 0
-
-
-def _with_headline(error: BaseException, headline: str) -> BaseException:
-    """A copy of ``error`` of a subclass of its own class (so ``except ValueError`` still catches it)
-    whose ``str()`` is ``headline``. The copy is made without calling the class's ``__init__`` (a
-    user's exception may take other arguments than its ``args``); a class that cannot be subclassed or
-    copied leaves ``error`` as it is (its note still names the rank)."""
-    base = type(error)
-    try:
-        cls = type(base.__name__, (base,), {
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__str__": lambda self: headline,
-            "__reduce__": lambda self: (_restore, (type(self), self.args, dict(self.__dict__))),
-        })
-        copy = _restore(cls, error.args, getattr(error, "__dict__", {}))
-    except Exception:  # noqa: BLE001 - final classes, exotic __new__ signatures: keep the original
-        return error
-    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
-    copy.__suppress_context__ = error.__suppress_context__
-    return copy.with_traceback(error.__traceback__)
-
-
-def _restore(cls: type, args: tuple, state: dict[str, Any]) -> BaseException:
-    """Build an exception of ``cls`` from its ``args`` and attributes without running ``__init__``
-    (also how such a copy is unpickled, e.g. when a Tune trial's actor reports it)."""
-    error = cls.__new__(cls, *args)
-    error.args = args
-    error.__dict__.update(state)
-    return error
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    # Ray's copy of a user exception reads missing attributes from the original, notes included
-    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
-        exc.add_note(note)
 
 
 class GroupState(enum.Enum):
@@ -256,10 +158,9 @@ class WorkerGroup:
         self._pings: dict[str, tuple[ray.ObjectRef, float]] = {}  # worker id -> (ping in flight, sent at)
         self._next_ping: dict[str, float] = {}  # worker id -> when to ping it again
         self._node_probe = NodeProbe(interval_s=_NODE_ASKED_EVERY_S)
-        #: receives rank 0's reports as (metrics, checkpoint path or None): the run's result (driver/results.py)
-        self.on_report: Optional[Callable[[dict[str, Any], Optional[str]], None]] = None
-        self._records_after: Optional[int] = None  # the number of the next worker record to hand on (None: unknown)
-        self._records_call: Optional[ray.ObjectRef] = None  # the coordinator call that ends when a record arrives
+        #: the workers' records, handed to the run's callbacks and (``records.on_report``) its result
+        self.records = RecordStream(lambda: self._coordinator.client if self._coordinator is not None else None,
+                                    self.ask_coordinator)
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -471,12 +372,12 @@ class WorkerGroup:
         coordinator_lost = False
         while pending and (grace_ends is None or time.monotonic() < grace_ends):
             # wake when a call ends, when a worker record arrives, or when the grace period is over
-            records = [self._next_records()] if self._delivering(callbacks) and not coordinator_lost else []
+            records = [self.records.arrival()] if self.records.wanted(callbacks) and not coordinator_lost else []
             timeout = None if grace_ends is None else max(grace_ends - time.monotonic(), 0.0)
             ray.wait(pending + records, num_returns=1, timeout=timeout)
             try:
                 if records:
-                    self.deliver_logs(callbacks)
+                    self.records.deliver(callbacks)
             except CoordinatorLostError:
                 if not self._hosted_by_worker:
                     raise
@@ -489,20 +390,20 @@ class WorkerGroup:
                 except BaseException as exc:  # noqa: BLE001 - re-raised with the rank attached
                     failures.append((rank_of[call], exc))
             if failures and grace_ends is None:
-                if not all(_consequence_level(exc) for _, exc in failures):
+                if not all(consequence_level(exc) for _, exc in failures):
                     break
                 # a peer's failure shows up in the others first (an op fails, a ring breaks): give the rank
                 # that caused it a moment to report its own error, which says more
                 grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
         if failures:
             try:
-                self.deliver_logs(callbacks, flush=True)  # what was reported before the failure still counts
+                self.records.deliver(callbacks, flush=True)  # what was reported before the failure still counts
             except CoordinatorLostError:  # the coordinator is gone too: the rank's error says more
                 log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
             self.stop()
-            rank, exc = min(failures, key=lambda failure: (_consequence_level(failure[1]), failure[0]))
+            rank, exc = min(failures, key=lambda failure: (consequence_level(failure[1]), failure[0]))
             raise failure_error(exc, rank, len(calls))
-        self.deliver_logs(callbacks, flush=True)
+        self.records.deliver(callbacks, flush=True)
         return ray.get(calls)
 
     def poll_liveness(self, unanswered_s: float) -> list[str]:
@@ -595,51 +496,6 @@ class WorkerGroup:
         """Members raise HostsUpdatedInterrupt at their next commit, to re-form with the new workers."""
         self.ask_coordinator(self.coordinator.notify_hosts_updated.remote(), "an announcement of new hosts")
 
-    def deliver_logs(self, callbacks: Sequence[Callback], flush: bool = False) -> None:
-        """Hand the records the workers logged or reported to each callback, in order; rank 0's reports
-        (metrics, checkpoint path) also go to ``on_report``. Without ``flush``: those the waiting
-        coordinator call (see :meth:`gather`) brought, never blocking. With ``flush``: every record the
-        coordinator holds now, at the cost of a round trip (after a call ended, that is all of its
-        records: a worker's call returns once its records have reached the coordinator)."""
-        if not self._delivering(callbacks):
-            return
-        if not flush:
-            call = self._next_records()
-            if ray.wait([call], timeout=0)[0]:
-                self._records_call = None
-                self._hand_on(self.ask_coordinator(call, "a request for records"), callbacks)
-            return
-        while True:  # until the coordinator has nothing more, which also acknowledges what was handed on
-            answer = self.ask_coordinator(self.coordinator.records.remote(self._records_after, 0.0),
-                                          "a request for records")
-            self._hand_on(answer, callbacks)
-            if not answer[1]:
-                return
-
-    def _delivering(self, callbacks: Sequence[Callback]) -> bool:
-        return (bool(callbacks) or self.on_report is not None) and self._coordinator is not None
-
-    def _next_records(self) -> ray.ObjectRef:
-        """The coordinator call (one in flight) that returns as soon as there is a record to hand on."""
-        if self._records_call is None:
-            self._records_call = self.coordinator.records.remote(self._records_after, _RECORD_WAIT_S)
-        return self._records_call
-
-    def _hand_on(self, answer: tuple[int, list[Any]], callbacks: Sequence[Callback]) -> None:
-        """Pass on the records of one coordinator answer that were not handed on yet (answers overlap)."""
-        first, records = answer
-        done = first if self._records_after is None else self._records_after
-        for number, (record, report) in enumerate(records, start=first):
-            if number < done:
-                continue
-            self._records_after = number + 1
-            if report is not None and self.on_report is not None:
-                self.on_report(*report)
-            for cb in callbacks:
-                cb(record)
-        if self._records_after is None:
-            self._records_after = first
-
     # -- ending --------------------------------------------------------------------------------
     def remove(self, worker_ids: Sequence[str]) -> list[GroupWorker]:
         """Kill these workers and tell the coordinator to forget them; returns those that were here."""
@@ -669,7 +525,7 @@ class WorkerGroup:
     def stop(self) -> None:
         """Kill every worker (and close the job's coordinator, if the group owns it); safe to call twice."""
         self.cancel_starts()
-        self._records_call = None
+        self.records.forget_waiting_call()
         self._end_split()
         for worker in self.workers.values():
             ray.kill(worker.actor, no_restart=True)

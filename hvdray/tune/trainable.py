@@ -30,7 +30,7 @@ except ImportError:  # Ray < 2.10
 
 from hvdray.driver.placement import PlacementPlan, plan_placement
 from hvdray.driver.executor import RayExecutor
-from hvdray.driver.worker_group import failure_error
+from hvdray.driver.failures import failure_error
 from hvdray.settings import Settings
 from hvdray.tune.channel import report_channel_class
 from hvdray.tune.session import run_trial

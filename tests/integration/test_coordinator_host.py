@@ -29,7 +29,7 @@ from hvdray.driver.coordinator_host import (
     fixed_worker_class,
     start_job_coordinator,
 )
-from hvdray.driver.worker_group import WorkerLostError
+from hvdray.driver.failures import WorkerLostError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -22,7 +22,7 @@ from ray.data import ExecutionOptions, ExecutionResources
 from ray.train import DataConfig
 
 from hvdray import RayExecutor
-from hvdray.driver.worker_group import WorkerLostError
+from hvdray.driver.failures import WorkerLostError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

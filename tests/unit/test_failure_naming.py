@@ -6,7 +6,7 @@ import pytest
 import ray
 import ray.cloudpickle as cloudpickle
 
-from hvdray.driver.worker_group import WorkerLostError, failure_error
+from hvdray.driver.failures import WorkerLostError, failure_error
 
 
 def test_a_users_exception_comes_back_as_itself_with_one_note_on_it_and_on_rays_copy():

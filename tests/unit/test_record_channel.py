@@ -7,8 +7,7 @@ import asyncio
 import hashlib
 
 from hvdray.driver.coordinator import Coordinator
-from hvdray.driver.worker_group import WorkerGroup
-from hvdray.settings import make_settings
+from hvdray.driver.records import RecordStream
 
 TOKEN = b"t" * 32
 
@@ -36,20 +35,25 @@ def test_records_are_numbered_waited_for_and_dropped_once_acknowledged():
 
 
 def test_the_driver_hands_overlapping_answers_on_once_each_in_order():
-    group = WorkerGroup("x", make_settings(), coordinator=None, runtime_env=None, elastic=False, owns_coordinator=False)
+    def stream() -> RecordStream:
+        records = RecordStream(lambda: None, lambda call, what: None)
+        records.on_report = lambda metrics, path: reports.append((metrics, path))
+        return records
+
     seen, reports = [], []
-    group.on_report = lambda metrics, path: reports.append((metrics, path))
+    records = stream()
     record = lambda n: ({"rank": 0, "n": n}, ({"n": n}, None) if n == 1 else None)  # noqa: E731
-    group._hand_on((3, [record(3), record(4)]), [seen.append])  # the first answer starts at the oldest kept
-    group._hand_on((3, [record(3), record(4), record(5)]), [seen.append])  # a waiting call's, overlapping
-    group._hand_on((6, []), [seen.append])
-    assert [r["n"] for r in seen] == [3, 4, 5] and group._records_after == 6
-    group._hand_on((6, [record(6)]), [seen.append])
+    records.hand_on((3, [record(3), record(4)]), [seen.append])  # the first answer starts at the oldest kept
+    records.hand_on((3, [record(3), record(4), record(5)]), [seen.append])  # a waiting call's, overlapping
+    records.hand_on((6, []), [seen.append])
+    assert [r["n"] for r in seen] == [3, 4, 5]
+    records.hand_on((6, [record(6)]), [seen.append])
+    records.hand_on((5, [record(5), record(6)]), [seen.append])  # an older answer: nothing new in it
     assert [r["n"] for r in seen] == [3, 4, 5, 6] and reports == []
-    other = WorkerGroup("y", make_settings(), coordinator=None, runtime_env=None, elastic=False, owns_coordinator=False)
-    other.on_report = lambda metrics, path: reports.append((metrics, path))
-    other._hand_on((1, [record(1)]), [])
-    assert reports == [({"n": 1}, None)] and other._records_after == 2
+    other = stream()
+    other.hand_on((1, [record(1)]), [])
+    other.hand_on((1, [record(1), record(2)]), [])
+    assert reports == [({"n": 1}, None)]  # rank 0's report, handed on once
 
 
 def test_records_are_kept_in_the_order_their_sender_numbered_them(monkeypatch):
