@@ -1,17 +1,27 @@
-"""Elastic recovery time: a node is lost, how long until the survivors complete an allreduce again?
+"""Elastic recovery time: a node is lost, how long until the survivors train again? And a node joins:
+how long do the members stand still while the job grows?
 
 Runs an elastic job on a ``ray.cluster_utils.Cluster`` (several raylets on this machine, one worker
-each) that allreduces a small tensor in a loop and commits every few steps. Each trial removes the
-node of the highest rank, and measures, from that moment:
+each) that trains a small model (``DistributedOptimizer``, ``TorchState``) in a loop and commits every
+few steps. Each trial removes the node of the highest rank, and measures, from that moment:
 
 * ``detected``: the driver leaves RUNNING (it saw the death or a survivor's check-in),
 * ``re-formed``: the driver forms the new membership epoch,
-* ``first allreduce``: the first allreduce completed in the new epoch,
+* ``first step``: the first training step (its gradients allreduced) completed in the new epoch,
 * ``committed``: the first ``state.commit()`` completed in the new epoch: the job makes progress again
   (the number that matters; goal: under 5 s).
 
-Then a fresh node is added and the job grows back before the next trial. Prints a markdown table and
-writes JSON with ``--json``.
+Then a fresh node is added and the job grows back before the next trial, which measures, from the
+moment the node is added:
+
+* ``joined``: the new worker has started (its node came up, its process imported what it needs) and
+  the driver tells the members (RESIZING),
+* ``grown``: the first commit of the grown job;
+
+and ``grow pause``: from the members' last commit before the grown job's first one to that one, the
+time the members stood still while the new worker joined (they train on until it has started).
+
+Prints markdown tables and writes JSON with ``--json``.
 
     python benchmarks/elastic_recovery.py --trials 3
 """
@@ -36,8 +46,8 @@ from hvdray import RayExecutor
 GOAL_S = 5.0  # issue #23: a node's removal to the next committed step
 
 
-def allreduce_loop(stop_file: str, commit_every: int) -> int:
-    """Runs on every worker: allreduce forever (committing now and then) until the stop file appears."""
+def training_loop(stop_file: str, commit_every: int) -> int:
+    """Runs on every worker: train forever (committing now and then) until the stop file appears."""
     import os
     import time
 
@@ -48,16 +58,22 @@ def allreduce_loop(stop_file: str, commit_every: int) -> int:
 
     torch.set_num_threads(1)
     hvd.init()
-    state = hvd.elastic.ObjectState(step=0)
-    tensor = torch.ones(1024)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                         named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, optimizer, step=0)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
 
     @hvd.elastic.run
     def loop(state) -> int:
         first, last_tick = True, time.monotonic()
         while True:
-            hvd.allreduce(tensor, name="bench")
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()  # the gradients allreduced
             if hvd.rank() == 0 and first:
-                ray_logger.log({"kind": "first_allreduce", "t": time.time(), "size": hvd.size()})
+                ray_logger.log({"kind": "first_step", "t": time.time(), "size": hvd.size()})
                 first = False
             elif hvd.rank() == 0 and time.monotonic() - last_tick > 0.5:
                 ray_logger.log({"kind": "tick"})  # keeps the driver's callbacks (which add nodes) running
@@ -76,13 +92,15 @@ def allreduce_loop(stop_file: str, commit_every: int) -> int:
 
 
 class Trials:
-    """Callback: records driver transitions and first allreduces. Node removals run in a thread; node
+    """Callback: records driver transitions, first steps and commits. Node removals run in a thread; node
     additions in the callback itself, since Ray starts raylets only from the main thread."""
 
     def __init__(self, cluster: Cluster, trials: int, workers: int, stop_file: str) -> None:
         self.cluster, self.trials, self.workers, self.stop_file = cluster, trials, workers, stop_file
         self.records: list[dict[str, Any]] = []
         self.results: list[dict[str, float]] = []
+        self.growths: list[dict[str, float]] = []
+        self.added_at = 0.0
         self._lock = threading.Condition()
         self._add_node = False
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -93,6 +111,7 @@ class Trials:
             self._lock.notify_all()
             add, self._add_node = self._add_node, False
         if add:
+            self.added_at = time.time()
             self.cluster.add_node(num_cpus=1)
 
     def _wait_for(self, match, since: int, timeout: float) -> dict[str, Any]:
@@ -107,10 +126,22 @@ class Trials:
                     raise TimeoutError("the elastic job did not reach the expected state in time")
                 self._lock.wait(remaining)
 
+    def _grow(self) -> dict[str, float]:
+        """After a node is added (by the callback): when the new worker joined and the job trained again."""
+        joined = self._wait_for(lambda r: r.get("event") == "elastic" and r["state"] == "resizing", 0, 180)
+        grown = self._wait_for(lambda r: r.get("kind") == "commit" and r["size"] == self.workers, 0, 120)
+        with self._lock:
+            before = [r["t"] for r in self.records if r.get("kind") == "commit" and r["size"] < self.workers]
+        return {
+            "joined_s": joined["time"] - self.added_at,
+            "grown_s": grown["t"] - self.added_at,
+            "grow_pause_s": grown["t"] - max(before, default=self.added_at),
+        }
+
     def _run(self) -> None:
         try:
             for _ in range(self.trials):
-                self._wait_for(lambda r: r.get("kind") == "first_allreduce" and r["size"] == self.workers, 0, 180)
+                self._wait_for(lambda r: r.get("kind") == "first_step" and r["size"] == self.workers, 0, 180)
                 time.sleep(1.0)  # steady state
                 with self._lock:
                     mark = len(self.records)
@@ -121,13 +152,13 @@ class Trials:
                                           mark, 60)
                 formed = self._wait_for(lambda r: r.get("event") == "elastic" and r["state"] == "running",
                                         mark, 60)
-                first = self._wait_for(lambda r: r.get("kind") == "first_allreduce" and r["t"] > lost_at, mark, 60)
+                first = self._wait_for(lambda r: r.get("kind") == "first_step" and r["t"] > lost_at, mark, 60)
                 committed = self._wait_for(lambda r: r.get("kind") == "commit" and r["t"] > lost_at
                                            and r["size"] < self.workers, mark, 60)
                 self.results.append({
                     "detected_s": detected["time"] - lost_at,
                     "re-formed_s": formed["time"] - lost_at,
-                    "first_allreduce_s": first["t"] - lost_at,
+                    "first_step_s": first["t"] - lost_at,
                     "committed_s": committed["t"] - lost_at,
                 })
                 print(f"trial {len(self.results)}: " + ", ".join(f"{k} {v:.2f}" for k, v in self.results[-1].items()),
@@ -135,6 +166,9 @@ class Trials:
                 with self._lock:
                     self.records.clear()
                     self._add_node = True
+                self.growths.append(self._grow())
+                print(f"growth {len(self.growths)}: " + ", ".join(f"{k} {v:.2f}" for k, v in self.growths[-1].items()),
+                      flush=True)
         finally:
             Path(self.stop_file).touch()
 
@@ -158,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = RayExecutor.create_settings(timeout_s=10, discovery_interval_s=0.5)
     try:
         with RayExecutor(settings, min_workers=args.workers - 1, max_workers=args.workers) as executor:
-            executor.run(allreduce_loop, args=[stop_file, args.commit_every], callbacks=[trials])
+            executor.run(training_loop, args=[stop_file, args.commit_every], callbacks=[trials])
         trials.thread.join(timeout=10)
     finally:
         ray.shutdown()
@@ -166,18 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     if not trials.results:
         print("no trial completed", file=sys.stderr)
         return 1
-    columns = list(trials.results[0])
-    print("\n| measure (s after node loss) | median | max |\n|---|---|---|")
-    for column in columns:
-        values = [r[column] for r in trials.results]
-        print(f"| {column.removesuffix('_s')} | {statistics.median(values):.2f} | {max(values):.2f} |")
+    _table("s after node loss", trials.results)
+    _table("s after node added", trials.growths)
     if args.json:
-        Path(args.json).write_text(json.dumps({"trials": trials.results, "workers": args.workers}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"trials": trials.results, "growths": trials.growths, "workers": args.workers}, indent=2))
     recovery = statistics.median(r["committed_s"] for r in trials.results)
     print(f"\nnode removal -> next committed step: median {recovery:.2f} s, worst "
           f"{max(r['committed_s'] for r in trials.results):.2f} s (goal < {GOAL_S:.0f} s): "
           f"{'met' if recovery < GOAL_S else 'NOT met'}")
     return 0 if len(trials.results) == args.trials else 1
+
+
+def _table(unit: str, rows: list[dict[str, float]]) -> None:
+    if not rows:
+        return
+    print(f"\n| measure ({unit}) | median | max |\n|---|---|---|")
+    for column in rows[0]:
+        values = [r[column] for r in rows]
+        print(f"| {column.removesuffix('_s').replace('_', ' ')} | {statistics.median(values):.2f} | {max(values):.2f} |")
 
 
 if __name__ == "__main__":

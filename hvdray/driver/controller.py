@@ -75,7 +75,8 @@ _TERMINAL = frozenset({DriverState.FINISHED, DriverState.ERRORED})
 
 
 class ElasticJobError(RuntimeError):
-    """An elastic job could not go on: reset_limit exceeded, or too few workers for elastic_timeout."""
+    """An elastic job could not go on: reset_limit exceeded, too few workers for elastic_timeout, or a
+    worker's function returned without calling ``hvd.init()``."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,12 @@ class ElasticDriver:
         for ended in self._group.poll_runs():
             worker = ended.worker
             if ended.outcome is RunOutcome.RETURNED:
-                returned = returned or worker.rank is not None
+                if worker.rank is None and not finishing:  # the epochs would wait for it for ever
+                    return errored(ElasticJobError(
+                        f"worker {worker.worker_id} returned from the training function without joining the job: "
+                        "an elastic job's function must call hvd.init() (membership epochs are formed from the "
+                        "workers waiting in it); the job was stopped"))
+                returned = True
             elif ended.outcome is RunOutcome.LOST:
                 if ended.out_of_memory:
                     log.warning("hvdray elastic: worker %s was killed because its node ran out of memory",

@@ -87,6 +87,7 @@ class Worker:
             export_rank_env(rank_info, tuple(node_gpu_ids))
         membership = None
         if worker_id is not None:
+            _load_what_optimizers_import()
             membership = _NamingMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s,
                                            self._took_rank)
         session.configure(
@@ -172,3 +173,14 @@ class _NamingMembership(CoordinatorMembership):
         epoch, info = super().next_epoch(left_epoch)
         self._took_rank(info.rank)
         return epoch, info
+
+
+def _load_what_optimizers_import() -> None:
+    """Import ``torch._dynamo`` now, in an elastic worker's start.
+
+    The first ``torch.optim`` optimizer a process builds imports it (``Optimizer.add_param_group`` is
+    wrapped to keep TorchDynamo out): 1.3 s of CPU on the development machine, several under load. A
+    worker that joins a running job (or replaces a lost one) would pay that inside the user's function,
+    after its epoch formed, while every other member waits for it in the state sync. Here it is paid
+    before the worker counts as started, while the members go on training."""
+    import torch._dynamo  # noqa: F401

@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from hvdray import ElasticRayExecutor, NetworkDeviceError, RayExecutor
+from hvdray import ElasticJobError, ElasticRayExecutor, NetworkDeviceError, RayExecutor
 from hvdray.collective.errors import HvdrayError
 
 
@@ -63,6 +63,30 @@ def test_custom_discovery_decides_the_slots(ray_local):
         results = ex.run(_sum_ranks)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["size"] == 2 and r["total"] == 2.0 for r in results)
+
+
+def _loaded_before_the_function() -> bool:
+    import sys
+
+    loaded = "torch._dynamo" in sys.modules
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return loaded
+
+
+def test_an_elastic_worker_loads_what_optimizers_import_before_it_counts_as_started(ray_local):
+    """A worker joining a running job would otherwise import torch._dynamo (1.3 s of CPU here) when the
+    user's function builds its first torch.optim optimizer, while the members wait in the state sync.
+    A function that returns without hvd.init() ends an elastic job at once, naming the worker (the
+    driver used to wait for it to join an epoch for ever)."""
+    with RayExecutor(_settings(), min_workers=1, max_workers=1) as ex:
+        assert ex.run(_loaded_before_the_function) == [True]
+        started = time.monotonic()
+        with pytest.raises(ElasticJobError, match=r"returned from the training function without joining the job: "
+                                                  r"an elastic job's function must call hvd.init\(\)"):
+            ex.run(lambda: 1)
+        assert time.monotonic() - started < 30
 
 
 def test_elastic_ray_executor_alias_with_horovod_signature(ray_local):

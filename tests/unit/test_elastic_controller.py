@@ -210,6 +210,24 @@ def test_new_slots_while_running_resize_the_ring(slots):
     assert (driver.records[-1]["workers"], driver.records[-1]["resets"]) == (3, 1)
 
 
+def test_a_worker_that_returns_without_joining_ends_the_job_naming_it(slots):
+    """Its function never called hvd.init(): no epoch could ever form with it (the driver waited for it
+    for ever, at the start or, as here, in a resize)."""
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    slots[B] = 1
+    driver._next_discovery = 0.0
+    assert _advance(driver, 2) == [S.RESIZING]
+    newcomer = next(w for w in group.workers.values() if w.rank is None)
+    group.waiting_ids.discard(newcomer.worker_id)
+    group.end(newcomer, RunOutcome.RETURNED, result=None)
+    assert _advance(driver) == [S.ERRORED]
+    assert isinstance(driver._error, ElasticJobError)
+    assert str(driver._error).startswith(f"worker {newcomer.worker_id} returned from the training function without "
+                                         "joining the job: an elastic job's function must call hvd.init()")
+
+
 def test_a_dead_member_blacklists_its_node_abandons_its_epoch_and_the_survivors_re_form(slots):
     group = FakeGroup()
     policy = FailurePolicy(None, None)
