@@ -251,7 +251,8 @@ class WorkerGroup:
                 worker.node_id = answer.node_id
                 if self._elastic:  # configured on its own: it then waits in hvd.init for its epoch
                     configure = worker.actor.configure.remote(
-                        None, 0, self._worker_settings, self._secret, self.coordinator, (), worker.worker_id
+                        None, 0, self._worker_settings, self._secret, self.coordinator, (), worker.worker_id,
+                        joins_running_job=self.epoch > 0,
                     )
                     self._starting[worker.worker_id] = self._awaiting(worker, configure, configuring=True)
                     continue

@@ -69,11 +69,13 @@ class Worker:
         coordinator: Any,
         node_gpu_ids: Sequence[str],
         worker_id: Optional[str] = None,
+        joins_running_job: bool = False,
     ) -> None:
         """Join membership ``epoch`` with ``rank_info``; ``hvd.init()`` inside ``run`` then connects.
 
         An elastic worker gets ``rank_info=None`` and a ``worker_id``: ``hvd.init()`` then waits for
-        the epoch the driver forms with it, and elastic resets move it from epoch to epoch."""
+        the epoch the driver forms with it, and elastic resets move it from epoch to epoch. One that
+        ``joins_running_job`` (a resize, a replacement) first loads what the user's function will."""
         if settings.huge_pages:  # read by torch's allocator once, at its first allocation: before torch loads
             os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         from hvdray.worker.rendezvous import CoordinatorStore  # torch: imported in the worker, not the driver
@@ -85,9 +87,10 @@ class Worker:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
         if rank_info is not None:
             export_rank_env(rank_info, tuple(node_gpu_ids))
+        if joins_running_job:
+            _load_what_optimizers_import()
         membership = None
         if worker_id is not None:
-            _load_what_optimizers_import()
             membership = _NamingMembership(coordinator, worker_id, settings.elastic_timeout + settings.timeout_s,
                                            self._took_rank)
         session.configure(
@@ -176,11 +179,13 @@ class _NamingMembership(CoordinatorMembership):
 
 
 def _load_what_optimizers_import() -> None:
-    """Import ``torch._dynamo`` now, in an elastic worker's start.
+    """Import ``torch._dynamo`` now, in the start of an elastic worker that joins a running job.
 
     The first ``torch.optim`` optimizer a process builds imports it (``Optimizer.add_param_group`` is
-    wrapped to keep TorchDynamo out): 1.3 s of CPU on the development machine, several under load. A
-    worker that joins a running job (or replaces a lost one) would pay that inside the user's function,
-    after its epoch formed, while every other member waits for it in the state sync. Here it is paid
-    before the worker counts as started, while the members go on training."""
+    wrapped to keep TorchDynamo out): 1.3 s of CPU on the development machine, a minute when starved.
+    A worker joining a running job would pay that inside the user's function, after its epoch formed,
+    while every other member waits for it in the state sync. Here it is paid before the worker counts
+    as started, while the members go on training. The first epoch's workers do not: the user's function
+    pays it on all of them at once, right after the epoch forms, and a start that does more is not
+    faster. (A thread could import it meanwhile, but a user's import racing it could deadlock.)"""
     import torch._dynamo  # noqa: F401

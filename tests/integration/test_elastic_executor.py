@@ -65,23 +65,43 @@ def test_custom_discovery_decides_the_slots(ray_local):
     assert all(r["size"] == 2 and r["total"] == 2.0 for r in results)
 
 
-def _loaded_before_the_function() -> bool:
+def _grows_to_two() -> dict:
     import sys
+    import time
 
-    loaded = "torch._dynamo" in sys.modules
+    loaded = "torch._dynamo" in sys.modules  # before anything of the user's runs
     import hvdray.torch as hvd
 
     hvd.init()
-    return loaded
+    state = hvd.elastic.ObjectState(first_size=hvd.size())
+
+    @hvd.elastic.run
+    def train(state):
+        deadline = time.monotonic() + 60
+        while hvd.size() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            state.commit()  # raises HostsUpdatedInterrupt once the new worker has started
+        return {"loaded": loaded, "first_size": state.first_size, "size": hvd.size()}
+
+    return train(state)
 
 
-def test_an_elastic_worker_loads_what_optimizers_import_before_it_counts_as_started(ray_local):
-    """A worker joining a running job would otherwise import torch._dynamo (1.3 s of CPU here) when the
-    user's function builds its first torch.optim optimizer, while the members wait in the state sync.
+def test_a_worker_joining_a_running_job_loads_what_optimizers_import_before_it_counts_as_started(ray_local):
+    """The joining worker would otherwise import torch._dynamo (1.3 s of CPU here) when the user's
+    function builds its first torch.optim optimizer, while the members wait for it in the state sync.
     A function that returns without hvd.init() ends an elastic job at once, naming the worker (the
     driver used to wait for it to join an epoch for ever)."""
-    with RayExecutor(_settings(), min_workers=1, max_workers=1) as ex:
-        assert ex.run(_loaded_before_the_function) == [True]
+    discovery = _OneNodeDiscovery(1)
+
+    def grow(record: dict) -> None:
+        if record.get("event") == "elastic" and record["state"] == "running":
+            discovery.slots = 2  # after the first epoch formed: the second worker joins a running job
+
+    with RayExecutor(_settings(discovery=discovery), min_workers=1, max_workers=2, override_discovery=False) as ex:
+        results = ex.run(_grows_to_two, callbacks=[grow])
+        assert [r["size"] for r in results] == [2, 2] and {r["first_size"] for r in results} == {1}
+        assert sorted(r["loaded"] for r in results) == [False, True]  # the first worker's function imports it
+        discovery.slots = 1
         started = time.monotonic()
         with pytest.raises(ElasticJobError, match=r"returned from the training function without joining the job: "
                                                   r"an elastic job's function must call hvd.init\(\)"):
