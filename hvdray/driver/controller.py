@@ -41,6 +41,7 @@ from hvdray.driver.discovery import HostDiscovery, slots_per_node
 from hvdray.driver.failures import CoordinatorLostError, failure_error
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
+from hvdray.driver.records import hand_to_callbacks
 from hvdray.driver.worker_group import RunOutcome, WorkerGroup
 from hvdray.settings import Settings
 
@@ -432,5 +433,4 @@ class ElasticDriver:
         }
         log.info("hvdray elastic: %s -> %s (%s); epoch %d, %d worker(s), %d reset(s)",
                  record["previous"], new.value, reason, self._epoch, len(self._group.workers), self._resets)
-        for cb in self._callbacks:
-            cb(record)
+        hand_to_callbacks(self._callbacks, record)

@@ -32,7 +32,7 @@ from hvdray.driver.controller import ElasticDriver
 from hvdray.driver.coordinator_host import HOSTED_BY_WORKER_UP_TO, JobCoordinator, start_job_coordinator
 from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
-from hvdray.driver.failures import CoordinatorLostError, WorkerLostError
+from hvdray.driver.failures import WorkerLostError
 from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
@@ -386,15 +386,15 @@ class RayExecutor:
         try:
             values = group.gather(calls, list(callbacks or ()))
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt):
-                # Ctrl-C (or a notebook's interrupt): the workers may be mid-collective, so they are stopped;
-                # the executor stays usable and its next call starts fresh workers in the same placement group.
+            # A failed rank stopped the group already. Anything else ends the call on the driver's side while
+            # the workers may still run it, mid-collective: Ctrl-C (or a notebook's interrupt), a callback that
+            # raised, a lost coordinator (the workers' rendezvous and records went with it). They are stopped;
+            # the executor stays usable and its next call starts fresh workers in the same placement group.
+            if group.state is not GroupState.STOPPED:
                 group.stop()
-                log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones", self._id)
-            elif isinstance(exc, CoordinatorLostError):
-                # the workers' rendezvous and records went with it: the next call starts new workers, and a
-                # new coordinator for them
-                group.stop()
+                if isinstance(exc, KeyboardInterrupt):
+                    log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones",
+                                self._id)
             self._finish_results(group, error=exc)
             raise
         self._finish_results(group, values=values)

@@ -21,6 +21,18 @@ Callback = Callable[[dict[str, Any]], None]
 RECORD_WAIT_S = 30.0
 
 
+def hand_to_callbacks(callbacks: Sequence[Callback], record: dict[str, Any]) -> None:
+    """Call each callback with ``record`` (a worker's record or an elastic event). One that raises ends
+    the run: its error goes on, with a note naming it."""
+    for cb in callbacks:
+        try:
+            cb(record)
+        except Exception as exc:
+            exc.add_note(f"hvdray: raised by the callback {getattr(cb, '__qualname__', repr(cb))} of run(); "
+                         "the run was stopped, with its workers")
+            raise
+
+
 class RecordStream:
     """Hands one job's records on. ``coordinator()`` is the job's coordinator client (``None`` once the
     job stopped); ``ask(call, what)`` waits for a coordinator call's answer within the job's budget."""
@@ -78,8 +90,7 @@ class RecordStream:
             self._after = number + 1
             if report is not None and self.on_report is not None:
                 self.on_report(*report)
-            for cb in callbacks:
-                cb(record)
+            hand_to_callbacks(callbacks, record)
         if self._after is None:
             self._after = first
 

@@ -86,6 +86,42 @@ def test_ray_logger_records_reach_every_callback(make_executor):
     assert all(r["rank"] == r["from"] for r in first)
 
 
+def _logs_then_trains_for_a_minute():
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    ray_logger.log({"started": hvd.rank()})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        hvd.allreduce(torch.ones(1), name="step")
+        time.sleep(0.05)
+    return hvd.rank()
+
+
+def _broken_callback(record):
+    raise ValueError("the callback broke")
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_a_callback_that_raises_ends_the_run_and_stops_its_workers(make_executor, elastic):
+    """The run raises the callback's error (with a note) at once, and the workers do not train on
+    unseen: the fixed executor's workers used to run the call to its end while the next call queued
+    behind it. The executor stays usable."""
+    ex = make_executor(**({"min_workers": 2, "max_workers": 2} if elastic else {"num_workers": 2}))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="the callback broke") as raised:
+        ex.run(_logs_then_trains_for_a_minute, callbacks=[_broken_callback])
+    assert time.monotonic() - started < 30
+    assert any("raised by the callback _broken_callback of run(); the run was stopped" in note for note in raised.value.__notes__)
+    started = time.monotonic()
+    assert ex.run(_rank_and_size)[1][:2] == (1, 2)
+    assert time.monotonic() - started < 30  # not behind the first call's minute
+
+
 def test_num_hosts_layout_places_workers_per_host(make_executor):
     ex = make_executor(num_hosts=1, num_workers_per_host=2)
     assert ex.num_workers == 2
