@@ -6,7 +6,7 @@ identifier per rank of the group]``, and every rank reads every record. A reader
 the address and *its own* pair identifier only, yet the records are ``O(size)`` bytes each, so a
 group's connect moves ``O(size**3)`` bytes through the rendezvous (8.8 GB for one group of 1,024 ranks).
 
-:func:`part_for` cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
+:func:`part_for` (:class:`RecordCuts` for many reads) cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
 that part back into a record of the original length (the other identifiers zero), which the reader's
 Gloo parses exactly as it would the whole one: ``O(size**2)`` bytes in all. A value that is not such a
 record (another Gloo version's layout, another key's value) passes through whole. Torch-free: the
@@ -44,11 +44,35 @@ def _header_length(value: bytes, size: int) -> Optional[int]:
 def part_for(value: bytes, reader: int, size: int) -> bytes:
     """What rank ``reader`` of a group of ``size`` needs of ``value``: its own pair identifier of a record
     (and the record's host name and address), or the whole value if it is not a record."""
-    header = _header_length(value, size) if 0 <= reader < size else None
-    if header is None:
-        return _WHOLE + value
-    start = header + _PAIR_ID_BYTES * reader
-    return b"".join((_PART, value[:header], value[start:start + _PAIR_ID_BYTES]))
+    return RecordCuts().part_for(value, reader, size)
+
+
+class RecordCuts:
+    """:func:`part_for` for the many readers of the same values: every record of a group of N ranks is
+    read N times, and its layout is found once (per group size), not at every read. At N = 1,024 that
+    is 0.3 us a read instead of 1.35 (1.4 s of the coordinator's CPU per connect). Holds the values it
+    has cut until :meth:`clear`."""
+
+    def __init__(self) -> None:
+        #: (id(value), size) -> (value, what every part of it starts with or None if it is no record, header length)
+        self._layouts: dict[tuple[int, int], tuple[bytes, Optional[bytes], int]] = {}
+
+    def part_for(self, value: bytes, reader: int, size: int) -> bytes:
+        """As the module's :func:`part_for`."""
+        layout = self._layouts.get((id(value), size))
+        if layout is None or layout[0] is not value:  # kept values keep their ids: a new one is re-parsed
+            header = _header_length(value, size)
+            layout = (value, None if header is None else _PART + value[:header], header or 0)
+            self._layouts[(id(value), size)] = layout
+        _, prefix, header = layout
+        if prefix is None or not 0 <= reader < size:
+            return _WHOLE + value
+        start = header + _PAIR_ID_BYTES * reader
+        return prefix + value[start:start + _PAIR_ID_BYTES]
+
+    def clear(self) -> None:
+        """Forget every value (its epoch is over)."""
+        self._layouts.clear()
 
 
 def as_read_by(part: bytes, reader: int, size: int) -> bytes:

@@ -44,6 +44,7 @@ class Coordinator:
         self._token_digest = token_digest
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
+        self._record_cuts = gloo_record.RecordCuts()  # each Gloo record's layout, found once for all its readers
         self._key_waits: dict[str, list[_KeyWait]] = {}  # key -> the rendezvous waits it is missing from
         self._changed = asyncio.Condition()  # membership changes
         self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
@@ -191,7 +192,7 @@ class Coordinator:
             return status, None
         values = [self._kv[k] for k in keys]
         if reader is not None:
-            values = [gloo_record.part_for(value, *reader) for value in values]
+            values = [self._record_cuts.part_for(value, *reader) for value in values]
         return status, values
 
     async def kv_add(self, token: bytes, key: str, amount: int) -> int:
@@ -255,6 +256,7 @@ class Coordinator:
     def _clear_kv(self) -> None:
         """Drop every key (the epoch is over) and wake every rendezvous wait, which then answers ``superseded``."""
         self._kv.clear()
+        self._record_cuts.clear()
         key_waits, self._key_waits = self._key_waits, {}
         for waits in key_waits.values():
             for wait in waits:

@@ -84,6 +84,22 @@ def test_a_value_that_is_not_a_record_of_the_group_passes_whole(value):
     assert gloo_record.as_read_by(gloo_record.part_for(value, 1, 4), 1, 4) == value
 
 
+def test_cuts_kept_for_many_readers_equal_one_off_cuts_and_follow_a_new_value():
+    cuts = gloo_record.RecordCuts()
+    records = [gloo_record.record(f"h{i}".encode(), bytes([i]) * 9, [100 * i + r for r in range(4)]) for i in range(4)]
+    for reader in range(4):
+        for record in records + [b"segment"]:
+            part = cuts.part_for(record, reader, 4)
+            assert part == gloo_record.part_for(record, reader, 4)
+            assert gloo_record.as_read_by(part, reader, 4)[-32:][8 * reader:8 * reader + 8] == record[-32:][8 * reader:8 * reader + 8]
+    assert cuts.part_for(records[0], 1, 3) == gloo_record.part_for(records[0], 1, 3)  # another group size: whole
+    assert cuts.part_for(records[0], 9, 4) == gloo_record.part_for(records[0], 9, 4)  # a reader outside: whole
+    changed = gloo_record.record(b"other-host", b"\x05" * 9, [7, 8, 9, 10])
+    assert gloo_record.as_read_by(cuts.part_for(changed, 2, 4), 2, 4).startswith(changed[:8 + 10])
+    cuts.clear()
+    assert cuts.part_for(records[1], 3, 4) == gloo_record.part_for(records[1], 3, 4)
+
+
 def test_a_reader_outside_the_group_gets_the_whole_value_and_a_broken_part_is_refused():
     record = gloo_record.record(b"h", b"addr", [0, 1])
     assert gloo_record.as_read_by(gloo_record.part_for(record, 5, 2), 5, 2) == record
