@@ -53,14 +53,14 @@ def failure_error(
     note = f"hvdray: raised on {where}; {aftermath}"
     error = exc
     if isinstance(exc, ray.exceptions.RayTaskError):
-        _add_note(exc.cause, note)
+        add_note(exc.cause, note)
         # an instance of both RayTaskError and the user's class; its str() is the worker's traceback
         error = exc.as_instanceof_cause()
         headline = f"{where}: {exc.cause}\n\n{error}"
     else:
         headline = f"{where}: {exc}"
     error = _with_headline(error, headline)
-    _add_note(error, note)
+    add_note(error, note)
     return error
 
 
@@ -104,7 +104,8 @@ def _restore(cls: type, args: tuple, state: dict[str, Any]) -> BaseException:
     return error
 
 
-def _add_note(exc: BaseException, note: str) -> None:
-    # Ray's copy of a user exception reads missing attributes from the original, notes included
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` once. Ray's copy of a user exception reads missing attributes from the
+    original, notes included."""
     if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)

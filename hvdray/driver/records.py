@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from hvdray.driver.coordinator_host import CoordinatorClient
+from hvdray.driver.failures import add_note
 
 #: what ``executor.run(fn, callbacks=[...])`` takes: called with each worker record and elastic event
 Callback = Callable[[dict[str, Any]], None]
@@ -28,8 +29,8 @@ def hand_to_callbacks(callbacks: Sequence[Callback], record: dict[str, Any]) -> 
         try:
             cb(record)
         except Exception as exc:
-            exc.add_note(f"hvdray: raised by the callback {getattr(cb, '__qualname__', repr(cb))} of run(); "
-                         "the run was stopped, with its workers")
+            add_note(exc, f"hvdray: raised by the callback {getattr(cb, '__qualname__', repr(cb))} of run(); "
+                          "the run was stopped, with its workers")
             raise
 
 
@@ -53,9 +54,7 @@ class RecordStream:
     def arrival(self) -> ray.ObjectRef:
         """The coordinator call (one in flight) that returns as soon as there is a record to hand on."""
         if self._waiting is None:
-            client = self._coordinator()
-            assert client is not None, "the job was stopped"
-            self._waiting = client.records.remote(self._after, RECORD_WAIT_S)
+            self._waiting = self._client().records.remote(self._after, RECORD_WAIT_S)
         return self._waiting
 
     def deliver(self, callbacks: Sequence[Callback], flush: bool = False) -> None:
@@ -73,9 +72,7 @@ class RecordStream:
                 self.hand_on(self._ask(call, "a request for records"), callbacks)
             return
         while True:  # until the coordinator has nothing more, which also acknowledges what was handed on
-            client = self._coordinator()
-            assert client is not None, "the job was stopped"
-            answer = self._ask(client.records.remote(self._after, 0.0), "a request for records")
+            answer = self._ask(self._client().records.remote(self._after, 0.0), "a request for records")
             self.hand_on(answer, callbacks)
             if not answer[1]:
                 return
@@ -93,6 +90,11 @@ class RecordStream:
             hand_to_callbacks(callbacks, record)
         if self._after is None:
             self._after = first
+
+    def _client(self) -> CoordinatorClient:
+        client = self._coordinator()
+        assert client is not None, "the job was stopped"
+        return client
 
     def forget_waiting_call(self) -> None:
         """The job stopped: its waiting call will not be answered."""
