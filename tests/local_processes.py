@@ -1,11 +1,13 @@
-"""Shared by the end-to-end tests that start Ray from its command line (``ray start``, ``ray up``): free
-ports, the processes a test started (found by a marker in their command line, never by name) and
-ending them by pid."""
+"""Shared by the tests that start Ray from its command line (``ray start``, ``ray up``) or start Ray
+drivers as processes of their own: free ports, the processes a test started (found by a marker in their
+command line, never by name), ending them by pid, and a driver refused by a cluster."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import threading
 from typing import Optional
 
 import psutil
@@ -46,3 +48,30 @@ def kill(processes: list[psutil.Process]) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(processes, timeout=10)
+
+
+def refused(argv: list[str], env: dict[str, str], refusal: str, joined: str, limit_s: float = 120.0) -> str:
+    """Run ``argv`` (a driver that tries to join a cluster) until its output shows ``refusal``, the
+    cluster's own words for turning it away, and return its output so far.
+
+    A refused Ray driver keeps retrying for 20-30 s before it exits; the refusal shows in its first
+    second, so the process is killed (by pid) once it is seen. Fails if the driver prints ``joined``, or
+    exits or runs ``limit_s`` without the refusal: a driver that merely cannot connect (a wrong address,
+    a dead head) fails for another reason and does not pass."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(limit_s, proc.kill)  # a driver silent for too long: its output ends with it
+    timer.start()
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if joined in line:
+                raise AssertionError(f"{argv} joined the cluster:\n{''.join(lines)}")
+            if refusal in line:
+                return "".join(lines)
+        raise AssertionError(f"{argv} ended (or ran {limit_s:.0f} s) without {refusal!r}:\n{''.join(lines)}")
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

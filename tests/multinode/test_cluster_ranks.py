@@ -5,11 +5,17 @@ The nodes share one IP address, so this also proves ranks are keyed by Ray node 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from hvdray import RayExecutor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from local_processes import refused  # noqa: E402 - shared with the end-to-end tests
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +78,7 @@ def test_num_workers_spills_across_nodes_when_needed(ray_two_nodes):
 def test_the_multi_node_cluster_refuses_a_driver_without_its_token(ray_two_nodes):
     """The raylets of these tests run with Ray's token authentication, as a new local cluster does by
     default: a driver presenting another token is refused."""
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)
     code = f"import ray; ray.init(address={ray_two_nodes.address!r}, log_to_driver=False); print('JOINED')"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "JOINED" not in done.stdout and done.returncode != 0, done.stdout + done.stderr[-2000:]
+    refused([sys.executable, "-c", code], env, refusal="Authentication token is missing or incorrect", joined="JOINED")
     assert os.environ.get("RAY_AUTH_MODE") == "token"
