@@ -79,10 +79,12 @@ class InProcessCoordinator:
 
     def __init__(self) -> None:
         token = secrets.token_bytes(32)
+        self.digest = hashlib.sha256(token).digest()
+        self.log: list[tuple[str, tuple[Any, ...]]] = []  # every call, in the order it was sent
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="coordinator", daemon=True)
         self._thread.start()
-        self.host = self._on_loop(lambda: CoordinatorHost(hashlib.sha256(token).digest())).result()
+        self.host = self._on_loop(lambda: CoordinatorHost(self.digest)).result()
         self.client = CoordinatorClient(self, token)
         self.calls: Counter[str] = Counter()
         self.value_bytes = 0
@@ -101,11 +103,15 @@ class InProcessCoordinator:
         return _Method(self, method)
 
     def count(self, method: str, result: Any) -> None:
+        """Runs on the coordinator's thread (a done callback), so in C: a Python step per value read would
+        be N^2 steps of the benchmark's own, counted as the coordinator's CPU (they were, before
+        2026-11-27: about 1.5 s of the 2.2-3.4 s reported at N = 1024)."""
+        values_bytes = 0
+        if method in ("kv_read", "kv_get") and result[1] is not None:
+            values_bytes = sum(map(len, result[1])) if method == "kv_read" else len(result[1])
         with self._lock:
             self.calls[method] += 1
-            if method in ("kv_read", "kv_get") and result[1] is not None:
-                values = result[1] if method == "kv_read" else [result[1]]
-                self.value_bytes += sum(len(v) for v in values)
+            self.value_bytes += values_bytes
 
     def cpu_seconds(self) -> float:
         """CPU time the coordinator's thread has used: the serial part of a rendezvous."""
@@ -124,10 +130,32 @@ class _Method:
 
     def remote(self, *args: Any) -> Future:
         owner, name = self.owner, self.name
-        future = owner._on_loop(lambda: getattr(owner.host, name)(*args))
+        with owner._lock:  # the order the loop gets them in
+            owner.log.append((name, args))
+            future = owner._on_loop(lambda: getattr(owner.host, name)(*args))
         counted = args[1] if name == "call" else name  # call(token, method, ...): count the job's method
         future.add_done_callback(lambda f: f.exception() is None and owner.count(counted, f.result()))
         return future
+
+
+def coordinator_cpu_alone(digest: bytes, calls: list[tuple[str, tuple[Any, ...]]]) -> float:
+    """CPU seconds a fresh coordinator spends on ``calls``, sent to it in their order in one thread with
+    nothing else running (each call runs until its first wait before the next is sent): the
+    coordinator's own cost. In the simulation its thread shares one interpreter with N member
+    threads, and its CPU time there also counts the GIL's hand-offs between them."""
+    async def replay() -> float:
+        host = CoordinatorHost(digest)
+        pending = []
+        started = time.thread_time()
+        for name, args in calls:
+            result = getattr(host, name)(*args)
+            if asyncio.iscoroutine(result):
+                pending.append(asyncio.ensure_future(result))
+                await asyncio.sleep(0)
+        await asyncio.gather(*pending)
+        return time.thread_time() - started
+
+    return asyncio.run(replay())
 
 
 def resolve(future: Future) -> Any:
@@ -210,6 +238,7 @@ def rendezvous(size: int, per_node: int, mode: str) -> dict[str, Any]:
         return {
             "seconds": seconds,
             "coordinator_cpu_seconds": coordinator_cpu,
+            "coordinator_cpu_alone_seconds": coordinator_cpu_alone(sim.digest, sim.log),
             "coordinator_calls": sum(calls.values()),
             "store_ops": sum(n for m, n in calls.items() if m.startswith("kv_")),
             "calls_by_method": calls,
@@ -296,7 +325,8 @@ def measure(sizes: list[int], per_node: int, tensors: int, steps: int, mode: str
                "steps": negotiation(size, per_node, tensors, steps)}
         rows.append(row)
         r, last = row["rendezvous"], row["steps"][-1]
-        print(f"N={size:5d}: rendezvous {r['seconds']:.2f} s (coordinator CPU {r['coordinator_cpu_seconds']:.2f} s), "
+        print(f"N={size:5d}: rendezvous {r['seconds']:.2f} s (coordinator CPU {r['coordinator_cpu_seconds']:.2f} s, "
+              f"its calls replayed alone {r['coordinator_cpu_alone_seconds']:.2f} s), "
               f"{r['store_ops']} store ops, "
               f"{r['coordinator_calls']} coordinator calls, {r['value_bytes'] / 2**20:.1f} MiB read; "
               f"first step {row['steps'][0]['control_collectives']} control collectives, steady step "

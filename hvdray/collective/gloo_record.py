@@ -6,7 +6,7 @@ identifier per rank of the group]``, and every rank reads every record. A reader
 the address and *its own* pair identifier only, yet the records are ``O(size)`` bytes each, so a
 group's connect moves ``O(size**3)`` bytes through the rendezvous (8.8 GB for one group of 1,024 ranks).
 
-:func:`part_for` (:class:`RecordCuts` for many reads) cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
+:func:`part_for` (:class:`RecordCuts` for a group's many readers) cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
 that part back into a record of the original length (the other identifiers zero), which the reader's
 Gloo parses exactly as it would the whole one: ``O(size**2)`` bytes in all. A value that is not such a
 record (another Gloo version's layout, another key's value) passes through whole. Torch-free: the
@@ -44,35 +44,59 @@ def _header_length(value: bytes, size: int) -> Optional[int]:
 def part_for(value: bytes, reader: int, size: int) -> bytes:
     """What rank ``reader`` of a group of ``size`` needs of ``value``: its own pair identifier of a record
     (and the record's host name and address), or the whole value if it is not a record."""
-    return RecordCuts().part_for(value, reader, size)
+    header = _header_length(value, size)
+    if header is None or not 0 <= reader < size:
+        return _WHOLE + value
+    start = header + _PAIR_ID_BYTES * reader
+    return _PART + value[:header] + value[start:start + _PAIR_ID_BYTES]
 
 
 class RecordCuts:
-    """:func:`part_for` for the many readers of the same values: every record of a group of N ranks is
-    read N times, and its layout is found once (per group size), not at every read. At N = 1,024 that
-    is 0.3 us a read instead of 1.35 (1.4 s of the coordinator's CPU per connect). Holds the values it
-    has cut until :meth:`clear`."""
+    """:func:`part_for` for the many readers of the same records: in a Gloo connect of N ranks each of the
+    N readers reads the same N records, in rank order. The first read of a list of values finds each
+    record's layout once and gathers their pair-identifier tables into one N x N table; every read of
+    the same values (the same objects) then takes its column of that table and joins it to the records'
+    heads, in C (numpy and ``map``), with no Python step per record. At N = 1,024 a reader's N parts
+    take ~0.05 ms instead of ~0.3 ms (one Python step per record) and 1.3 ms (parsing each record at
+    each read). Holds the values it has cut until :meth:`clear`."""
 
     def __init__(self) -> None:
-        #: (id(value), size) -> (value, what every part of it starts with or None if it is no record, header length)
-        self._layouts: dict[tuple[int, int], tuple[bytes, Optional[bytes], int]] = {}
+        #: (the ids of the values read, group size) -> their cuts; the table keeps the values, so their ids stay theirs
+        self._tables: dict[tuple[tuple[int, ...], int], _CutTable] = {}
 
-    def part_for(self, value: bytes, reader: int, size: int) -> bytes:
-        """As the module's :func:`part_for`."""
-        layout = self._layouts.get((id(value), size))
-        if layout is None or layout[0] is not value:  # kept values keep their ids: a new one is re-parsed
-            header = _header_length(value, size)
-            layout = (value, None if header is None else _PART + value[:header], header or 0)
-            self._layouts[(id(value), size)] = layout
-        _, prefix, header = layout
-        if prefix is None or not 0 <= reader < size:
-            return _WHOLE + value
-        start = header + _PAIR_ID_BYTES * reader
-        return prefix + value[start:start + _PAIR_ID_BYTES]
+    def parts_for(self, values: list[bytes], reader: int, size: int) -> list[bytes]:
+        """``[part_for(value, reader, size) for value in values]``, found as the class says."""
+        key = (tuple(map(id, values)), size)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = _CutTable(values, size)
+        return table.parts(reader)
 
     def clear(self) -> None:
         """Forget every value (its epoch is over)."""
-        self._layouts.clear()
+        self._tables.clear()
+
+
+class _CutTable:
+    """One list of values as every reader of a group of ``size`` ranks cuts it."""
+
+    def __init__(self, values: list[bytes], size: int) -> None:
+        import numpy as np  # here, not at import: the module stays light for the workers that only rebuild
+
+        self.values = list(values)
+        self.size = size
+        headers = [_header_length(value, size) for value in self.values]
+        self.heads: Optional[list[bytes]] = None  # _PART and each record's host name and address
+        if self.values and None not in headers:
+            self.heads = [_PART + value[:header] for value, header in zip(self.values, headers)]
+            ids = b"".join([value[header:] for value, header in zip(self.values, headers)])
+            #: row i: record i's pair identifiers, one 8-byte item per reader (copied as they are, never read)
+            self.ids = np.frombuffer(ids, dtype=np.dtype(f"V{_PAIR_ID_BYTES}")).reshape(len(self.values), size)
+
+    def parts(self, reader: int) -> list[bytes]:
+        if self.heads is None or not 0 <= reader < self.size:  # some value is no record of this group, or an outside reader
+            return [part_for(value, reader, self.size) for value in self.values]
+        return list(map(bytes.__add__, self.heads, self.ids[:, reader].tolist()))
 
 
 def as_read_by(part: bytes, reader: int, size: int) -> bytes:

@@ -46,19 +46,24 @@ def assign_ranks(slots: Sequence[WorkerSlot]) -> list[RankInfo]:
         members[slot.node_id].append(index)
 
     size = len(slots)
+    # for each local rank, the nodes that have a worker with it, each with its index among them: found once
+    # per local rank (O(nodes x largest local size)), not once per worker (O(workers x nodes))
+    cross: list[dict[str, int]] = []
+    for local_rank in range(max(len(local) for local in members.values())):
+        with_it = [n for n in node_order if len(members[n]) > local_rank]
+        cross.append({node_id: index for index, node_id in enumerate(with_it)})
     result: list[RankInfo | None] = [None] * size
     rank = 0
-    for node_index, node_id in enumerate(node_order):
+    for node_id in node_order:
         local = members[node_id]
         for local_rank, slot_index in enumerate(local):
-            nodes_with_local_rank = [n for n in node_order if len(members[n]) > local_rank]
             result[slot_index] = RankInfo(
                 rank=rank,
                 size=size,
                 local_rank=local_rank,
                 local_size=len(local),
-                cross_rank=nodes_with_local_rank.index(node_id),
-                cross_size=len(nodes_with_local_rank),
+                cross_rank=cross[local_rank][node_id],
+                cross_size=len(cross[local_rank]),
             )
             rank += 1
     return [r for r in result if r is not None]

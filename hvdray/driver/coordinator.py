@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import time
 from typing import Any, Optional, Sequence
 
@@ -44,8 +45,9 @@ class Coordinator:
         self._token_digest = token_digest
         self._epoch = 0
         self._kv: dict[str, bytes] = {}
-        self._record_cuts = gloo_record.RecordCuts()  # each Gloo record's layout, found once for all its readers
+        self._record_cuts = gloo_record.RecordCuts()  # a Gloo group's records cut once for all their readers
         self._key_waits: dict[str, list[_KeyWait]] = {}  # key -> the rendezvous waits it is missing from
+        self._shared_waits: dict[tuple[str, ...], _KeyWait] = {}  # the keys waited for -> their readers' one wait
         self._changed = asyncio.Condition()  # membership changes
         self._records: list[Record] = []  # worker records the driver has not acknowledged, in order
         self._first_record = 0  # the number of self._records[0]
@@ -190,9 +192,9 @@ class Coordinator:
         status = await self.kv_wait(token, keys, timeout_s)
         if status != "ok":
             return status, None
-        values = [self._kv[k] for k in keys]
+        values = list(map(self._kv.__getitem__, keys))
         if reader is not None:
-            values = [self._record_cuts.part_for(value, *reader) for value in values]
+            values = self._record_cuts.parts_for(values, *reader)
         return status, values
 
     async def kv_add(self, token: bytes, key: str, amount: int) -> int:
@@ -205,7 +207,7 @@ class Coordinator:
     def _live(self, keys: Sequence[str]) -> bool:
         """``keys`` belong to the current epoch, and the driver has not abandoned it."""
         epoch = f"e{self._epoch}/"
-        return self._joinable() and all(key.startswith(epoch) for key in keys)
+        return self._joinable() and all(map(str.startswith, keys, itertools.repeat(epoch)))  # in C: N keys per reader
 
     async def kv_wait(self, token: bytes, keys: list[str], timeout_s: float) -> str:
         """``"ok"`` once all ``keys`` exist; ``"superseded"`` as soon as their epoch is over (a newer one
@@ -215,25 +217,50 @@ class Coordinator:
             return "ok"
         if not self._live(keys):
             return "superseded"
-        missing = [k for k in keys if k not in self._kv]
+        missing = list(itertools.filterfalse(self._kv.__contains__, keys))
         if missing:
-            # one wake-up for the whole wait, when its last key arrives: N readers of N keys cost O(N^2)
-            # counter updates, not O(N^2) asyncio waits
-            wait = _KeyWait(len(missing))
-            for key in missing:
-                self._key_waits.setdefault(key, []).append(wait)
+            wait = self._join_wait(tuple(keys), missing)
             deadline = time.monotonic() + timeout_s
             try:
                 await asyncio.wait_for(wait.complete.wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 return "timeout"
-            finally:  # timed out or cancelled: the keys still missing forget this wait
-                self._forget(wait, missing)
+            finally:  # done, timed out or cancelled
+                self._leave_wait(wait)
             if not self._live(keys[:1]):
                 return "superseded"
-            if not all(k in self._kv for k in keys):  # one was deleted meanwhile: wait for it again
+            if not all(map(self._kv.__contains__, keys)):  # one was deleted meanwhile: wait for it again
                 return await self.kv_wait(token, keys, max(deadline - time.monotonic(), 0.0))
         return "ok"
+
+    def _join_wait(self, keys: tuple[str, ...], missing: list[str]) -> "_KeyWait":
+        """The wait for ``keys``, shared by every reader of the same keys: the N ranks of a Gloo group
+        each read all N records, and the first of them registers one wait on the keys missing then
+        (woken once, when its last key arrives); the others join it. N readers of N keys cost O(N)
+        Python steps, not O(N^2) registrations and counter updates."""
+        wait = self._shared_waits.get(keys)
+        if wait is None or wait.complete.is_set():  # none yet, or it ended while a key was deleted again
+            wait = self._shared_waits[keys] = _KeyWait(keys, missing)
+            for key in missing:
+                self._key_waits.setdefault(key, []).append(wait)
+        wait.readers += 1
+        return wait
+
+    def _leave_wait(self, wait: "_KeyWait") -> None:
+        """A reader is done with ``wait``; the last one forgets it (the keys still missing drop it)."""
+        wait.readers -= 1
+        if wait.readers:
+            return
+        if self._shared_waits.get(wait.keys) is wait:
+            del self._shared_waits[wait.keys]
+        if wait.missing <= 0:
+            return  # every key arrived: none holds it any more
+        for key in wait.missing_keys:
+            waits = self._key_waits.get(key)
+            if waits is not None and wait in waits:
+                waits.remove(wait)
+                if not waits:
+                    del self._key_waits[key]
 
     def _arrived(self, key: str) -> None:
         """``key`` was written: count it off every wait missing it, and wake those it completes."""
@@ -242,21 +269,11 @@ class Coordinator:
             if wait.missing <= 0:
                 wait.complete.set()
 
-    def _forget(self, wait: "_KeyWait", keys: list[str]) -> None:
-        """``wait`` no longer waits for those of ``keys`` that have not arrived."""
-        if wait.missing <= 0:
-            return  # every key arrived: none holds it any more
-        for key in keys:
-            waits = self._key_waits.get(key)
-            if waits is not None and wait in waits:
-                waits.remove(wait)
-                if not waits:
-                    del self._key_waits[key]
-
     def _clear_kv(self) -> None:
         """Drop every key (the epoch is over) and wake every rendezvous wait, which then answers ``superseded``."""
         self._kv.clear()
         self._record_cuts.clear()
+        self._shared_waits.clear()
         key_waits, self._key_waits = self._key_waits, {}
         for waits in key_waits.values():
             for wait in waits:
@@ -389,10 +406,14 @@ class Coordinator:
 
 
 class _KeyWait:
-    """One rendezvous wait: how many of its keys are still missing, and the event set when none is."""
+    """One rendezvous wait for ``keys``, shared by their readers: how many of the keys missing when it began
+    (``missing_keys``) have still not arrived, the event set when none has, and how many readers wait."""
 
-    __slots__ = ("missing", "complete")
+    __slots__ = ("keys", "missing_keys", "missing", "complete", "readers")
 
-    def __init__(self, missing: int) -> None:
-        self.missing = missing
+    def __init__(self, keys: tuple[str, ...], missing_keys: list[str]) -> None:
+        self.keys = keys
+        self.missing_keys = missing_keys
+        self.missing = len(missing_keys)
         self.complete = asyncio.Event()
+        self.readers = 0

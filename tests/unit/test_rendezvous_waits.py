@@ -34,7 +34,38 @@ def test_many_readers_of_many_keys_end_when_the_last_key_arrives():
         await coordinator.kv_set(TOKEN, keys[-1], b"last")
         answers = await asyncio.wait_for(asyncio.gather(*readers), 5.0)
         assert all(answer == ("ok", [k.encode() for k in keys[:-1]] + [b"last"]) for answer in answers)
-        assert coordinator._key_waits == {}  # nothing is left registered
+        assert coordinator._key_waits == {} and coordinator._shared_waits == {}  # nothing is left registered
+
+    asyncio.run(scenario())
+
+
+def test_readers_of_the_same_keys_share_one_wait_and_a_timed_out_reader_leaves_the_others_waiting():
+    async def scenario() -> None:
+        coordinator, epoch = await _coordinator()
+        keys = [f"e{epoch}/g/0/{r}" for r in range(8)]
+        await coordinator.kv_set(TOKEN, keys[0], b"0")
+        early = [asyncio.ensure_future(coordinator.kv_read(TOKEN, keys, 30.0, (r, 8))) for r in range(4)]
+        impatient = asyncio.ensure_future(coordinator.kv_wait(TOKEN, keys, 0.05))
+        await asyncio.sleep(0.01)
+        # one wait, registered once on each missing key, for the five readers
+        assert len(coordinator._shared_waits) == 1
+        assert all(len(waits) == 1 for waits in coordinator._key_waits.values()) and len(coordinator._key_waits) == 7
+        assert await impatient == "timeout"
+        for key in keys[1:5]:
+            await coordinator.kv_set(TOKEN, key, b"x")
+        late = [asyncio.ensure_future(coordinator.kv_read(TOKEN, keys, 30.0, (r, 8))) for r in range(4, 8)]
+        await asyncio.sleep(0.01)
+        assert len(coordinator._shared_waits) == 1 and len(coordinator._key_waits) == 3  # the late ones joined it
+        assert not any(reader.done() for reader in early + late)
+        for key in keys[5:]:
+            await coordinator.kv_set(TOKEN, key, b"x")
+        answers = await asyncio.wait_for(asyncio.gather(*early, *late), 5.0)
+        assert [status for status, _ in answers] == ["ok"] * 8
+        assert coordinator._key_waits == {} and coordinator._shared_waits == {}
+        # the last reader to time out forgets the wait: nothing stays registered
+        lonely = [asyncio.ensure_future(coordinator.kv_wait(TOKEN, [f"e{epoch}/none"], 0.05)) for _ in range(3)]
+        assert await asyncio.gather(*lonely) == ["timeout"] * 3
+        assert coordinator._key_waits == {} and coordinator._shared_waits == {}
 
     asyncio.run(scenario())
 
@@ -68,7 +99,7 @@ def test_a_wait_times_out_and_waits_again_for_a_key_deleted_meanwhile():
         await asyncio.sleep(0.01)
         cancelled.cancel()  # the caller went away
         await asyncio.sleep(0.01)
-        assert coordinator._key_waits == {}
+        assert coordinator._key_waits == {} and coordinator._shared_waits == {}
         a, b = f"e{epoch}/a", f"e{epoch}/b"
         await coordinator.kv_set(TOKEN, a, b"1")
         waiting = asyncio.ensure_future(coordinator.kv_read(TOKEN, [a, b], 60.0))
