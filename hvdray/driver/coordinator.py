@@ -184,11 +184,12 @@ class Coordinator:
 
     async def kv_read(
         self, token: bytes, keys: list[str], timeout_s: float, reader: Optional[tuple[int, int]] = None
-    ) -> tuple[str, Optional[list[bytes]]]:
+    ) -> tuple[str, Any]:
         """Wait for ``keys`` as :meth:`kv_wait` does and answer ``("ok", their values)`` in one reply, or
         ``("timeout"|"superseded", None)``: a Gloo group's connect reads all its ranks' keys in one call.
-        With ``reader=(rank, size)`` each value is cut to what that rank of a Gloo group of ``size`` reads
-        of it (:func:`hvdray.collective.gloo_record.part_for`): O(1) bytes a key instead of O(size)."""
+        With ``reader=(rank, size)`` the answer is each value as that rank of a Gloo group of ``size``
+        reads it, ``(heads, ids)`` (:meth:`hvdray.collective.gloo_record.RecordCuts.parts_for`): O(1)
+        bytes a key instead of O(size)."""
         status = await self.kv_wait(token, keys, timeout_s)
         if status != "ok":
             return status, None

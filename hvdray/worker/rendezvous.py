@@ -92,8 +92,8 @@ class CoordinatorStore(RecordStore):
         seconds = self._seconds(timeout)
         status, values = self._resolve(self._coordinator.kv_read.remote([self._key(k) for k in missing], seconds, reader))
         self._raise_for(status, keys, seconds)
-        if reader is not None:
-            values = [functools.partial(gloo_record.as_read_by, part, *reader) for part in values]
+        if reader is not None:  # the records' heads and this reader's pair ids: its part of each, rebuilt when read
+            values = [functools.partial(gloo_record.as_read_by, part, *reader) for part in gloo_record.parts(*values)]
         self._waited.update(zip(missing, values))
 
     def prefixed(self, prefix: str) -> "CoordinatorStore":

@@ -86,27 +86,38 @@ def test_a_value_that_is_not_a_record_of_the_group_passes_whole(value):
 
 def test_a_groups_cuts_kept_for_all_its_readers_equal_one_off_cuts_and_follow_new_values():
     cuts = gloo_record.RecordCuts()
+
+    def read(values, reader, size):
+        return gloo_record.parts(*cuts.parts_for(values, reader, size))
+
     # pair ids with zero bytes at both ends and negative ones: the 8 bytes cross as they are
     records = [gloo_record.record(f"h{i}".encode(), bytes([i]) * (9 + i), [(100 * i + r) << 40 if r % 2 else -(i + r)
                                                                            for r in range(4)]) for i in range(4)]
+    heads = None
     for reader in [*range(4), 2]:  # every reader, one of them twice
-        parts = cuts.parts_for(records, reader, 4)
+        parts = read(records, reader, 4)
         assert parts == [gloo_record.part_for(record, reader, 4) for record in records]
         for record, part in zip(records, parts):
             own = slice(len(record) - 32 + 8 * reader, len(record) - 24 + 8 * reader)
             assert gloo_record.as_read_by(part, reader, 4)[own] == record[own]
+        answer = cuts.parts_for(records, reader, 4)
+        assert len(answer[1]) == 8 * len(records)  # the reader's own pair ids only
+        assert heads is None or answer[0] is heads  # one list of heads for every reader
+        heads = answer[0]
     assert len(cuts._tables) == 1  # one table for the group's four readers
-    mixed = records[:2] + [b"segment"]  # a value that is no record: every value cut one by one
-    assert cuts.parts_for(mixed, 1, 4) == [gloo_record.part_for(value, 1, 4) for value in mixed]
-    assert cuts.parts_for(records, 1, 3) == [gloo_record.part_for(r, 1, 3) for r in records]  # another group size: whole
-    assert cuts.parts_for(records, 9, 4) == [gloo_record.part_for(r, 9, 4) for r in records]  # a reader outside: whole
-    assert cuts.parts_for([], 0, 4) == []
+    mixed = [records[0], b"segment", records[1], b""]  # values that are no record pass whole, the others are cut
+    assert read(mixed, 1, 4) == [gloo_record.part_for(value, 1, 4) for value in mixed]
+    assert read(records, 1, 3) == [gloo_record.part_for(r, 1, 3) for r in records]  # another group size: whole
+    assert read(records, 9, 4) == [gloo_record.part_for(r, 9, 4) for r in records]  # a reader outside: whole
+    assert read([], 0, 4) == []
     # a new value under an old key is another object: its own cut, not the old one's
     changed = records[:3] + [gloo_record.record(b"other-host", b"\x05" * 9, [7, 8, 9, 10])]
-    assert cuts.parts_for(changed, 2, 4) == [gloo_record.part_for(r, 2, 4) for r in changed]
+    assert read(changed, 2, 4) == [gloo_record.part_for(r, 2, 4) for r in changed]
     cuts.clear()
     assert cuts._tables == {}
-    assert cuts.parts_for(records, 3, 4) == [gloo_record.part_for(r, 3, 4) for r in records]
+    assert read(records, 3, 4) == [gloo_record.part_for(r, 3, 4) for r in records]
+    with pytest.raises(ValueError, match="ids must hold 8 bytes per head"):
+        gloo_record.parts(heads, b"\x00" * 7)
 
 
 def test_a_reader_outside_the_group_gets_the_whole_value_and_a_broken_part_is_refused():
