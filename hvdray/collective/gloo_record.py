@@ -6,9 +6,10 @@ identifier per rank of the group]``, and every rank reads every record. A reader
 the address and *its own* pair identifier only, yet the records are ``O(size)`` bytes each, so a
 group's connect moves ``O(size**3)`` bytes through the rendezvous (8.8 GB for one group of 1,024 ranks).
 
-:func:`part_for` (:class:`RecordCuts` for a group's many readers) cuts a record down to what one reader uses, ``O(1)`` bytes; :func:`as_read_by` turns
-that part back into a record of the original length (the other identifiers zero), which the reader's
-Gloo parses exactly as it would the whole one: ``O(size**2)`` bytes in all. A value that is not such a
+:func:`part_for` (:class:`RecordCuts` for a group's many readers) cuts a record down to what one
+reader uses, ``O(1)`` bytes; :func:`as_read_by` turns that part back into a record of the original
+length (the other identifiers zero), which the reader's Gloo parses exactly as it would the whole one:
+``O(size**2)`` bytes in all. A value that is not such a
 record (another Gloo version's layout, another key's value) passes through whole. Torch-free: the
 coordinator cuts, the worker's store rebuilds.
 """
