@@ -9,9 +9,8 @@ group's connect moves ``O(size**3)`` bytes through the rendezvous (8.8 GB for on
 :func:`part_for` (:class:`RecordCuts` for a group's many readers) cuts a record down to what one
 reader uses, ``O(1)`` bytes; :func:`as_read_by` turns that part back into a record of the original
 length (the other identifiers zero), which the reader's Gloo parses exactly as it would the whole one:
-``O(size**2)`` bytes in all. A value that is not such a
-record (another Gloo version's layout, another key's value) passes through whole. Torch-free: the
-coordinator cuts, the worker's store rebuilds.
+``O(size**2)`` bytes in all. A value that is not such a record (another Gloo version's layout, another
+key's value) passes through whole. Torch-free: the coordinator cuts, the worker's store rebuilds.
 """
 
 from __future__ import annotations

@@ -80,5 +80,6 @@ def test_the_multi_node_cluster_refuses_a_driver_without_its_token(ray_two_nodes
     default: a driver presenting another token is refused."""
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)
     code = f"import ray; ray.init(address={ray_two_nodes.address!r}, log_to_driver=False); print('JOINED')"
-    refused([sys.executable, "-c", code], env, refusal="Authentication token is missing or incorrect", joined="JOINED")
+    refused([sys.executable, "-c", code], env, refusal="Authentication token is missing or incorrect",
+            joined="JOINED")
     assert os.environ.get("RAY_AUTH_MODE") == "token"

@@ -22,9 +22,9 @@ load (:data:`STARVED`), its coordinator host included, as a fresh driver's first
 joining while the first epoch forms. The load ends once the job has committed its first epoch (the
 joining node's worker, whose start began under it, then finishes starting in seconds instead of the
 ~110 s it needs starved). ``HVDRAY_FAULT_MATRIX=full`` runs every case loaded and every :data:`LOADED`
-case starved, each under its load to the end. Each case runs once (15-20 s a quiet one here; the matrix is the suite's largest part), and
-every test run of every submission runs it again; ``HVDRAY_FAULT_REPEATS=N`` runs every case N times to
-look for a flaky one, e.g.
+case starved, each under its load to the end. Each case runs once (15-20 s a quiet one here; the matrix
+is the suite's largest part), and every test run of every submission runs it again;
+``HVDRAY_FAULT_REPEATS=N`` runs every case N times to look for a flaky one, e.g.
 ``HVDRAY_FAULT_MATRIX=full HVDRAY_FAULT_REPEATS=5 pytest tests/multinode/test_elastic_faults.py``.
 """
 
