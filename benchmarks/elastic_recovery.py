@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
-    stop_file = str(Path(tempfile.mkdtemp(prefix="hvdray-bench-")) / "stop")
+    scratch = tempfile.TemporaryDirectory(prefix="hvdray-bench-")
+    stop_file = str(Path(scratch.name) / "stop")
     trials = Trials(cluster, args.trials, args.workers, stop_file)
     trials.thread.start()
     settings = RayExecutor.create_settings(timeout_s=10, discovery_interval_s=0.5)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             executor.run(training_loop, args=[stop_file, args.commit_every], callbacks=[trials])
         trials.thread.join(timeout=10)
     finally:
+        scratch.cleanup()
         ray.shutdown()
         cluster.shutdown()
     if not trials.results:

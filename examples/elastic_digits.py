@@ -120,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = RayExecutor.create_settings(timeout_s=30)
     started = time.monotonic()
-    marker = str(Path(tempfile.mkdtemp(prefix="hvdray-elastic-")) / "killed")
     try:
-        with RayExecutor(settings, min_workers=args.min_workers, max_workers=args.max_workers,
-                         cpus_per_worker=args.cpus_per_worker, cooldown_range=tuple(args.cooldown),
-                         elastic_timeout=120) as executor:
+        with tempfile.TemporaryDirectory(prefix="hvdray-elastic-") as scratch, \
+                RayExecutor(settings, min_workers=args.min_workers, max_workers=args.max_workers,
+                            cpus_per_worker=args.cpus_per_worker, cooldown_range=tuple(args.cooldown),
+                            elastic_timeout=120) as executor:
+            marker = str(Path(scratch) / "killed")  # makes --kill-worker-at-epoch kill one worker only once
             results = executor.run(
                 train,
                 args=[args.epochs, args.lr, args.batch_size, args.seed, args.kill_worker_at_epoch, marker],

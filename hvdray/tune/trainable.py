@@ -76,7 +76,10 @@ class DistributedTrainable(Trainable):
         self._done: Optional[str] = None  # why train() may not be called again
 
     def cleanup(self) -> None:
-        """Kill the workers and the channel at once; Tune then removes the trial's placement group."""
+        """Stop the running function on every rank (so each removes its local copy of the restored checkpoint
+        and any checkpoint directory not reported yet), then kill the workers and the channel; Tune then
+        removes the trial's placement group. A rank that does not unwind within the grace is killed as it is."""
+        self._end_function()
         self._kill_workers()
         ray.kill(self._channel, no_restart=True)
 
@@ -183,6 +186,7 @@ class DistributedTrainable(Trainable):
 
     def _abort(self, why: str) -> None:
         self._done = why
+        self._end_function()  # the ranks that can still unwind do (removing their local files); the rest are killed
         self._kill_workers()
 
     # -- checkpoints -----------------------------------------------------------------------------

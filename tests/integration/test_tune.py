@@ -6,8 +6,10 @@ trials at a time. Nothing in Ray, Tune or Gloo is mocked.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import tempfile
 import time
 
 import pytest
@@ -293,9 +295,15 @@ def test_checkpoints_are_present_or_absent_as_asked_and_hold_rank_zeros_copy(ray
     ]
 
 
+def _restored_copies() -> set[str]:
+    """The ranks' local copies of restored checkpoints (the workers run on this machine, as this process)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdray-restored-*")))
+
+
 def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):
     trainable_cls = DistributedTrainableCreator(_train_with_state, num_slots=2)
     trial = trainable_cls(config={"epochs": 4, "lr": 1.0})
+    copies_before = _restored_copies()
     try:
         assert [trial.train()["epoch"] for _ in range(2)] == [1, 2]
         saved = trial.save()  # the second checkpoint, where rank 0 put it (no Tune: a local storage of its own)
@@ -307,8 +315,10 @@ def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):
         result = trial.train()
         assert (result["epoch"], result["resumed_at"], result["ranks_restored"], result["value"]) == (3, 2, 2.0, 3.0)
         assert result["training_iteration"] == 3
+        assert len(_restored_copies() - copies_before) == 2  # one local copy per rank while it runs
     finally:
-        trial.stop()
+        trial.stop()  # while the function runs (waiting in report): every rank unwinds and removes its copy
+    assert _restored_copies() - copies_before == set()
 
 
 def test_asha_stops_weak_trials_early_and_their_workers_serve_the_next_trial(ray_local, tmp_path):
