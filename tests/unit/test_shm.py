@@ -20,7 +20,7 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.transport import shm
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_transport
-from hvdray.collective.transport.shm import barrier, shared_tensors
+from hvdray.collective.transport.shm import barrier, segment, shared_tensors
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
 from hvdray.settings import make_settings
@@ -83,10 +83,25 @@ def test_segments_of_dead_creators_are_swept(tag):
     alive = shm.segment_path(f"hvdray-{tag}-{os.getppid()}-{'1' * 16}")
     for path in (stale, alive):
         open(path, "wb").close()
-    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)  # creation sweeps this job's dead creators
-    assert sorted(_job_files(tag)) == sorted([os.path.basename(alive), seg.name])
-    seg.close()
-    os.unlink(alive)
+    # another job's files: gone only when their creator is dead and nothing wrote to them for an hour
+    other = shm.job_tag(secrets.token_bytes(32))
+    old = time.time() - segment.OTHER_JOBS_STALE_S - 60
+    others = {name: shm.segment_path(f"hvdray-{other}-{pid}-{digit * 16}")
+              for name, pid, digit in (("dead, idle", dead_pid, "2"), ("dead, recent", dead_pid, "3"),
+                                       ("alive, idle", os.getppid(), "4"))}
+    for name, path in others.items():
+        open(path, "wb").close()
+        if "idle" in name:
+            os.utime(path, (old, old))
+    try:
+        seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)  # creation sweeps dead creators' files
+        assert sorted(_job_files(tag)) == sorted([os.path.basename(alive), seg.name])
+        assert sorted(_job_files(other)) == sorted(os.path.basename(others[n]) for n in ("dead, recent", "alive, idle"))
+        seg.close()
+    finally:
+        for path in [alive, *others.values()]:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_creation_fails_cleanly_when_the_segment_cannot_be_made(tag):

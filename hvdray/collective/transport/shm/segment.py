@@ -6,7 +6,7 @@ through the job's private store, so no other process can guess the name. The fil
 mode 0600 and unlinked as soon as every local rank has mapped it, so it disappears with the last
 mapping even when every worker is killed; only a creator killed inside that short window can leave a
 file behind, which :func:`remove_dead_creators_segments` (run by the next segment creation on the node)
-deletes.
+deletes: at once in the same job, after an hour untouched for another job's.
 
 Layout: a header (magic and sizes), one control block per local rank (the barrier's words, see
 ``barrier.py``, then where the rank's tensor lives when it is in shared memory, see
@@ -26,6 +26,7 @@ import os
 import platform
 import secrets
 import sys
+import time
 from typing import NamedTuple, Optional
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ SHM_DIR = "/dev/shm"
 NAME_PREFIX = "hvdray-"
 #: the per-rank control block: counter, pid and state words, one cache line per rank
 CONTROL_STRIDE_BYTES = 64
+#: how long another job's segment whose creator is gone must lie untouched before a sweep deletes it
+OTHER_JOBS_STALE_S = 3600.0
 HEADER_BYTES = 4096
 _MAGIC = 0x68766472  # "hvdr"
 #: syscall numbers of futex(2); the counters' memory ordering also relies on x86-64's total store order
@@ -66,14 +69,25 @@ def segment_path(name: str) -> str:
 
 
 def remove_dead_creators_segments(tag: str) -> list[str]:
-    """Delete this job's segment files on this node whose creating process no longer runs."""
+    """Delete segment files on this node whose creating process no longer runs: this job's at once,
+    another job's once nothing has written to it for :data:`OTHER_JOBS_STALE_S` (a job that ended, or
+    whose creator died, before its local ranks had mapped it would otherwise leave it in memory for good;
+    the age keeps a live job's file safe where its creator's pid cannot be seen from here)."""
     stale = []
-    for path in glob.glob(segment_path(f"{NAME_PREFIX}{tag}-*")):
+    now = time.time()
+    for path in glob.glob(segment_path(f"{NAME_PREFIX}*")):
+        parts = os.path.basename(path).split("-")
         try:
-            pid = int(os.path.basename(path).split("-")[2])
+            pid = int(parts[2])
         except (IndexError, ValueError):
             continue
-        if not process_alive(pid):
+        if process_alive(pid):
+            continue
+        try:
+            idle_s = now - os.stat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if parts[1] == tag or idle_s > OTHER_JOBS_STALE_S:
             stale.append(path)
     return _remove(stale)
 
