@@ -1,12 +1,16 @@
-"""The timeline: a Chrome-trace JSON file of what the engine did with each tensor, for Perfetto.
+"""The timeline: a Chrome-trace JSON file of what the engine did with each tensor, in Horovod's terms.
 
-Every tensor is one row (a trace "thread" named after the tensor) inside its process set's "process"
-(pid 0 is the global set). Its phases are complete events: ``NEGOTIATE`` (submitted until every rank
-had it), ``QUEUE`` (ready until its batch started), then for allreduce ``FUSION-COPY`` (copy into the
-fusion buffer), ``REDUCE`` (the Gloo call; its ``args`` give how many tensors shared the buffer)
-and ``COPY-OUT``, and for the other ops one event named after the op. ``mark_cycles`` adds an instant
-event for every engine tick that had work. The file is a JSON array, closed by ``stop``; a file cut
-short by a crash still opens in Perfetto, which accepts a missing ``]``.
+Every tensor is one row (a trace "thread") inside its process set's "process" (pid 0 is the global
+set), named as Horovod names it: the op, a dot, the tensor's name (``allreduce.grad.3``; a generated
+name already reads ``allreduce.noname.7``). Its events are Horovod's: ``NEGOTIATE_<OP>`` (submitted
+until every rank had it), then the op itself (``ALLREDUCE``, ``BROADCAST``, ...; ready until done)
+holding ``QUEUE`` (ready until its batch started) and, for allreduce, ``MEMCPY_IN_FUSION_BUFFER``,
+``REDUCE`` (the transport's reduction, Horovod's ``GLOO_ALLREDUCE``; its ``args`` give how many
+tensors shared it) and ``MEMCPY_OUT_FUSION_BUFFER``. Events are complete (``X``) events that nest on
+the tensor's row. The first metadata event carries ``start_time_since_epoch_in_micros``, the wall
+clock at time stamp 0, as Horovod's does. ``mark_cycles`` adds a ``CYCLE_START`` instant for every
+engine tick that had work. The file is a JSON array, closed by ``stop``; a file cut short by a crash
+still opens in Perfetto, which accepts a missing ``]``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 import threading
 import time
 from typing import Any, Optional
+
+from hvdray.collective.protocol import GENERATED_NAME_MARK
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +35,21 @@ class Timeline:
         self.path = path
         self.mark_cycles = mark_cycles
         self._origin = time.perf_counter()
+        started_us = time.time_ns() // 1000
         self._lock = threading.Lock()
         self._file: Optional[Any] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._file.write("[\n")
         self._pending: list[str] = []
         self._rows: dict[tuple[int, str], int] = {}
-        self._named_pids: set[int] = set()
+        self._named_pids: set[int] = {0}
+        self._emit({"name": "process_name", "ph": "M", "pid": 0,
+                    "args": {"name": "global process set", "start_time_since_epoch_in_micros": started_us}})
+
+    @staticmethod
+    def row_name(op: str, name: str) -> str:
+        """Horovod's name of an op's tensor: ``allreduce.grad.3`` for ``name="grad.3"`` (a generated name,
+        ``allreduce.noname.7``, already is one)."""
+        return name if GENERATED_NAME_MARK in name else f"{op}.{name}"
 
     def _us(self, t: float) -> float:
         return round((t - self._origin) * 1e6, 1)
@@ -47,8 +62,7 @@ class Timeline:
             tid = self._rows[key] = len(self._rows) + 1
             if pid not in self._named_pids:
                 self._named_pids.add(pid)
-                label = "global process set" if pid == 0 else f"process set {pid}"
-                self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
+                self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"process set {pid}"}})
             self._emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": row}})
         return tid
 

@@ -1,9 +1,11 @@
-"""The timeline on real workers: the Chrome-trace file parses, holds every phase per tensor, shows
-fusion (several tensors in one REDUCE), and starts and stops at run time."""
+"""The timeline on real workers: the Chrome-trace file parses, holds Horovod's events per tensor under
+Horovod's tensor names, nested on each tensor's row, shows fusion (several tensors in one REDUCE), and
+starts and stops at run time."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 
 from hvdray import RayExecutor
@@ -43,19 +45,30 @@ def test_timeline_from_settings_has_every_phase_and_shows_fusion(make_executor, 
     path = tmp_path / "timeline.json"
     settings = RayExecutor.create_settings(timeout_s=20, timeline_filename=str(path))
     ex = make_executor(settings=settings, num_workers=2)
+    before_us = time.time_ns() // 1000
     ex.run(_workload)
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]  # rank 0 writes it, alone
     events, phases = _load(path)
+    # as in Horovod's: the wall clock at time stamp 0 in the first event, rows named <op>.<tensor name>
+    assert before_us <= events[0]["args"]["start_time_since_epoch_in_micros"] <= time.time_ns() // 1000
+    assert {row for row in phases} == {f"allreduce.grad.{i}" for i in range(8)} | {"broadcast.weights"}
     for i in range(8):
-        names = [e["name"] for e in phases[f"grad.{i}"]]
-        for phase in ("NEGOTIATE", "QUEUE", "FUSION-COPY", "REDUCE", "COPY-OUT"):
+        row = phases[f"allreduce.grad.{i}"]
+        names = [e["name"] for e in row]
+        for phase in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "REDUCE",
+                      "MEMCPY_OUT_FUSION_BUFFER"):
             assert names.count(phase) == 3, (i, names)
-        for e in phases[f"grad.{i}"]:
+        for e in row:
             assert e["dur"] >= 0 and e["ts"] >= 0
-    assert [e["name"] for e in phases["weights"]][-1] == "BROADCAST"
-    assert "after.stop" not in phases
+        # each activity lies inside its op's event, which follows the negotiation
+        ops = [e for e in row if e["name"] == "ALLREDUCE"]
+        for e in row:
+            if e["name"] not in ("ALLREDUCE", "NEGOTIATE_ALLREDUCE"):
+                assert any(op["ts"] <= e["ts"] and e["ts"] + e["dur"] <= op["ts"] + op["dur"] + 0.2 for op in ops), e
+    assert [e["name"] for e in phases["broadcast.weights"]] == ["NEGOTIATE_BROADCAST", "BROADCAST", "QUEUE"]
+    assert "allreduce.after.stop" not in phases
     # fusion is visible: REDUCE events shared by several tensors, starting at the same instant
-    reduces = [e for row, es in phases.items() if row.startswith("grad.") for e in es if e["name"] == "REDUCE"]
+    reduces = [e for row, es in phases.items() if row.startswith("allreduce.") for e in es if e["name"] == "REDUCE"]
     fused = [e for e in reduces if e["args"]["tensors"] > 1]
     assert fused, "no REDUCE event carried more than one tensor"
     by_start = defaultdict(set)
@@ -71,4 +84,4 @@ def test_start_and_stop_at_run_time_per_rank_with_cycle_marks(make_executor, tmp
     for rank in (0, 1):
         events, phases = _load(tmp_path / f"tl.{rank}.json")
         assert any(e["name"] == "CYCLE_START" for e in events)
-        assert {e["name"] for e in phases["grad.0"]} >= {"NEGOTIATE", "REDUCE", "COPY-OUT"}
+        assert {e["name"] for e in phases["allreduce.grad.0"]} >= {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "REDUCE"}

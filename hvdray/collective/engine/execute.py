@@ -128,10 +128,10 @@ class Executor:
             t_done = time.perf_counter()
             fused = {"tensors": len(requests), "bytes": action.nbytes}
             for req in present:
-                self._trace_start(timeline, req, t_start)
-                timeline.phase(self._pid, req.name, "FUSION-COPY", t_start, t_copied)
-                timeline.phase(self._pid, req.name, "REDUCE", t_copied, t_reduced, fused)
-                timeline.phase(self._pid, req.name, "COPY-OUT", t_reduced, t_done)
+                row = self._trace_op(timeline, req, OpKind.ALLREDUCE, t_start, t_done)
+                timeline.phase(self._pid, row, "MEMCPY_IN_FUSION_BUFFER", t_start, t_copied)
+                timeline.phase(self._pid, row, "REDUCE", t_copied, t_reduced, fused)
+                timeline.phase(self._pid, row, "MEMCPY_OUT_FUSION_BUFFER", t_reduced, t_done)
         self._stats.allreduce_calls += 1
         self._stats.ops += len(requests)
         for req in present:
@@ -164,8 +164,7 @@ class Executor:
         self._stats.ops += 1
         timeline = self._timeline
         if timeline is not None:
-            self._trace_start(timeline, request, t_start)
-            timeline.phase(self._pid, request.name, kind.value.upper(), t_start, time.perf_counter())
+            self._trace_op(timeline, request, kind, t_start, time.perf_counter())
         request.handle._finish(result=result)
 
     def _broadcast(self, request: Request, desc: OpDesc) -> torch.Tensor:
@@ -217,12 +216,18 @@ class Executor:
         postscale([out], desc, self._size)
         return out
 
-    def _trace_start(self, timeline: Timeline, request: Request, started: float) -> None:
-        """NEGOTIATE (submitted until ready everywhere) and QUEUE (ready until its work began)."""
+    def _trace_op(self, timeline: Timeline, request: Request, kind: OpKind, started: float, done: float) -> str:
+        """Horovod's events of one op on its tensor's row: ``NEGOTIATE_<OP>`` (submitted until ready
+        everywhere), then ``<OP>`` (ready until done) holding ``QUEUE`` (ready until its work began).
+        Returns the row, for the op's other activities."""
+        row = Timeline.row_name(kind.value, request.name)
+        op = kind.value.upper()
         ready = min(max(self._ready_at, request.submitted) or started, started)
         if request.submitted:
-            timeline.phase(self._pid, request.name, "NEGOTIATE", min(request.submitted, ready), ready)
-        timeline.phase(self._pid, request.name, "QUEUE", ready, started)
+            timeline.phase(self._pid, row, f"NEGOTIATE_{op}", min(request.submitted, ready), ready)
+        timeline.phase(self._pid, row, op, ready, done)
+        timeline.phase(self._pid, row, "QUEUE", ready, started)
+        return row
 
 
 def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
