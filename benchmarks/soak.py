@@ -36,6 +36,7 @@ import psutil
 import ray
 
 from hvdray import RayExecutor
+from hvdray.driver.coordinator_host import HOST_NAME_PREFIX
 
 FD_SLACK = 8  # descriptors Ray opens lazily (log files, gRPC channels) the first few times
 THREAD_SLACK = 2
@@ -113,7 +114,7 @@ def snapshot() -> dict[str, Any]:
         "driver_threads": threading.active_count(),
         "cpu_percent": _session_cpu_percent(),
         # the driver's coordinator host, which the elastic phase starts, stays by design (its next jobs share it)
-        "live_actors": sum(a["State"] == "ALIVE" and not a["Name"].startswith("hvdray-coordinator-")
+        "live_actors": sum(a["State"] == "ALIVE" and not a["Name"].startswith(HOST_NAME_PREFIX)
                            for a in actors().values()),
         "placement_groups": sum(g["state"] != "REMOVED" for g in placement_group_table().values()),
         "free_cpus": ray.available_resources().get("CPU", 0.0),

@@ -35,6 +35,9 @@ from hvdray.worker.actor import Worker
 #: how long a driver waits for its coordinator host to take a new job before it starts another host
 HOST_ANSWER_S = 30.0
 
+#: how the Ray name of a driver's coordinator host begins (then the driver's pid and a count)
+HOST_NAME_PREFIX = "hvdray-coordinator-"
+
 #: fixed-size jobs of at most this many workers keep their coordinator in their first worker
 HOSTED_BY_WORKER_UP_TO = 16
 
@@ -134,7 +137,7 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S, start_s: float = HOST
         if handle is None:
             handle = actor_class(CoordinatorHost).options(
                 num_cpus=0,
-                name=f"hvdray-coordinator-{os.getpid()}-{next(_host_names)}",
+                name=f"{HOST_NAME_PREFIX}{os.getpid()}-{next(_host_names)}",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(where[1], soft=False),
             ).remote(digest)
             _host = (where, handle)
