@@ -416,7 +416,7 @@ class ElasticDriver:
                                 worker.worker_id, worker.node_id[:8], delay)
 
     def stop(self) -> None:
-        """Kill every worker of this run (the coordinator belongs to the executor)."""
+        """End every worker of this run (see ``WorkerGroup.stop``; the coordinator belongs to the executor)."""
         self._group.stop()
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class Coordinator:
         self._host_updates = 0
         self._host_updates_at_epoch = 0
         self._abandoned = 0  # the newest epoch the driver gave up on (0: none)
+        self._closed = False  # the job is over (close): a wait for records ends at once
         # Ray Data (driver/datasets.py): the call whose datasets are offered, their names, and the current
         # epoch's shards (one {name: DataIterator} per rank); older epochs' splits are dropped
         self._data_call = 0
@@ -69,11 +70,15 @@ class Coordinator:
         self._shards: Optional[tuple[int, list[dict[str, Any]]]] = None
 
     async def close(self) -> None:
-        """The job is over: no epoch can be joined any more, and every rendezvous wait ends at once."""
+        """The job is over: no epoch can be joined any more, and every rendezvous wait and the driver's
+        wait for records end at once (a worker holding the table can then exit)."""
         async with self._changed:
             self._abandoned = self._epoch
             self._clear_kv()
             self._changed.notify_all()
+        async with self._new_record:
+            self._closed = True
+            self._new_record.notify_all()
 
     def _admit(self, token: Any) -> None:
         """Refuse a caller that does not present the job's rendezvous token."""
@@ -386,7 +391,10 @@ class Coordinator:
             if timeout_s > 0:
                 try:
                     await asyncio.wait_for(
-                        self._new_record.wait_for(lambda: self._first_record + len(self._records) > first), timeout_s
+                        self._new_record.wait_for(
+                            lambda: self._closed or self._first_record + len(self._records) > first
+                        ),
+                        timeout_s,
                     )
                 except asyncio.TimeoutError:
                     pass

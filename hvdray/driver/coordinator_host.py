@@ -97,12 +97,13 @@ class JobCoordinator:
     secret: bytes
     starts_by: float = 0.0
 
-    def close(self) -> None:
-        """Drop the job's table from the host (its token is refused from now on); does not wait."""
+    def close(self) -> Optional[ray.ObjectRef]:
+        """Drop the job's table from the host (its token is refused from now on); does not wait, but
+        returns the call (None: the host or Ray was gone already, and nothing is left to drop)."""
         try:
-            self.client.close_job()
+            return self.client.close_job()
         except Exception:  # noqa: BLE001 - the host (or Ray) is gone already: nothing is left to drop
-            pass
+            return None
 
 
 _host_lock = threading.Lock()

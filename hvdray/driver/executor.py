@@ -201,7 +201,8 @@ class RayExecutor:
                                 self._placement.check_feasible)
 
     def shutdown(self) -> None:
-        """Kill the workers, drop the job from the coordinator and release the placement group; safe to call twice."""
+        """End the workers (idle ones exit on their own first: see ``WorkerGroup.stop``), drop the job from the
+        coordinator and release the placement group; safe to call twice."""
         if self._driver is not None:
             self._driver.stop()
         if self._group is not None:
@@ -237,10 +238,6 @@ class RayExecutor:
             self._start_group()
         assert self._group is not None
         return self._group
-
-    def _ready_workers(self) -> list[Any]:
-        """The worker actors, in rank order."""
-        return [w.actor for w in self._ready_group().ranked()]
 
     # -- running functions ---------------------------------------------------------------------
     def run(
@@ -350,26 +347,29 @@ class RayExecutor:
         datasets: Optional[DatasetSplitter],
     ) -> list[ray.ObjectRef]:
         check_call_arguments(fn, args, kwargs)
-        workers = self._ready_workers()
+        group = self._ready_group()
+        workers = group.ranked()
         self._payload.check(what, len(workers), fn, call_pieces(args, kwargs))  # the caller's caller: the user
         call = self._group_call(datasets)
-        return [w.run.remote(fn, list(args or ()), dict(kwargs or {}), call) for w in workers]
+        return group.send(workers, lambda actor: actor.run.remote(fn, list(args or ()), dict(kwargs or {}), call))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[Sequence[Callback]] = None) -> list[Any]:
         """Call ``fn(executable)`` on every worker's executable instance; results in rank order."""
         check_callable(fn)
         check_callbacks(callbacks)
-        workers = self._ready_workers()
+        group = self._ready_group()
+        workers = group.ranked()
         self._payload.check("execute()", len(workers), fn, stacklevel=3)
         call = self._group_call()
-        return self._gather([w.execute.remote(fn, call) for w in workers], callbacks)
+        return self._gather(group.send(workers, lambda actor: actor.execute.remote(fn, call)), callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its result."""
         check_callable(fn)
-        worker = self._ready_workers()[0]
+        group = self._ready_group()
         self._payload.check("execute_single()", 1, fn, stacklevel=3)
-        return self._gather([worker.execute.remote(fn, self._group_call())], None)[0]
+        call = self._group_call()
+        return self._gather(group.send(group.ranked()[:1], lambda actor: actor.execute.remote(fn, call)), None)[0]
 
     def _group_call(self, datasets: Optional[DatasetSplitter] = None) -> int:
         """A new call to the workers: numbered, its reports collected (``run``, ``execute`` and

@@ -56,6 +56,10 @@ _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it ans
 _NAME_FREED_POLL_S = 0.05  # how often a worker's start looks again whether its name is free
 _NODE_ASKED_EVERY_S = 1.0  # liveness: the node of a silent worker found up is asked again this long after
 
+#: how long an idle worker has to exit on its own when its group stops (see ``WorkerGroup.stop``), as
+#: Ray Train gives its workers
+WORKER_EXIT_PATIENCE_S = 5.0
+
 
 def actor_name(executor_id: str, role: str) -> str:
     """The Ray name of one of the job's actors (``coordinator``, ``rank-3``, ``elastic-<id>``) or of its
@@ -151,6 +155,7 @@ class WorkerGroup:
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
         self._hosted_by_worker = coordinator is None  # the coordinator dies with a worker: see gather()
+        self._table_holder: Optional[str] = None  # the id of the worker holding it, once started
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self.epoch = 0  # the membership epoch the coordinator formed last
         self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
@@ -187,6 +192,7 @@ class WorkerGroup:
             actor = self._create_named(lambda: actor_class(Worker).options(**options).remote(), options["name"])
         elif self._coordinator is None:
             actor, self._coordinator = self._create_named(lambda: start_coordinating_worker(options), options["name"])
+            self._table_holder = worker_id
         else:
             worker_class = fixed_worker_class(hosts_coordinator=False)
             actor = self._create_named(lambda: worker_class.options(**options).remote(), options["name"])
@@ -294,7 +300,7 @@ class WorkerGroup:
                 timeout=timeout,
             )
             cls, args, kwargs = executable
-            ray.get([w.actor.start_executable.remote(cls, args, kwargs) for w in workers], timeout=timeout)
+            ray.get(self.send(workers, lambda actor: actor.start_executable.remote(cls, args, kwargs)), timeout=timeout)
         except BaseException:
             self.stop()
             raise
@@ -339,6 +345,15 @@ class WorkerGroup:
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
         worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs), self.call)
+
+    def send(self, workers: Sequence[GroupWorker], call: Callable[[Any], ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """``call(actor)`` for each worker (a fixed group's ``run``, ``execute``, ...): the user's code,
+        remembered as the worker's running call until the next one (see :meth:`stop`)."""
+        refs = []
+        for worker in workers:
+            worker.run_ref = call(worker.actor)
+            refs.append(worker.run_ref)
+        return refs
 
     def poll_runs(self) -> list[RunResult]:
         """Runs that ended since they were last looked at (never blocks); a returned value is kept on
@@ -524,14 +539,37 @@ class WorkerGroup:
             self.state = GroupState.DRAINING
 
     def stop(self) -> None:
-        """Kill every worker (and close the job's coordinator, if the group owns it); safe to call twice."""
+        """End every worker (and close the job's coordinator, if the group owns it); safe to call twice.
+
+        A worker running none of the user's code (its last call ended, or it had none) exits on its own,
+        as a process at the end of a script does: its ``atexit`` handlers and finalizers run and its
+        open files are flushed (``Worker.exit_process``, which ends the process after
+        :data:`WORKER_EXIT_PATIENCE_S` if a non-daemon thread or a handler holds it). One that does not
+        leave Ray within that time is killed, as is every worker still in a call (it may wait in a
+        collective for a peer that is gone)."""
+        if self.state is GroupState.STOPPED:
+            return
         self.cancel_starts()
         self.records.forget_waiting_call()
         self._end_split()
-        for worker in self.workers.values():
-            ray.kill(worker.actor, no_restart=True)
+        workers = list(self.workers.values())
+        busy = [w.run_ref for w in workers if w.run_ref is not None]
+        ended = set(ray.wait(busy, num_returns=len(busy), timeout=0)[0]) if busy else set()
+        idle = [w for w in workers if w.run_ref is None or w.run_ref in ended]
         if self._owns_coordinator and self._coordinator is not None:
-            if not self._hosted_by_worker:  # a table held by a worker went with it
-                self._coordinator.close()
+            # its waits end first: the driver's wait for records holds a thread of the worker holding the table
+            closed = self._coordinator.close()
+            if closed is not None and any(w.worker_id == self._table_holder for w in idle):
+                ray.wait([closed], timeout=WORKER_EXIT_PATIENCE_S)
             self._coordinator = None
+        exits = {w.actor.exit_process.remote(WORKER_EXIT_PATIENCE_S): w for w in idle}
+        if exits:
+            exited = set(ray.wait(list(exits), num_returns=len(exits), timeout=WORKER_EXIT_PATIENCE_S)[0])
+            late = [exits[ref].worker_id for ref in exits if ref not in exited]
+            if late:
+                log.warning("hvdray executor %s: worker(s) %s did not exit within %s s; killed", self.executor_id,
+                            ", ".join(late), WORKER_EXIT_PATIENCE_S)
+        for worker in workers:
+            # also those that left: Ray frees an actor's name (the next group's rank takes it) only once killed
+            ray.kill(worker.actor, no_restart=True)
         self.state = GroupState.STOPPED

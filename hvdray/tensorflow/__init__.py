@@ -6,7 +6,7 @@ reach the same engine as ``hvdray.torch``'s through DLPack, sharing their memory
 
 from hvdray.collective.basics import *  # noqa: F401,F403 - the job facts every frontend shares (basics.__all__)
 from hvdray.collective.errors import HorovodInternalError, NotInitializedError, PeerFinishedError
-from hvdray.tensorflow import elastic
+from hvdray.tensorflow import bridge, elastic
 from hvdray.tensorflow.compression import Compression
 from hvdray.tensorflow.errors import TensorMismatchError
 from hvdray.tensorflow.functions import (
@@ -20,3 +20,4 @@ from hvdray.tensorflow.ops import *  # noqa: F401,F403 - every op in its blockin
 from hvdray.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod's private helper, used by its scripts
 
 __all__ = [name for name in dir() if not name.startswith("_")]
+bridge.leave_to_python(globals(), __all__)

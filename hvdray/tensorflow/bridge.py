@@ -26,9 +26,10 @@ message, in its text (``/dev/null/<message>; Not a directory``). Without a messa
 
 from __future__ import annotations
 
+import inspect
 import re
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -42,6 +43,17 @@ except ImportError:  # pragma: no cover - a TensorFlow without it: XLA reports t
 Kernel = Callable[[list[tf.Tensor]], list[tf.Tensor]]
 
 _last_node: "weakref.WeakKeyDictionary[tf.Graph, tf.Operation]" = weakref.WeakKeyDictionary()
+
+
+def leave_to_python(namespace: dict[str, Any], names: Iterable[str]) -> None:
+    """Have autograph call the functions among ``names`` in a module's ``namespace`` as they are
+    (``tf.autograph.experimental.do_not_convert``) when a user's ``tf.function`` calls them: they build
+    graph nodes with plain Python and need no conversion. Converted, each of them and every helper it
+    calls became a generated module on the first trace (38 for allreduce, allgather, broadcast, rank and
+    size_op), each written to a temporary file that stays behind when the process is killed."""
+    for name in names:
+        if inspect.isfunction(namespace[name]):
+            namespace[name] = tf.autograph.experimental.do_not_convert(namespace[name])
 
 
 def session_graph() -> bool:

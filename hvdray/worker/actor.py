@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -147,6 +148,22 @@ class Worker:
     def execute(self, fn: Callable[[Any], Any], call: int = 0) -> Any:
         """Run ``fn(executable)`` as executor call ``call``."""
         return self._call(call, fn, self._executable)
+
+    def exit_process(self, patience_s: float) -> None:
+        """End this worker's process as a script's process ends: the actor leaves Ray at once, then the
+        interpreter waits for non-daemon threads and runs the ``atexit`` handlers and finalizers (open
+        files are flushed, the engine shut down). Past ``patience_s`` (a thread that never ends, a handler
+        that blocks) the process ends there and then, so that none outlives its job."""
+        def overdue() -> None:
+            sys.stderr.write(f"hvdray worker: still exiting after {patience_s} s (a non-daemon thread or an atexit "
+                             "handler that blocks); ended\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+        timer = threading.Timer(patience_s, overdue)
+        timer.daemon = True
+        timer.start()
+        ray.actor.exit_actor()
 
     def _call(self, call: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the user's function; when it returns or raises, every rank hears of it (see

@@ -53,3 +53,8 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = Average) -> 
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("Any", "Optional", "tf", "optimizer")]
+
+from hvdray.tensorflow.bridge import leave_to_python as _leave_to_python  # noqa: E402
+
+_leave_to_python(globals(), __all__)
+del _leave_to_python
