@@ -321,6 +321,32 @@ def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):
     assert _restored_copies() - copies_before == set()
 
 
+def _rank_one_fails_while_rank_zero_reports(config):
+    """Both ranks take their copy of the restored checkpoint; rank 1 fails, and rank 0 then waits in
+    ``report`` (no collective in between: only the trial can end its wait)."""
+    import hvdray.torch as hvd
+
+    hvd.init()
+    assert get_checkpoint() is not None
+    if hvd.rank() == 1:
+        raise ValueError("rank one fails after its restore")
+    time.sleep(1.0)  # rank 1's failure reaches the trial first
+    report({"rank": hvd.rank()})
+
+
+def test_a_restored_trial_that_fails_leaves_no_copy(ray_local, tmp_path):
+    (tmp_path / "state.json").write_text("{}")
+    trial = DistributedTrainableCreator(_rank_one_fails_while_rank_zero_reports, num_slots=2)(config={})
+    copies_before = _restored_copies()
+    try:
+        trial.restore(str(tmp_path))
+        with pytest.raises(ValueError, match="rank one fails after its restore"):
+            trial.train()  # the failed trial lets rank 0 unwind from report before its workers go
+    finally:
+        trial.stop()
+    assert _restored_copies() - copies_before == set()
+
+
 def test_asha_stops_weak_trials_early_and_their_workers_serve_the_next_trial(ray_local, tmp_path):
     from ray.tune.schedulers import ASHAScheduler
 
