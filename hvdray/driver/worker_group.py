@@ -155,7 +155,6 @@ class WorkerGroup:
         self._elastic = elastic
         self._owns_coordinator = owns_coordinator
         self._hosted_by_worker = coordinator is None  # the coordinator dies with a worker: see gather()
-        self._table_holder: Optional[str] = None  # the id of the worker holding it, once started
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
         self.epoch = 0  # the membership epoch the coordinator formed last
         self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
@@ -192,7 +191,6 @@ class WorkerGroup:
             actor = self._create_named(lambda: actor_class(Worker).options(**options).remote(), options["name"])
         elif self._coordinator is None:
             actor, self._coordinator = self._create_named(lambda: start_coordinating_worker(options), options["name"])
-            self._table_holder = worker_id
         else:
             worker_class = fixed_worker_class(hosts_coordinator=False)
             actor = self._create_named(lambda: worker_class.options(**options).remote(), options["name"])
@@ -344,11 +342,11 @@ class WorkerGroup:
 
     def run(self, worker: GroupWorker, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Start ``fn`` on ``worker`` as the current call; :meth:`poll_runs` reports how it ends."""
-        worker.run_ref = worker.actor.run.remote(fn, list(args), dict(kwargs), self.call)
+        self.send([worker], lambda actor: actor.run.remote(fn, list(args), dict(kwargs), self.call))
 
     def send(self, workers: Sequence[GroupWorker], call: Callable[[Any], ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """``call(actor)`` for each worker (a fixed group's ``run``, ``execute``, ...): the user's code,
-        remembered as the worker's running call until the next one (see :meth:`stop`)."""
+        """``call(actor)`` for each worker (``run``, ``execute``, ...): the user's code, remembered as
+        the worker's running call until the next one (see :meth:`stop`)."""
         refs = []
         for worker in workers:
             worker.run_ref = call(worker.actor)
@@ -553,13 +551,13 @@ class WorkerGroup:
         self.records.forget_waiting_call()
         self._end_split()
         workers = list(self.workers.values())
-        busy = [w.run_ref for w in workers if w.run_ref is not None]
-        ended = set(ray.wait(busy, num_returns=len(busy), timeout=0)[0]) if busy else set()
+        calls = [w.run_ref for w in workers if w.run_ref is not None]
+        ended = set(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) if calls else set()
         idle = [w for w in workers if w.run_ref is None or w.run_ref in ended]
         if self._owns_coordinator and self._coordinator is not None:
-            # its waits end first: the driver's wait for records holds a thread of the worker holding the table
+            # its waits end first: the driver's wait for records holds a thread of a worker holding the table
             closed = self._coordinator.close()
-            if closed is not None and any(w.worker_id == self._table_holder for w in idle):
+            if closed is not None and self._hosted_by_worker and idle:
                 ray.wait([closed], timeout=WORKER_EXIT_PATIENCE_S)
             self._coordinator = None
         exits = {w.actor.exit_process.remote(WORKER_EXIT_PATIENCE_S): w for w in idle}
