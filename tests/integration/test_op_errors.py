@@ -318,14 +318,19 @@ def _failing_execution():
     }
     out = {}
     for primitive, call in submit.items():
-        def boom(*args, primitive=primitive, **kwargs):
-            raise RuntimeError(f"injected {primitive} failure")
-
         # every rank's transport call fails once the op has been negotiated (no rank waits on a peer); the
-        # engine moves a single tensor out of place with the *_into forms
+        # engine moves a single tensor out of place with the *_into forms. Only the op's own data (float32)
+        # fails: the engine's control round gathers its messages with the same allgather (int64 lengths,
+        # uint8 bytes), and a peer's round may reach this rank before its own op does
+        comm = session.engine().comm
         for method in (primitive, f"{primitive}_into"):
-            if hasattr(session.engine().comm, method):
-                setattr(session.engine().comm, method, boom)
+            if hasattr(comm, method):
+                def boom(tensor, *args, primitive=primitive, passed=getattr(comm, method), **kwargs):
+                    if tensor.dtype != torch.float32:
+                        return passed(tensor, *args, **kwargs)
+                    raise RuntimeError(f"injected {primitive} failure")
+
+                setattr(comm, method, boom)
         handle = call()
         deadline = time.monotonic() + BOUND_S
         while not hvd.poll(handle) and time.monotonic() < deadline:
