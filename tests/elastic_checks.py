@@ -67,10 +67,12 @@ def remove_node_of(cluster: Cluster, node_id: str) -> None:
 
 
 def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
-              hold: Optional[tuple] = None) -> dict[str, Any]:
+              hold: Optional[tuple] = None, until: Optional[tuple[str, int]] = None) -> dict[str, Any]:
     """A small elastic job. ``die=(epoch, rank, marker)``: that rank exits mid-epoch once.
     ``hold=(epoch, size, seconds[, stop_file])``: before that epoch, commit (without training) until the
-    job has ``size`` workers (or ``stop_file`` exists), so a joining node is waited for instead of raced."""
+    job has ``size`` workers (or ``stop_file`` exists), so a joining node is waited for instead of raced.
+    ``until=(path, size)``: train until the ranks agree (at a commit) that ``path`` exists in an epoch of
+    ``size`` workers or more, then ``epochs`` epochs more: a chain of faults sets the job's length."""
     import os
     import time
 
@@ -87,14 +89,15 @@ def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
     model = torch.nn.Linear(8, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model, opt, epoch=0, completed=[], sizes=[])
+    # the epoch to stop at (set once ``until`` holds, and committed with the rest of the state)
+    state = hvd.elastic.TorchState(model, opt, epoch=0, completed=[], sizes=[], last=None if until else epochs)
     node = ray.get_runtime_context().get_node_id()
     pid = os.getpid()
 
     @hvd.elastic.run
     def train(state):
         ray_logger.log({"kind": "start", "epoch": state.epoch, "pid": pid, "node": node, "size": hvd.size()})
-        while state.epoch < epochs:
+        while state.last is None or state.epoch < state.last:
             if hold is not None and state.epoch == hold[0]:
                 deadline = time.monotonic() + hold[2]
                 stop_file = hold[3] if len(hold) > 3 else None
@@ -117,6 +120,10 @@ def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
             state.completed.append(state.epoch)
             state.sizes.append(hvd.size())
             state.epoch += 1
+            if state.last is None:
+                seen = float(os.path.exists(until[0]) and hvd.size() >= until[1])
+                if hvd.allreduce(torch.tensor([seen]), op=hvd.Max, name="until").item():
+                    state.last = state.epoch + epochs
             state.commit()
             ray_logger.log({"kind": "commit", "epoch": state.epoch - 1, "pid": pid, "node": node,
                             "size": hvd.size()})

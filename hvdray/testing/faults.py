@@ -2,8 +2,9 @@
 
 Inactive unless the worker's environment holds ``HVDRAY_TEST_FAULTS`` (a JSON plan, made by :func:`plan`
 and handed to the workers with ``executor.start(extra_env_vars=...)``); then, the first time any worker
-of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exactly one worker of the job
-(the first to claim ``<dir>/fired``) acts:
+of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch`` (of ``size`` workers, and later
+than the epoch in which the fault ``after`` fired, where the plan names them), exactly one worker of the
+job (the first to claim ``<dir>/fired``) acts:
 
 - ``exit``: its process ends at once (``os._exit``), as a crash would;
 - ``remove_node``: it writes ``<dir>/fired`` (its node id, pid, rank, epoch), sends that as a record to
@@ -13,7 +14,8 @@ of rank ``rank`` reaches ``point`` in a membership epoch ``>= min_epoch``, exact
 - ``join``: the same, but the test adds a node and then creates ``<dir>/released``, which lets it go on.
 
 :func:`combine` arms several such faults at once, each with its own directory (and its own once-per-job
-claim), e.g. two ranks dying at the same point, or one dying while another's node is being removed.
+claim), e.g. two ranks dying at the same point, or one dying while another's node is being removed; with
+``after``, a chain of faults that hit one job in turn, each in an epoch formed after the last one fired.
 
 :class:`Responder` is that test side, a callback of ``executor.run``. The points, in the order an elastic worker meets them:
 ``epoch_forming`` (it was given a rank in a new epoch, before its rendezvous), ``rendezvous`` (its first
@@ -43,18 +45,27 @@ _GONE_LIMIT_S = 30.0  # how long the test waits for a removed node's worker proc
 
 _plans: list[dict[str, Any]] = []
 _loaded = False
-_context: dict[str, Any] = {"epoch": 0, "node_id": None}
+_context: dict[str, Any] = {"epoch": 0, "size": None, "node_id": None}
 
 
-def plan(point: str, action: str, directory: str, rank: int = 1, min_epoch: int = 1) -> dict[str, str]:
-    """The ``extra_env_vars`` that arm one fault; ``directory`` must exist and be shared with the test."""
+def plan(point: str, action: str, directory: str, rank: int = 1, min_epoch: int = 1,
+         size: Optional[int] = None, after: Optional[str] = None) -> dict[str, str]:
+    """The ``extra_env_vars`` that arm one fault; ``directory`` must exist and be shared with the test.
+
+    ``size``: only in an epoch of that many workers. ``after``: the directory of another fault of the
+    same job; this one is armed once that one has fired, in a later epoch than the one it fired in."""
     if point not in POINTS:
         raise ValueError(f"point must be one of {POINTS}, got {point!r}")
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
     if not os.path.isdir(directory):
         raise ValueError(f"directory must be an existing directory, got {directory!r}")
-    spec = {"point": point, "action": action, "dir": directory, "rank": int(rank), "min_epoch": int(min_epoch)}
+    if size is not None and int(size) < 1:
+        raise ValueError(f"size must be a number of workers (1 or more) or None, got {size!r}")
+    if after is not None and (not os.path.isdir(after) or os.path.samefile(after, directory)):
+        raise ValueError(f"after must be another fault's existing directory, got {after!r}")
+    spec = {"point": point, "action": action, "dir": directory, "rank": int(rank), "min_epoch": int(min_epoch),
+            "size": None if size is None else int(size), "after": after}
     return {ENV: json.dumps(spec)}
 
 
@@ -75,7 +86,8 @@ def combine(*plans: dict[str, str]) -> dict[str, str]:
 
 
 def set_context(**values: Any) -> None:
-    """What the worker knows that a point needs: ``epoch`` (membership), ``node_id`` (its Ray node)."""
+    """What the worker knows that a point needs: ``epoch`` and ``size`` (membership), ``node_id`` (its Ray
+    node)."""
     _context.update(values)
 
 
@@ -90,6 +102,12 @@ def _act(spec: dict[str, Any], point: str) -> None:
     rank = int(os.environ.get("HOROVOD_RANK", "-1"))
     if rank != spec["rank"] or _context["epoch"] < spec["min_epoch"]:
         return
+    if spec.get("size") is not None and _context["size"] != spec["size"]:
+        return
+    if spec.get("after") is not None:
+        before = _read_fired(spec["after"])
+        if before is None or _context["epoch"] <= before["epoch"]:
+            return
     fired = os.path.join(spec["dir"], "fired")
     try:
         fd = os.open(fired + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -97,7 +115,7 @@ def _act(spec: dict[str, Any], point: str) -> None:
         return  # another worker (or an earlier try) already fired: once per job
     os.close(fd)
     info = {"point": point, "action": spec["action"], "rank": rank, "epoch": _context["epoch"],
-            "node_id": _context["node_id"], "pid": os.getpid(), "dir": spec["dir"]}
+            "size": _context["size"], "node_id": _context["node_id"], "pid": os.getpid(), "dir": spec["dir"]}
     _write_atomically(fired, json.dumps(info))
     if spec["action"] == "exit":
         os._exit(1)
@@ -119,6 +137,15 @@ def _armed() -> list[dict[str, Any]]:
         _plans = loaded if isinstance(loaded, list) else [loaded]
         _loaded = True
     return _plans
+
+
+def _read_fired(directory: str) -> Optional[dict[str, Any]]:
+    """What the fault of ``directory`` recorded when it fired (None if it has not)."""
+    path = os.path.join(directory, "fired")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -149,12 +176,8 @@ class Responder:
             _write_atomically(os.path.join(self.directory, "released"), "")
 
     def fired(self) -> Optional[dict[str, Any]]:
-        """What fired: point, action, rank, epoch, node id and pid (None if nothing did)."""
-        path = os.path.join(self.directory, "fired")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
+        """What fired: point, action, rank, epoch, size, node id and pid (None if nothing did)."""
+        return _read_fired(self.directory)
 
 
 def _wait_until_gone(pid: int, seconds: float) -> None:

@@ -34,7 +34,7 @@ class CoordinatorMembership:
             if status == "member":
                 epoch, info, node_gpus = member
                 export_rank_env(info, node_gpus)
-                faults.set_context(epoch=epoch)
+                faults.set_context(epoch=epoch, size=info.size)
                 faults.reached("epoch_forming")
                 return epoch, info
             if status == "removed":

@@ -22,18 +22,21 @@ ROOT = str(Path(__file__).resolve().parents[2])
 _WORKER = """
 import sys
 from hvdray.testing import faults
-faults.set_context(epoch=int(sys.argv[1]), node_id="node-" + sys.argv[2])
+epoch, _, size = sys.argv[1].partition("/")
+faults.set_context(epoch=int(epoch), size=int(size) if size else None, node_id="node-" + sys.argv[2])
 for point in sys.argv[3:]:
     faults.reached(point)
 print("went on")
 """
 
 
-def _worker(env: dict[str, str], rank: int, epoch: int, *points: str) -> subprocess.CompletedProcess:
-    """One worker of rank ``rank`` in membership ``epoch`` passing ``points``."""
+def _worker(env: dict[str, str], rank: int, epoch: int, *points: str, size: int | None = None
+            ) -> subprocess.CompletedProcess:
+    """One worker of rank ``rank`` in membership ``epoch`` (of ``size`` workers) passing ``points``."""
     full = {**os.environ, **env, "HOROVOD_RANK": str(rank),
             "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", _WORKER, str(epoch), str(rank), *points],
+    membership = str(epoch) if size is None else f"{epoch}/{size}"
+    return subprocess.run([sys.executable, "-c", _WORKER, membership, str(rank), *points],
                           env=full, capture_output=True, text=True, timeout=60)
 
 
@@ -69,6 +72,21 @@ def test_a_blocking_fault_and_an_exit_at_the_same_point_both_act(tmp_path):
     assert done.returncode == 1  # released from the join, then the exit
     assert _fired(join_dir)["action"] == "join" and _fired(exit_dir)["action"] == "exit"
     assert _fired(join_dir)["node_id"] == "node-1" and _fired(join_dir)["dir"] == str(join_dir)
+
+
+def test_a_chained_fault_fires_only_after_the_one_before_in_a_later_epoch_of_its_size(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    env = faults.combine(faults.plan("step", "exit", str(first), rank=1, size=3),
+                         faults.plan("step", "exit", str(second), rank=1, size=3, after=str(first)))
+    assert _worker(env, 1, 1, "step", size=2).returncode == 0  # an epoch of two workers: neither is armed
+    assert _fired(first) is None and _fired(second) is None
+    assert _worker(env, 1, 2, "step", size=3).returncode == 1  # the first fires; the second waited for it
+    assert (_fired(first)["epoch"], _fired(first)["size"]) == (2, 3) and _fired(second) is None
+    assert _worker(env, 1, 2, "step", size=3).returncode == 0  # the epoch the first fired in: not yet
+    assert _worker(env, 1, 3, "step", size=2).returncode == 0  # a later epoch, but of two workers
+    assert _worker(env, 1, 3, "step", size=3).returncode == 1
+    assert (_fired(second)["epoch"], _fired(second)["size"], _fired(second)["point"]) == (3, 3, "step")
 
 
 def _ended_process() -> int:
@@ -110,6 +128,18 @@ def test_a_removed_nodes_worker_is_released_only_once_its_process_has_ended(tmp_
         worker.wait()
     assert seen_alive == [True] and (tmp_path / "released").exists()
     assert 0.4 < waited < 10, waited
+
+
+def test_bad_plans_are_refused_naming_the_argument(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ValueError, match="size must be a number of workers"):
+        faults.plan("step", "exit", str(tmp_path), size=0)
+    with pytest.raises(ValueError, match="after must be another fault's existing directory"):
+        faults.plan("step", "exit", str(tmp_path), after=str(tmp_path))
+    with pytest.raises(ValueError, match="after must be another fault's existing directory"):
+        faults.plan("step", "exit", str(tmp_path), after=str(tmp_path / "missing"))
+    assert '"after": "%s"' % other in faults.plan("step", "exit", str(tmp_path), after=str(other))[faults.ENV]
 
 
 def test_bad_combinations_are_refused_naming_the_argument(tmp_path):
