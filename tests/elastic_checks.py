@@ -67,12 +67,13 @@ def remove_node_of(cluster: Cluster, node_id: str) -> None:
 
 
 def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
-              hold: Optional[tuple] = None, until: Optional[tuple[str, int]] = None) -> dict[str, Any]:
+              hold: Optional[tuple] = None, until: Optional[tuple[str, int, float]] = None) -> dict[str, Any]:
     """A small elastic job. ``die=(epoch, rank, marker)``: that rank exits mid-epoch once.
     ``hold=(epoch, size, seconds[, stop_file])``: before that epoch, commit (without training) until the
     job has ``size`` workers (or ``stop_file`` exists), so a joining node is waited for instead of raced.
-    ``until=(path, size)``: train until the ranks agree (at a commit) that ``path`` exists in an epoch of
-    ``size`` workers or more, then ``epochs`` epochs more: a chain of faults sets the job's length."""
+    ``until=(path, size, seconds)``: train until the ranks agree (at a commit) that ``path`` exists in an
+    epoch of ``size`` workers or more, or that a rank has trained ``seconds``, then ``epochs`` epochs more:
+    a chain of faults sets the job's length (and one that stalls ends it, for the test to say which)."""
     import os
     import time
 
@@ -93,6 +94,7 @@ def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
     state = hvd.elastic.TorchState(model, opt, epoch=0, completed=[], sizes=[], last=None if until else epochs)
     node = ray.get_runtime_context().get_node_id()
     pid = os.getpid()
+    started = time.monotonic()
 
     @hvd.elastic.run
     def train(state):
@@ -121,7 +123,8 @@ def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,
             state.sizes.append(hvd.size())
             state.epoch += 1
             if state.last is None:
-                seen = float(os.path.exists(until[0]) and hvd.size() >= until[1])
+                seen = float((os.path.exists(until[0]) and hvd.size() >= until[1])
+                             or time.monotonic() - started > until[2])
                 if hvd.allreduce(torch.tensor([seen]), op=hvd.Max, name="until").item():
                     state.last = state.epoch + epochs
             state.commit()
