@@ -125,12 +125,9 @@ def fresh_coordinator_host():
     from hvdray.driver import coordinator_host
 
     with coordinator_host._host_lock:
-        host = coordinator_host._host
-        context = ray.get_runtime_context()
-        # a host of an earlier Ray session (an earlier module's cluster) is gone with it: its handle is no
-        # longer valid, and start_job_coordinator would not use it either
-        if host is not None and host[0] == (context.get_job_id(), context.get_node_id()):
-            ray.kill(host[1], no_restart=True)
+        _, host = coordinator_host._host_here()  # not one of an earlier module's Ray session: gone with it
+        if host is not None:
+            ray.kill(host, no_restart=True)
         coordinator_host._host = None
     yield
 

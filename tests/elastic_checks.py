@@ -12,6 +12,7 @@ from ray.cluster_utils import Cluster
 from ray._private.state import actors as gcs_actors
 
 from hvdray import RayExecutor
+from hvdray.testing import faults
 
 EPOCHS = 6
 
@@ -64,6 +65,13 @@ def use_nodes(cluster: Cluster, count: int) -> None:
 def remove_node_of(cluster: Cluster, node_id: str) -> None:
     node = next(n for n in worker_nodes(cluster) if n.node_id == node_id)
     cluster.remove_node(node, allow_graceful=False)
+
+
+def cluster_responder(cluster: Cluster, directory: str) -> faults.Responder:
+    """The test's side of the fault planned in ``directory``: it removes the blocked worker's node from
+    ``cluster``, or adds a 1-CPU node there."""
+    return faults.Responder(directory, lambda node_id: remove_node_of(cluster, node_id),
+                            lambda: cluster.add_node(num_cpus=1))
 
 
 def train_job(epochs: int, die: Optional[tuple[int, int, str]] = None,

@@ -112,6 +112,15 @@ _host: Optional[tuple[tuple[str, str], Any]] = None
 _host_names = itertools.count()
 
 
+def _host_here() -> tuple[tuple[str, str], Optional[Any]]:
+    """Where this driver's host belongs, ``(Ray job id, node id)``, and the host kept for it (None if
+    there is none, or the one kept is of an earlier Ray session, whose handle is no longer valid).
+    Called under ``_host_lock``."""
+    context = ray.get_runtime_context()
+    where = (context.get_job_id(), context.get_node_id())
+    return where, _host[1] if _host is not None and _host[0] == where else None
+
+
 def start_job_coordinator(answer_s: float = HOST_ANSWER_S, start_s: float = HOST_ANSWER_S) -> JobCoordinator:
     """A new job's coordinator, with a fresh token and secret, in this driver's coordinator host.
 
@@ -124,11 +133,9 @@ def start_job_coordinator(answer_s: float = HOST_ANSWER_S, start_s: float = HOST
 
     token = secrets.token_bytes(32)
     digest = token_digest(token)
-    context = ray.get_runtime_context()
-    where = (context.get_job_id(), context.get_node_id())
     starts_by = 0.0
     with _host_lock:
-        handle = _host[1] if _host is not None and _host[0] == where else None
+        where, handle = _host_here()
         if handle is not None:
             try:
                 ray.get(handle.open_job.remote(digest), timeout=answer_s)

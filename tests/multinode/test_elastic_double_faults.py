@@ -25,7 +25,7 @@ from hvdray.testing import faults
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import elastic_checks  # noqa: E402 - shared with test_elastic_faults.py
-from elastic_checks import Recorder, check_invariants, elastic_executor, remove_node_of, train_job, use_nodes  # noqa: E402
+from elastic_checks import Recorder, check_invariants, cluster_responder, elastic_executor, train_job, use_nodes  # noqa: E402
 from elastic_checks import cluster  # noqa: E402,F401 - the fixture
 
 ray.cloudpickle.register_pickle_by_value(elastic_checks)
@@ -53,8 +53,7 @@ def test_elastic_job_survives_two_faults(cluster, tmp_path, case):
         directory = tmp_path / f"fault{index}"
         directory.mkdir()
         plans.append(faults.plan(point, action, str(directory), rank=rank, min_epoch=min_epoch))
-        responders.append(faults.Responder(str(directory), lambda node_id: remove_node_of(cluster, node_id),
-                                           lambda: cluster.add_node(num_cpus=1)))
+        responders.append(cluster_responder(cluster, str(directory)))
     with elastic_executor(min_workers=1, max_workers=3, cooldown_range=(1, 2)) as ex:
         ex.start(extra_env_vars=faults.combine(*plans))
         results = ex.run(train_job, args=[EPOCHS], kwargs={"hold": HOLD.get(case)}, callbacks=[recorder, *responders])

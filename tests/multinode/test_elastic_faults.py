@@ -55,7 +55,7 @@ from hvdray.testing import faults
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import elastic_checks  # noqa: E402 - shared with test_elastic.py
 from elastic_checks import (  # noqa: E402
-    Recorder, check_invariants, elastic_executor, remove_node_of, train_job, use_nodes,
+    Recorder, check_invariants, cluster_responder, elastic_executor, train_job, use_nodes,
 )
 from elastic_checks import cluster  # noqa: E402,F401 - the fixture
 
@@ -159,8 +159,7 @@ def test_elastic_job_survives(cluster, cpu_load, tmp_path, point, action, repeat
         env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=2)
         recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
         kwargs = {"hold": (1, 3, 120.0, str(tmp_path / "fired"))}  # the fault may take the third node
-    responder = faults.Responder(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
-                                 lambda: cluster.add_node(num_cpus=1))
+    responder = cluster_responder(cluster, str(tmp_path))
     with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
         ex.start(extra_env_vars=env)
         results = ex.run(train_job, args=[EPOCHS], kwargs=kwargs, callbacks=[recorder, responder])
@@ -209,14 +208,13 @@ def test_elastic_job_survives_a_chain_of_faults(cluster, cpu_load, tmp_path, cha
     recorder = Recorder()
     use_nodes(cluster, 2)
     started = time.monotonic()
+    sizes = [2 if action == "join" else 3 for _, action in chained]  # the epoch each fault hits
     plans, responders, before = [], [], None
-    for index, (point, action) in enumerate(chained):
+    for index, ((point, action), size) in enumerate(zip(chained, sizes)):
         directory = tmp_path / f"{index}-{action}-at-{point}"
         directory.mkdir()
-        plans.append(faults.plan(point, action, str(directory), rank=1, size=2 if action == "join" else 3,
-                                 after=before))
-        responders.append(faults.Responder(str(directory), lambda node_id: remove_node_of(cluster, node_id),
-                                           lambda: cluster.add_node(num_cpus=1)))
+        plans.append(faults.plan(point, action, str(directory), rank=1, size=size, after=before))
+        responders.append(cluster_responder(cluster, str(directory)))
         before = str(directory)
     if chained[0][1] != "join":  # the job starts with two workers: a third joins after the first commit
         recorder.at_commit(0, lambda: cluster.add_node(num_cpus=1))
@@ -230,10 +228,9 @@ def test_elastic_job_survives_a_chain_of_faults(cluster, cpu_load, tmp_path, cha
                          callbacks=[recorder, *responders])
     elapsed = time.monotonic() - started
     fired = [responder.fired() for responder in responders]
-    for (point, action), what in zip(chained, fired):
+    for (point, action), size, what in zip(chained, sizes, fired):
         assert what is not None, (point, action, "never fired; the faults that did:", fired)
-        assert (what["point"], what["action"], what["rank"]) == (point, action, 1), what
-        assert what["size"] == (2 if action == "join" else 3), what
+        assert (what["point"], what["action"], what["rank"], what["size"]) == (point, action, 1, size), what
     epochs = [what["epoch"] for what in fired]
     assert epochs == sorted(set(epochs)), fired  # each in an epoch formed after the one before fired
     check_invariants(results, recorder, len(results[0]["completed"]))
@@ -261,8 +258,7 @@ def test_a_fault_in_the_first_hvd_init_is_a_reset(cluster, tmp_path, point, acti
     started = time.monotonic()
     recorder = Recorder()
     env = faults.plan(point, action, str(tmp_path), rank=1, min_epoch=1)
-    responder = faults.Responder(str(tmp_path), lambda node_id: remove_node_of(cluster, node_id),
-                                 lambda: cluster.add_node(num_cpus=1))
+    responder = cluster_responder(cluster, str(tmp_path))
     with elastic_executor(min_workers=2, max_workers=3, cooldown_range=(1, 2)) as ex:
         ex.start(extra_env_vars=env)
         results = ex.run(train_job, args=[EPOCHS], callbacks=[recorder, responder])
