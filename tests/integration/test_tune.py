@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -95,6 +96,21 @@ def _wait_until_released(groups_before: int, timeout_s: float = 15) -> tuple[flo
 
 def _run_config(tmp_path, name):
     return tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0)
+
+
+def _own_trial_storages() -> set[str]:
+    """The local storages that trials made by hand (no Tune) create for themselves in this process."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdray-trial-*")))
+
+
+@pytest.fixture(autouse=True)
+def _remove_own_trial_storages():
+    """A trial made by hand keeps its storage after it stops, as Ray's own ``Trainable`` keeps its
+    logdir; the tests remove theirs so that the suite leaves nothing in the temporary directory."""
+    before = _own_trial_storages()
+    yield
+    for path in _own_trial_storages() - before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- the Trainable on its own -------------------------------------------------------------------------
