@@ -1,6 +1,9 @@
 """The response cache and its flag vector, without Ray: slots, LRU eviction, AND-combined flags."""
 
+import random
+
 import numpy as np
+import pytest
 import torch
 
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
@@ -71,3 +74,28 @@ def test_joined_rank_agrees_to_every_slot():
 def test_default_capacity_vector_is_tiny():
     assert FlagVector(1024).fill(list(range(0, 1024, 7)), False, False).numel() == 257
     assert np.all(FlagVector(0).fill([], False, True).numpy() == torch.tensor([0]).numpy())
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 7, 8, 13, 64, 1024])
+def test_flags_agree_with_sets_of_slots_for_any_capacity_and_ranks(capacity):
+    """ready = pending on every rank (a joined rank agrees to all), somewhere = pending on some rank, both
+    ascending; full round if any rank wants one; everyone blocked if every rank is (a joined one counts)."""
+    rng = random.Random(capacity)
+    for _ in range(200):
+        ranks = rng.randint(1, 4)
+        states = []
+        for _ in range(ranks):
+            joined = rng.random() < 0.15
+            count = rng.choice([0, 1, 5, capacity // 2, capacity]) if capacity else 0
+            pending = [] if joined else rng.sample(range(capacity), min(count, capacity))
+            states.append((pending, joined, rng.random() < 0.2, rng.random() < 0.5))
+        vectors = [FlagVector(capacity).fill(p, j, w, b).clone() for p, j, w, b in states]
+        reader = FlagVector(capacity)
+        reader.tensor.copy_(_combine(*vectors))
+        ready, somewhere, full = reader.read()
+        active = [set(p) for p, joined, _, _ in states if not joined]
+        expected_ready = set.intersection(*active) if active else set(range(capacity))
+        assert ready == sorted(expected_ready)
+        assert somewhere == sorted(set().union(*active))
+        assert full == any(w for _, _, w, _ in states)
+        assert reader.everyone_blocked == all(b or j for _, j, _, b in states)

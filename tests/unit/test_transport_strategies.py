@@ -129,25 +129,36 @@ def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():
     assert Reduction.ADASUM not in GLOO_OPS
 
 
-def test_a_one_process_communicator_runs_every_list():
+def test_a_one_process_communicator_runs_every_op_as_the_identity():
     comm = Communicator(dist.HashStore(), 0, 1, timeout_s=5.0)
     try:
-        assert comm.transport == "gloo" and comm.fused_message_bytes == 0
-        assert comm.strategies.names()["allreduce"] == ["adasum", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"]
+        assert comm.transport == "gloo"
+        assert comm.strategies.names() == {"allreduce": ["single rank"], "allgather": ["single rank allgather"],
+                                           "broadcast": ["single rank broadcast"]}
         t = torch.arange(6.0).view(2, 3).t()  # not contiguous
         comm.allreduce(t, Reduction.SUM)
         assert torch.equal(t, torch.arange(6.0).view(2, 3).t())
         g = torch.tensor([3.0, -4.0])
         comm.allreduce(g, "adasum")
         assert torch.equal(g, torch.tensor([3.0, -4.0]))  # one rank's Adasum is its own gradient
+        out = torch.zeros(2)
+        comm.allreduce_into(g, out, Reduction.MAX)
+        assert torch.equal(out, g) and out.data_ptr() != g.data_ptr()
         flags = torch.tensor([1, 3], dtype=torch.uint8)
         comm.and_flags(flags)
         assert flags.tolist() == [1, 3]
         assert [p.tolist() for p in comm.allgather(torch.ones(2))] == [[1.0, 1.0]]
+        assert [p.tolist() for p in comm.allgather(torch.tensor([-2, 7], dtype=torch.int16))] == [[-2, 7]]
         assert comm.allgather_bytes(b"hvdray") == [b"hvdray"]
         comm.broadcast(g, 0)
-        with pytest.raises(RuntimeError, match="fused lists"):
-            comm.allreduce_tensors([g], [g], Reduction.SUM)
+        assert torch.equal(g, torch.tensor([3.0, -4.0]))
+        # fused lists of any size, in place or into other tensors, with the engine's finishing scale
+        assert comm.fused_message_bytes >= 1 << 40
+        inputs, outputs = [torch.ones(3), torch.full((2, 2), 2.0)], [torch.empty(3), None]
+        outputs[1] = inputs[1]  # in place
+        comm.allreduce_tensors(inputs, outputs, Reduction.SUM, lambda reduced: torch._foreach_mul_(reduced, 0.5))
+        assert outputs[0].tolist() == [0.5] * 3 and inputs[0].tolist() == [1.0] * 3
+        assert outputs[1].tolist() == [[1.0, 1.0], [1.0, 1.0]]
     finally:
         comm.close()
     with pytest.raises(NoStrategyError):  # a closed communicator refuses ops loudly

@@ -74,7 +74,7 @@ class Agreement:
 
     def fill_flags(self, wants_full: bool, blocked: bool) -> torch.Tensor:
         """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op)."""
-        return self.flags.fill(list(self.slot_requests), self.rank in self.table.joined, wants_full, blocked)
+        return self.flags.fill(self.slot_requests, self.rank in self.table.joined, wants_full, blocked)
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round."""

@@ -236,10 +236,13 @@ def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
     and converts back, which truncates too)."""
     average = desc.reduce_op is ReduceOp.AVERAGE
     if average and not bufs[0].is_floating_point():
-        for buf in bufs:
-            buf.div_(size, rounding_mode="trunc")
+        if size != 1:
+            for buf in bufs:
+                buf.div_(size, rounding_mode="trunc")
     elif average or desc.postscale != 1.0:
         factor = desc.postscale / size if average else desc.postscale
+        if factor == 1.0:  # an average over one rank: nothing to scale
+            return
         if bufs[0].is_floating_point():
             torch._foreach_mul_(bufs, factor)
         else:

@@ -15,6 +15,8 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
     allgather   SharedMemoryAllgather (one node), GlooAllgather
     broadcast   SharedMemoryBroadcast (one node), GlooBroadcast
     alltoall, reducescatter: Gloo only
+    a job of one rank: SingleRankAllreduce, SingleRankAllgather and SingleRankBroadcast alone (the
+    identity, no Gloo call: single_rank.py)
 
 Which entries a rank's lists hold is fixed when the communicator is built, from the plan every rank
 agrees on (``plan.py``: a shared-memory segment per node? hierarchical allreduce?), so every rank picks
@@ -29,8 +31,8 @@ as the Gloo one. CPU tensors never match its ``serves``, so nothing else changes
 
 Modules: ``communicator.py`` (the facade: groups, segment, lists), ``strategy.py`` (what a strategy
 is, and the walk of a list), ``order.py`` (the lists), ``plan.py`` (the pure decisions),
-``reductions.py`` (how ops are named and computed), ``gloo.py``, ``hierarchical.py``, ``adasum.py``
-and ``shm/`` (the strategies and what they run on).
+``reductions.py`` (how ops are named and computed), ``gloo.py``, ``hierarchical.py``, ``adasum.py``,
+``single_rank.py`` and ``shm/`` (the strategies and what they run on).
 """
 
 from hvdray.collective.transport.communicator import Communicator

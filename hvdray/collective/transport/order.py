@@ -27,6 +27,7 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
 )
+from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
 
 _Strategy = TypeVar("_Strategy")
@@ -55,7 +56,10 @@ def ordered_strategies(
 ) -> Strategies:
     """The lists for a job whose ranks share the Gloo group ``world``; ``node``: this node's shared-memory
     group, when the plan maps one; ``cross``: the Gloo group of this local rank across the nodes, when
-    allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node)."""
+    allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node). A
+    job of one rank gets the identity strategies of ``single_rank.py`` alone."""
+    if world.size() == 1:
+        return Strategies((SingleRankAllreduce(),), (SingleRankAllgather(),), (SingleRankBroadcast(),))
     one_node = node if cross is None else None
     allgather = _present(
         SharedMemoryAllgather(one_node) if one_node is not None else None,
