@@ -98,9 +98,15 @@ def _run_config(tmp_path, name):
     return tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0)
 
 
+def _temporary(prefix: str) -> set[str]:
+    """The paths in the temporary directory whose names start with ``prefix`` (the workers run on this
+    machine, as this process)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")))
+
+
 def _own_trial_storages() -> set[str]:
     """The local storages that trials made by hand (no Tune) create for themselves in this process."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdray-trial-*")))
+    return _temporary("hvdray-trial-")
 
 
 @pytest.fixture(autouse=True)
@@ -312,8 +318,8 @@ def test_checkpoints_are_present_or_absent_as_asked_and_hold_rank_zeros_copy(ray
 
 
 def _restored_copies() -> set[str]:
-    """The ranks' local copies of restored checkpoints (the workers run on this machine, as this process)."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdray-restored-*")))
+    """The ranks' local copies of restored checkpoints."""
+    return _temporary("hvdray-restored-")
 
 
 def test_a_restored_trial_resumes_from_its_checkpoint_on_every_rank(ray_local):

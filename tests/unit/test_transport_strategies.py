@@ -16,11 +16,13 @@ from hvdray.collective.transport.gloo import (
     GATHER_REDUCE_BYTES,
     RECURSIVE_DOUBLING_BYTES,
     RECURSIVE_DOUBLING_MIN_RANKS,
+    GlooAllgather,
+    GlooBroadcast,
     GlooGatherReduce,
     GlooRecursiveDoubling,
     GlooRing,
 )
-from hvdray.collective.transport.order import ordered_strategies
+from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
 from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, first_serving
@@ -163,3 +165,17 @@ def test_a_one_process_communicator_runs_every_op_as_the_identity():
         comm.close()
     with pytest.raises(NoStrategyError):  # a closed communicator refuses ops loudly
         comm.allreduce(torch.ones(1), Reduction.SUM)
+
+
+def test_a_communicator_without_a_fused_strategy_refuses_fused_lists():
+    comm = Communicator(dist.HashStore(), 0, 1, timeout_s=5.0)
+    try:
+        comm._use(Strategies((GlooRing(comm._pg),), (GlooAllgather(comm._pg),), (GlooBroadcast(comm._pg),)))
+        assert comm.fused_message_bytes == 0
+        g = torch.tensor([3.0, -4.0])
+        comm.allreduce(g, Reduction.SUM)  # Gloo's ring over a group of one
+        assert torch.equal(g, torch.tensor([3.0, -4.0]))
+        with pytest.raises(RuntimeError, match="fused lists"):
+            comm.allreduce_tensors([g], [g], Reduction.SUM)
+    finally:
+        comm.close()
