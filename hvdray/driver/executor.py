@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: after a call in which a rank raised, how long the next call waits for the other workers to end theirs (their
+#: ops the raising rank never submitted fail at once) before it starts new workers instead
+_FAILED_CALL_SETTLE_S = 5.0
+
 __all__ = ["ElasticRayExecutor", "RayExecutor", "WorkerLostError"]
 
 
@@ -230,10 +234,15 @@ class RayExecutor:
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
 
     def _ready_group(self) -> WorkerGroup:
-        """The running worker group: started on first use, started anew after a failure or an interrupt."""
+        """The running worker group: started on first use, and anew after an interrupt, a lost worker, or
+        a call in which a rank raised and the others did not end their call within
+        :data:`_FAILED_CALL_SETTLE_S` (or one of them has a broken ring)."""
         if self._limits is not None:
             raise RuntimeError("elastic executors have no fixed workers: use run(), not run_remote/execute")
         self._ensure_started()
+        group = self._group
+        if group is not None and group.failed_call and not group.settle_failed_call(_FAILED_CALL_SETTLE_S):
+            group.stop()
         if self._group is None or self._group.state is GroupState.STOPPED:
             self._start_group()
         assert self._group is not None
@@ -386,11 +395,12 @@ class RayExecutor:
         try:
             values = group.gather(calls, list(callbacks or ()))
         except BaseException as exc:
-            # A failed rank stopped the group already. Anything else ends the call on the driver's side while
-            # the workers may still run it, mid-collective: Ctrl-C (or a notebook's interrupt), a callback that
-            # raised, a lost coordinator (the workers' rendezvous and records went with it). They are stopped;
-            # the executor stays usable and its next call starts fresh workers in the same placement group.
-            if group.state is not GroupState.STOPPED:
+            # A lost worker stopped the group already, and a rank that raised left it to finish the call (the
+            # next call checks). Anything else ends the call on the driver's side while the workers may still
+            # run it, mid-collective: Ctrl-C (or a notebook's interrupt), a callback that raised, a lost
+            # coordinator (the workers' rendezvous and records went with it). They are stopped; the executor
+            # stays usable and its next call starts fresh workers in the same placement group.
+            if group.state is not GroupState.STOPPED and not group.failed_call:
                 group.stop()
                 if isinstance(exc, KeyboardInterrupt):
                     log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones",

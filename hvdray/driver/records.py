@@ -77,6 +77,17 @@ class RecordStream:
             if not answer[1]:
                 return
 
+    def skip_pending(self) -> None:
+        """Acknowledge every record the coordinator holds now without handing it on (those that a failed
+        call's workers sent after its result was final)."""
+        if self._coordinator() is None:
+            return
+        while True:
+            first, records = self._ask(self._client().records.remote(self._after, 0.0), "a request for records")
+            self._after = max(first + len(records), self._after if self._after is not None else first)
+            if not records:
+                return
+
     def hand_on(self, answer: tuple[int, list[Any]], callbacks: Sequence[Callback]) -> None:
         """Pass on the records of one coordinator answer that were not handed on yet (answers overlap)."""
         first, records = answer

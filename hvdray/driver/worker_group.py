@@ -4,11 +4,13 @@
 
     STARTING ──started──▶ RUNNING ──drain()──▶ DRAINING ──stop()──▶ STOPPED
         │                    │                                            ▲
-        └────────────────────┴── stop(): a start failed, a rank failed, ──┘
+        └────────────────────┴── stop(): a start failed, a worker died, ──┘
                                  Ctrl-C, the run or the executor ended
 
 A fixed group is RUNNING once every rank is configured; an elastic one from its first worker on
-(it keeps adding workers while it runs). DRAINING starts no more workers.
+(it keeps adding workers while it runs). DRAINING starts no more workers. A fixed group whose call
+failed because a rank's function raised stays RUNNING, its ``failed_call`` set: the next call takes
+it once the others' calls have ended (:meth:`WorkerGroup.settle_failed_call`), or stops it.
 
 A worker starts in steps, each one Ray call with its own budget: its actor is created and reports
 its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (importing torch,
@@ -126,6 +128,12 @@ class RunResult:
     out_of_memory: bool = False
 
 
+def _raised_by_the_function(exc: BaseException) -> bool:
+    """Whether a worker's call failed because the user's function raised (its worker alive), not
+    because the worker or an actor it called (the job's coordinator) died."""
+    return isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, ray.exceptions.RayError)
+
+
 class WorkerGroup:
     """The job's worker actors: started, watched and stopped here.
 
@@ -156,6 +164,8 @@ class WorkerGroup:
         self._owns_coordinator = owns_coordinator
         self._hosted_by_worker = coordinator is None  # the coordinator dies with a worker: see gather()
         self.call = 0  # the number of the latest call sent to the workers (see begin_call)
+        #: a rank raised in the last call and the workers were kept: see :meth:`settle_failed_call`
+        self.failed_call = False
         self.epoch = 0  # the membership epoch the coordinator formed last
         self._datasets: Optional[DatasetSplitter] = None  # the current call's Ray Datasets, split per epoch
         self._split: list[dict[str, Any]] = []  # the shards of the current split, one per rank (none: [])
@@ -377,8 +387,10 @@ class WorkerGroup:
 
     def gather(self, calls: list[ray.ObjectRef], callbacks: Sequence[Callback]) -> list[Any]:
         """Wait for one call per rank (``calls`` in rank order), handing worker records to ``callbacks``
-        meanwhile. The first rank that fails stops the group (the others may wait on it) and its
-        error is raised, naming the rank."""
+        meanwhile. The first rank that fails ends the wait and its error is raised, naming the rank. A
+        lost worker stops the group; a rank whose function raised leaves the workers to finish the call
+        (the ops its peers wait on fail at once, naming it), and the next call takes them if they did
+        (:meth:`settle_failed_call`)."""
         rank_of = {call: rank for rank, call in enumerate(calls)}
         pending = list(calls)
         failures: list[tuple[int, BaseException]] = []
@@ -414,11 +426,46 @@ class WorkerGroup:
                 self.records.deliver(callbacks, flush=True)  # what was reported before the failure still counts
             except CoordinatorLostError:  # the coordinator is gone too: the rank's error says more
                 log.debug("hvdray executor %s: the records of the failed call were lost", self.executor_id)
-            self.stop()
             rank, exc = min(failures, key=lambda failure: (consequence_level(failure[1]), failure[0]))
-            raise failure_error(exc, rank, len(calls))
+            if all(_raised_by_the_function(failure) for _, failure in failures):
+                self._end_split()  # a peer still reading the call's shards raises instead of waiting for it
+                self.failed_call = True
+                aftermath = "the other workers finish the call, and the next call takes them if they did"
+            else:
+                self.stop()
+                aftermath = "the other workers were stopped"
+            raise failure_error(exc, rank, len(calls), aftermath=aftermath)
         self.records.deliver(callbacks, flush=True)
         return ray.get(calls)
+
+    def settle_failed_call(self, wait_s: float) -> bool:
+        """After a call in which a rank's function raised (:attr:`failed_call`): whether the workers can
+        take the next call. They can once every worker's call has ended within ``wait_s`` (a peer blocked
+        on an op the raising rank never submitted fails at once) and every engine still works (a broken
+        ring keeps raising what broke it); they then count generated op names from 0 again, alike. The
+        records that the call's workers sent after the failure are dropped: the failed call's result is
+        final. False: the caller stops the group."""
+        self.failed_call = False
+        calls = [w.run_ref for w in self.workers.values() if w.run_ref is not None]
+        ended, running = ray.wait(calls, num_returns=len(calls), timeout=wait_s) if calls else ([], [])
+        if running:
+            log.info("hvdray executor %s: %d worker(s) still in the failed call after %s s; starting new ones",
+                     self.executor_id, len(running), wait_s)
+            return False
+        for call in ended:
+            try:
+                ray.get(call)
+            except ray.exceptions.RayTaskError as exc:
+                if not _raised_by_the_function(exc):
+                    return False
+            except ray.exceptions.RayError:  # the worker died after the failure
+                return False
+        try:
+            ready = ray.get([w.actor.ready_after_failed_call.remote() for w in self.ranked()], timeout=wait_s)
+            self.records.skip_pending()
+        except (ray.exceptions.RayError, CoordinatorLostError):
+            return False
+        return all(ready)
 
     def poll_liveness(self, unanswered_s: float) -> list[str]:
         """Ids of running workers found gone, without waiting: a ping (one in flight per worker, sent
@@ -547,6 +594,7 @@ class WorkerGroup:
         collective for a peer that is gone)."""
         if self.state is GroupState.STOPPED:
             return
+        self.failed_call = False
         self.cancel_starts()
         self.records.forget_waiting_call()
         self._end_split()

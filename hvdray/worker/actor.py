@@ -121,6 +121,20 @@ class Worker:
         """Answered while ``run`` is busy (elastic workers are threaded actors): the driver's liveness probe."""
         return True
 
+    def ready_after_failed_call(self) -> bool:
+        """Whether this worker can take the driver's next call after one in which a rank raised: every
+        engine it runs is still working (one whose ring broke keeps raising what broke it). If so, its
+        engines count generated names (``allreduce.noname.N``) from 0 again, as the other ranks' do:
+        the failed call's ranks submitted different ops, so their counts differ."""
+        from hvdray.collective import session
+
+        engines = session.engines()
+        if any(engine.broken for engine in engines):
+            return False
+        for engine in engines:
+            engine.restart_generated_names()
+        return True
+
     def _send_log(self, record: dict[str, Any]) -> None:
         rank = int(os.environ.get("HOROVOD_RANK", "-1"))  # elastic ranks change with each epoch
         self._pending_logs.append(self._coordinator.push_log.remote(rank, record, self._record_origin()))

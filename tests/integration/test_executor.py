@@ -262,6 +262,91 @@ def test_str_of_a_workers_error_names_its_rank_for_builtin_and_custom_exceptions
         assert "rank 0 of 2: caught as itself" in str(caught)
 
 
+def _pid_after(rank_raises: int, then: str):
+    """Rank ``rank_raises`` raises; the other rank then waits for it in an allreduce (``"allreduce"``),
+    goes on computing for 10 s (``"busy"``), or finds its engine stopped by the raising rank's
+    ``hvd.shutdown()`` (``"shutdown"``). Returns the worker's pid (from the ranks that do not raise)."""
+    import os
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == rank_raises:
+        if then == "shutdown":
+            hvd.shutdown()
+        raise ValueError(f"rank {rank_raises} gives up")
+    if then == "busy":
+        time.sleep(10)
+    hvd.allreduce(torch.ones(2))  # unnamed: the ranks' counts of generated names now differ
+    return os.getpid()
+
+
+def _pid_and_sum():
+    import os
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return os.getpid(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # the same generated name on every rank
+
+
+def test_a_rank_that_raises_leaves_the_workers_to_the_next_call_unless_one_is_busy_or_broken(make_executor):
+    """A rank's function raises: ``run`` raises at once, and the next call takes the same worker
+    processes (their state, such as a stateful executable, with them) once every other worker's call
+    has ended, as its ops the raising rank never submitted fail naming it; their unnamed ops get the
+    same generated names again, though the ranks submitted different ops before. A worker still busy in the
+    failed call after a few seconds, or one whose engine stopped (the raising rank shut hvdray down
+    under it), gives the next call new workers instead."""
+    ex = make_executor(num_workers=2)
+    pids = [pid for pid, total in ex.run(_pid_and_sum)]
+    assert ex.run(_pid_and_sum) == [(pid, 2.0) for pid in pids]
+
+    for rank in (1, 0):  # the peer waits in an allreduce: its op fails at once and its call ends
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=f"rank {rank} gives up"):
+            ex.run(_pid_after, args=[rank, "allreduce"])
+        assert ex.run(_pid_and_sum) == [(pid, 2.0) for pid in pids], "the workers were replaced"
+        assert time.monotonic() - started < 10
+
+    with pytest.raises(ValueError, match="rank 1 gives up"):
+        ex.run(_pid_after, args=[1, "busy"])  # raises at once, while rank 0 computes on
+    fresh = [pid for pid, total in ex.run(_pid_and_sum)]
+    assert not set(fresh) & set(pids), (fresh, pids)
+    assert [total for _, total in ex.run(_pid_and_sum)] == [2.0, 2.0]
+
+    with pytest.raises(ValueError, match="rank 1 gives up"):
+        ex.run(_pid_after, args=[1, "shutdown"])
+    again = [pid for pid, total in ex.run(_pid_and_sum)]
+    assert not set(again) & set(fresh), (again, fresh)
+
+
+def test_a_stateful_executable_survives_a_call_that_raised(make_executor):
+    class Counter:
+        def __init__(self):
+            self.value = 0
+
+        def bump(self, fail_on=None):
+            import hvdray.torch as hvd
+
+            hvd.init()
+            self.value += 1
+            if hvd.rank() == fail_on:
+                raise RuntimeError("bump failed")
+            return self.value
+
+    ex = make_executor(start=False, num_workers=2)
+    ex.start(executable_cls=Counter)
+    assert ex.execute(lambda w: w.bump()) == [1, 1]
+    with pytest.raises(RuntimeError, match="bump failed"):
+        ex.execute(lambda w: w.bump(fail_on=1))
+    assert ex.execute(lambda w: w.bump()) == [3, 3]  # kept: the failed call's bump counted too
+
+
 def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):
     settings = RayExecutor.create_settings(timeout_s=5, placement_group_timeout_s=20)
     ex = make_executor(settings=settings, num_workers=2)

@@ -184,6 +184,13 @@ class Engine:
             self._name_counters[op] = n + 1
         return f"{op}{GENERATED_NAME_MARK}{n}"
 
+    def restart_generated_names(self) -> None:
+        """Count generated names from 0 again, as every rank does at once after a call in which the ranks
+        submitted different ops (one raised or returned early): their counts differ, and the next
+        call's unnamed ops must get the same names on every rank."""
+        with self._lock:
+            self._name_counters.clear()
+
     def join(self) -> Handle:
         """This rank is done: it contributes zeros to allreduces until every rank has joined."""
         with self._lock:
@@ -225,6 +232,12 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def broken(self) -> bool:
+        """Whether the engine has stopped with an error (a ring that broke, a peer that shut down): its ops
+        keep raising it until ``hvd.shutdown()``."""
+        return self._error is not None or not self._thread.is_alive()
 
     @property
     def tuned(self) -> TunedParams:
