@@ -17,6 +17,7 @@ reports, with its checkpoints copied to ``<storage_path>/checkpoint_<n>``.
 from __future__ import annotations
 
 import os
+import time
 import sys
 
 import pytest
@@ -240,3 +241,39 @@ def test_execute_collects_a_result_too_and_run_remote_leaves_its_reports_to_the_
     assert list(executor.result.metrics_dataframe["value"]) == [0.0, 2.0]  # still execute's result
     executor.run(lambda: hvdray.report({"from": "run"}))
     assert [row["from"] for _, row in executor.result.metrics_dataframe.iterrows()] == ["run_remote", "run"]
+
+
+def _rank1_raises_then_rank0_reports():
+    import time
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("rank 1 fails first")
+    time.sleep(1.0)  # the run has raised by now; rank 0's call goes on with the workers kept
+    hvdray.report({"late": 1})
+    return hvd.rank()
+
+
+def _report_fresh():
+    import hvdray.torch as hvd
+
+    hvd.init()
+    hvdray.report({"fresh": hvd.rank()})
+    return hvd.rank()
+
+
+def test_a_report_sent_after_the_run_failed_is_in_neither_result(make_executor):
+    """A rank raised, so the run's result is final; rank 0's report after that (its worker kept for the
+    next call) goes to neither the failed run's result nor the next one's."""
+    executor = make_executor(num_workers=2)
+    with pytest.raises(ValueError, match="rank 1 fails first"):
+        executor.run(_rank1_raises_then_rank0_reports)
+    failed = executor.result
+    assert failed.metrics is None and failed.error is not None
+    time.sleep(2.0)  # rank 0's report has reached the coordinator
+    assert executor.run(_report_fresh) == [0, 1]
+    assert executor.result.metrics == {"fresh": 0}
+    assert list(executor.result.metrics_dataframe.columns) == ["fresh"], executor.result.metrics_dataframe
+    assert failed.metrics is None
