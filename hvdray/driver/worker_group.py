@@ -129,9 +129,11 @@ class RunResult:
 
 
 def _raised_by_the_function(exc: BaseException) -> bool:
-    """Whether a worker's call failed because the user's function raised (its worker alive), not
-    because the worker or an actor it called (the job's coordinator) died."""
-    return isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, ray.exceptions.RayError)
+    """Whether a worker's call ended with an exception raised in it (the user's, or one from an actor it
+    called: a dataset split the driver ended), its worker alive; a dead worker's call ends with Ray's
+    ``RayActorError`` or ``OutOfMemoryError`` instead. Whether the actors the workers need (the job's
+    coordinator) are alive, :meth:`WorkerGroup.settle_failed_call` asks."""
+    return isinstance(exc, ray.exceptions.RayTaskError)
 
 
 class WorkerGroup:
@@ -455,9 +457,8 @@ class WorkerGroup:
         for call in ended:
             try:
                 ray.get(call)
-            except ray.exceptions.RayTaskError as exc:
-                if not _raised_by_the_function(exc):
-                    return False
+            except ray.exceptions.RayTaskError:
+                pass  # the function raised (the failure, or what it caused in a peer)
             except ray.exceptions.RayError:  # the worker died after the failure
                 return False
         try:

@@ -59,6 +59,33 @@ def _shard_error(name):
     return "no error"
 
 
+def _pid_and_rows(rank_raises=None):
+    import os
+
+    import hvdray
+    import hvdray.torch as hvd
+
+    hvd.init()
+    shard = hvdray.get_dataset_shard("train")
+    if hvd.rank() == rank_raises:
+        raise ValueError(f"rank {rank_raises} gives up")
+    rows = 0
+    for _ in range(2):  # the second pass waits for every rank: the one that raised never comes
+        rows += sum(len(batch["id"]) for batch in shard.iter_batches(batch_size=8))
+    return os.getpid(), rows
+
+
+def test_a_rank_that_raises_releases_its_peers_from_their_shards_and_the_workers_stay(make_executor):
+    """A rank raises while its peer reads its shard: the driver ends the split, the peer's read fails
+    instead of waiting for the rank that raised, and the next call (a new split) takes the same workers."""
+    executor = make_executor(num_workers=2)
+    ds = ray.data.range(64)
+    pids = [pid for pid, _ in executor.run(_pid_and_rows, datasets={"train": ds})]
+    with pytest.raises(ValueError, match="rank 1 gives up"):
+        executor.run(_pid_and_rows, args=[1], datasets={"train": ds})
+    assert executor.run(_pid_and_rows, datasets={"train": ds}) == [(pid, 64) for pid in pids]
+
+
 def test_bad_datasets_and_names_are_refused_naming_them(make_executor):
     executor = make_executor(num_workers=2)
     with pytest.raises(TypeError, match=r"datasets\['train'\] must be a ray.data.Dataset, got list"):
