@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture
-def pair(make_executor):
+@pytest.fixture(scope="module")
+def pair(ray_local):
+    """One pair of workers for the module: every check calls ``hvd.init()`` and leaves no process set behind,
+    and a check that raises leaves the workers to the next (a new pair costs two worker starts)."""
     from hvdray import RayExecutor
 
-    return make_executor(settings=RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60),
-                         num_workers=2)
+    with RayExecutor(RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60), num_workers=2) as pair:
+        yield pair
 
 
 def _uneven_batches():

@@ -1,5 +1,6 @@
 """``hvdrayrun`` as a user runs it (``python -m hvdray.runner``, the console script's module): a
-subprocess that starts its own local Ray and runs unmodified scripts on real worker actors."""
+subprocess that starts its own local Ray (or joins the one ``$RAY_ADDRESS`` names) and runs unmodified
+scripts on real worker actors."""
 
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ def _hvdrayrun(*args: str, cwd: Path = ROOT, timeout: int = 180, env: dict | Non
                           text=True, timeout=timeout, env=env, cwd=cwd)
 
 
+@pytest.fixture
+def ray_address(ray_local) -> dict[str, str]:
+    """``RAY_ADDRESS`` of the module's local Ray, for the runs that join it (a Ray of its own costs a run
+    ~10 s of the 2 cores here; the first test starts one, as a bare ``hvdrayrun`` on a laptop does)."""
+    return {"RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+
+
 def _script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
@@ -80,7 +88,7 @@ def test_runs_an_unmodified_script_on_every_rank_with_prefixed_output(tmp_path):
         assert f"[{rank}]<stderr>:warning from rank {rank}" in result.stdout
 
 
-def test_console_script_runs_an_unmodified_horovod_torch_script_with_horovods_flags_and_knobs(tmp_path):
+def test_console_script_runs_an_unmodified_horovod_torch_script_with_horovods_flags_and_knobs(tmp_path, ray_address):
     """`hvdrayrun -np 2 python train.py` where train.py says `import horovod.torch as hvd`: the alias is on in
     every rank, one DistributedOptimizer step averages the gradients, and horovodrun's flags and HOROVOD_*
     knobs reach the workers' settings (a flag beats the environment)."""
@@ -89,7 +97,8 @@ def test_console_script_runs_an_unmodified_horovod_torch_script_with_horovods_fl
     command = [str(console)] if console.exists() else None  # installed with pip install -e . (as `make test` does)
     result = _hvdrayrun(
         "-np", "2", "-H", "localhost:2", "--fusion-threshold-mb", "8", "--verbose", "python", str(script),
-        env={"HOROVOD_FUSION_THRESHOLD": str(1 << 20), "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_CACHE_CAPACITY": "77"},
+        env={"HOROVOD_FUSION_THRESHOLD": str(1 << 20), "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_CACHE_CAPACITY": "77",
+             **ray_address},
         command=command,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -99,9 +108,9 @@ def test_console_script_runs_an_unmodified_horovod_torch_script_with_horovods_fl
                 "0.15000000596046448] fusion_mb=8.0 cycle_ms=2.5 cache=77") in result.stdout, result.stdout
 
 
-def test_a_failing_rank_fails_the_run_with_its_error_shown(tmp_path):
+def test_a_failing_rank_fails_the_run_with_its_error_shown(tmp_path, ray_address):
     script = _script(tmp_path, "fail.py", FAILING_SCRIPT)
-    result = _hvdrayrun("-np", "2", "--timeout", "20", "python", str(script), timeout=120)
+    result = _hvdrayrun("-np", "2", "--timeout", "20", "python", str(script), timeout=120, env=ray_address)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[1]<stderr>:ValueError: bad batch on rank one" in result.stdout
     assert f'[1]<stderr>:  File "{script}", line 7, in <module>' in result.stdout
@@ -230,10 +239,10 @@ ELASTIC_SCRIPT = """
 """
 
 
-def test_min_np_max_np_run_the_script_elastically(tmp_path):
+def test_min_np_max_np_run_the_script_elastically(tmp_path, ray_address):
     """--min-np/--max-np become RayExecutor(min_workers, max_workers): the script's hvd.elastic.run works."""
     script = _script(tmp_path, "elastic_train.py", ELASTIC_SCRIPT)
-    result = _hvdrayrun("--min-np", "2", "--max-np", "2", "--timeout", "30", "python", str(script))
+    result = _hvdrayrun("--min-np", "2", "--max-np", "2", "--timeout", "30", "python", str(script), env=ray_address)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank {rank} of 2 elastic total=6" in result.stdout

@@ -93,7 +93,7 @@ def say(word):
     print(f"{word} on stderr from {hvd.rank()}", file=sys.stderr, flush=True)
     return hvd.rank()
 
-ray.init(address="local", num_cpus=4, include_dashboard=False)
+ray.init(address=sys.argv[1])  # the module's Ray: a driver that joins a running cluster
 settings = RayExecutor.create_settings(timeout_s=30)
 fixed = RayExecutor(settings, num_workers=2)
 print("fixed ranks", fixed.run(say, args=["fixed"]), flush=True)
@@ -106,9 +106,11 @@ ray.shutdown()
 """
 
 
-def test_worker_log_lines_reach_the_driver_prefixed_by_rank(tmp_path):
+def test_worker_log_lines_reach_the_driver_prefixed_by_rank(ray_with_dashboard, tmp_path):
     """What a worker prints comes out on the driver as ``(rank 1 pid=...) ...``, not ``(Worker pid=...)``;
-    an elastic worker's prefix also carries its worker id."""
+    an elastic worker's prefix also carries its worker id. The driver is a process of its own that joins
+    the module's Ray (Ray sends a job's worker lines to that job's driver only)."""
+    import ray
     import os
     import re
     import subprocess
@@ -120,7 +122,8 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(tmp_path):
     env.pop("RAY_ADDRESS", None)
     script = tmp_path / "driver.py"
     script.write_text(_PRINTING_DRIVER)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "fixed ranks [0, 1]" in output and "elastic ranks [0, 1]" in output, output
