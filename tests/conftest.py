@@ -31,8 +31,13 @@ def ray_token_authentication():
 _shared_local_ray: dict[str, str] = {}
 
 
+#: actors that stay in a cluster by design: the driver's coordinator host (its executors share it), and Ray
+#: Data's statistics actor (detached: Ray Data starts it once per cluster and keeps it)
+_STAYING_ACTOR_CLASSES = {"CoordinatorHost", "_StatsActor"}
+
+
 def _cluster_is_clean(timeout_s: float = 5.0) -> bool:
-    """No actor but the driver's coordinator host and no placement group alive (both go away
+    """No actor but those that stay by design and no placement group alive (both go away
     asynchronously after an executor's shutdown, so this waits up to ``timeout_s`` for it)."""
     import time
 
@@ -41,7 +46,7 @@ def _cluster_is_clean(timeout_s: float = 5.0) -> bool:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [a for a in actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] != "CoordinatorHost"]
+        alive = [a for a in actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] not in _STAYING_ACTOR_CLASSES]
         groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
         if not alive and not groups:
             return True
@@ -58,7 +63,8 @@ def ray_local():
     ~6 s of the 2 cores, ~3 min over the suite. A module that needs another Ray (a multi-node cluster, a
     dashboard) shuts it down, and the next module here starts a fresh one. A module that leaves an actor
     (other than the driver's coordinator host, which a driver's executors share by design) or a placement
-    group behind gets its instance shut down after it, so the next module starts from a clean one."""
+    group behind gets its instance shut down after it, so the next module starts from a clean one (the
+    actors that stay by design, :data:`_STAYING_ACTOR_CLASSES`, do not count)."""
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().gcs_address != _shared_local_ray.get("address"):

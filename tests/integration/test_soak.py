@@ -53,8 +53,10 @@ def _cluster_usage() -> dict[str, float]:
     from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
     from ray.util import placement_group_table
 
-    # the driver's coordinator host, which an earlier test's job may have started, stays by design
-    alive = [a for a in actors().values() if a["State"] == "ALIVE" and not a["Name"].startswith("hvdray-coordinator-")]
+    # the driver's coordinator host, which an earlier test's job may have started, stays by design, and so
+    # does Ray Data's statistics actor (detached) once an earlier module has used Ray Data on this Ray
+    alive = [a for a in actors().values() if a["State"] == "ALIVE" and not a["Name"].startswith("hvdray-coordinator-")
+             and a["ActorClassName"] != "_StatsActor"]
     groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
     return {
         "actors": len(alive),
