@@ -71,32 +71,32 @@ class RecordStream:
                 self._waiting = None
                 self.hand_on(self._ask(call, "a request for records"), callbacks)
             return
-        while True:  # until the coordinator has nothing more, which also acknowledges what was handed on
-            answer = self._ask(self._client().records.remote(self._after, 0.0), "a request for records")
-            self.hand_on(answer, callbacks)
-            if not answer[1]:
-                return
+        self._drain(callbacks)
 
     def skip_pending(self) -> None:
         """Acknowledge every record the coordinator holds now without handing it on (those that a failed
         call's workers sent after its result was final)."""
-        if self._coordinator() is None:
-            return
+        if self._coordinator() is not None:
+            self._drain((), reports=False)
+
+    def _drain(self, callbacks: Sequence[Callback], reports: bool = True) -> None:
+        """Ask for records until the coordinator has nothing more, which also acknowledges what was handed on."""
         while True:
-            first, records = self._ask(self._client().records.remote(self._after, 0.0), "a request for records")
-            self._after = max(first + len(records), self._after if self._after is not None else first)
-            if not records:
+            answer = self._ask(self._client().records.remote(self._after, 0.0), "a request for records")
+            self.hand_on(answer, callbacks, reports)
+            if not answer[1]:
                 return
 
-    def hand_on(self, answer: tuple[int, list[Any]], callbacks: Sequence[Callback]) -> None:
-        """Pass on the records of one coordinator answer that were not handed on yet (answers overlap)."""
+    def hand_on(self, answer: tuple[int, list[Any]], callbacks: Sequence[Callback], reports: bool = True) -> None:
+        """Pass on the records of one coordinator answer that were not handed on yet (answers overlap);
+        rank 0's reports go to ``on_report`` unless ``reports`` is False."""
         first, records = answer
         done = first if self._after is None else self._after
         for number, (record, report) in enumerate(records, start=first):
             if number < done:
                 continue
             self._after = number + 1
-            if report is not None and self.on_report is not None:
+            if reports and report is not None and self.on_report is not None:
                 self.on_report(*report)
             hand_to_callbacks(callbacks, record)
         if self._after is None:

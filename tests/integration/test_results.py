@@ -17,8 +17,8 @@ reports, with its checkpoints copied to ``<storage_path>/checkpoint_<n>``.
 from __future__ import annotations
 
 import os
-import time
 import sys
+import time
 
 import pytest
 import ray.cloudpickle
