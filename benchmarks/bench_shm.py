@@ -33,7 +33,8 @@ def _use_transport(shm: bool) -> str:
     import hvdray.torch as hvd
     from hvdray.collective import session
 
-    session.settings().shm_transport = shm
+    job = session.current().current_job()  # a worker's settings are read-only: the job gets a changed copy
+    job.settings = job.settings.replace(shm_transport=shm)
     hvd.shutdown()
     hvd.init()
     return session.engine().comm.transport

@@ -34,6 +34,13 @@ class JobSettings:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a job's settings are read-only in its workers")
 
+    def replace(self, **changes: Any) -> "JobSettings":
+        """A copy with ``changes`` applied (the driver validated the values; these are taken as given)."""
+        unknown = sorted(set(changes) - set(self._values))
+        if unknown:
+            raise AttributeError(f"no setting {', '.join(map(repr, unknown))}")
+        return JobSettings({**self._values, **changes})
+
     def __reduce__(self) -> tuple[Any, ...]:
         return JobSettings, (self._values,)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,22 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| ") == len(rows) + 2 and "benchmarks/bench.py --quick" in table  # header, rule, rows
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_shared_memory_rows_switch_the_transport_in_the_same_workers():
+    """``bench_shm.py`` (the rows ``bench.py`` adds unless ``--no-shm-rows``) restarts hvdray in its workers
+    with the shared-memory transport on, then off, and measures both beside raw Gloo."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_shm.py"), "--quick", "--local-ranks", "2", "--rows", "latency"],
+        capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = re.findall(r"^allreduce (4 B|64 KB) latency, 2 local ranks +(\S.*?) +([\d.e+]+) us ", done.stdout, re.M)
+    for size in ("4 B", "64 KB"):
+        assert {impl for size_, impl, _ in rows if size_ == size} == {
+            "raw gloo", "hvdray shm", "hvdray shm, tensor in shared memory", "hvdray gloo"}, done.stdout
+    assert all(float(us) > 0 for _, _, us in rows), rows
 
 
 def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters(monkeypatch):

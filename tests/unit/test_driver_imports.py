@@ -41,6 +41,11 @@ def test_workers_get_their_settings_without_pydantic():
         settings.timeout_s = 1
     with pytest.raises(AttributeError, match="no setting 'timeout'"):
         settings.timeout
+    changed = settings.replace(shm_transport=False, timeout_s=3)  # a copy: the job's own stays as it was
+    assert (changed.shm_transport, changed.timeout_s, changed.fusion_threshold_mb) == (False, 3, 8)
+    assert (settings.shm_transport, settings.timeout_s) == (True, 12)
+    with pytest.raises(AttributeError, match="no setting 'shm'"):
+        settings.replace(shm=False)
     code = (
         "import pickle, sys\n"
         "import hvdray.worker.actor, hvdray.collective.session, hvdray.torch\n"
