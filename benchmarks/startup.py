@@ -8,8 +8,13 @@ rounds (A B A B ...), so that the machine's noise hits both alike:
 * ``raw``: what a user would write without hvdray: a placement group of N one-CPU bundles, N Ray
   actors in it, rank 0's address handed to all, ``torch.distributed.init_process_group("gloo")`` and
   one ``all_reduce`` in every actor; the clock stops when every actor has returned its result.
+* ``ray-train`` (with ``--ray-train``): Ray Train's ``TorchTrainer(fn, scaling_config=ScalingConfig(
+  num_workers=N))`` and ``fit()``, where ``fn`` allreduces one tensor over the Gloo group Ray Train set up
+  and returns the time its result was there (Ray Train v2 hands rank 0's return value to the driver); the clock stops at that time (``fit()`` returns only after
+  Ray Train has shut its workers down: its median is printed too). Its runs write to a temporary
+  directory, removed at the end.
 
-Both include the placement group, the actors' processes, importing torch in them and the shutdown is
+All include the placement group, the actors' processes, importing torch in them and the shutdown is
 not timed. The first hvdray executor of the driver pays for the driver's first export of hvdray's actor
 classes (and, for jobs of more than 16 workers, starts the driver's coordinator host, which its later
 executors share; smaller jobs keep their coordinator in their first worker): it runs before the timed
@@ -29,6 +34,7 @@ default, like programs outside Ray; Ray runs its workers at niceness 15, so thos
 ``--load-niceness 15`` is load at the workers' own priority, like their data loaders).
 
     python benchmarks/startup.py --workers 2 4 --rounds 5
+    python benchmarks/startup.py --workers 2 4 --rounds 5 --ray-train
     python benchmarks/startup.py --workers 2 --rounds 3 --load 2
     python benchmarks/startup.py --workers 2 4 --rounds 5 --fresh-drivers 5
     python benchmarks/startup.py --workers 2 4 --rounds 1 --fresh-drivers 9 --with-host
@@ -42,6 +48,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -132,6 +139,35 @@ def time_raw(workers: int) -> float:
     return elapsed
 
 
+def ray_train_first_allreduce() -> tuple[float, float]:
+    """Ray Train's worker function: Ray Train has set up the torch Gloo process group; allreduce one small
+    tensor and return when its result was there (``time.time()``: the driver is on the same machine)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    return time.time(), float(tensor[0])
+
+
+def time_ray_train(workers: int, storage: str, fits: list[float] | None = None) -> float:
+    """Seconds from ``TorchTrainer(...)`` to the first allreduce's result (the time rank 0 reports it);
+    ``fits`` gets the seconds until ``fit()`` returned (Ray Train shuts its workers down before it does)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    started_at, started = time.time(), time.perf_counter()
+    trainer = TorchTrainer(ray_train_first_allreduce,
+                           scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(storage_path=storage, name=f"startup-{time.time_ns()}"))
+    result = trainer.fit()
+    if fits is not None:
+        fits.append(time.perf_counter() - started)
+    if result.error is not None or result.return_value is None or result.return_value[1] != float(workers):
+        raise RuntimeError(f"Ray Train's allreduce failed: {result.error!r}, returned {result.return_value}")
+    return result.return_value[0] - started_at  # rank 0's function returned it
+
+
 def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, Any]:
     """``rounds`` rounds of each kind's run (the order rotates each round: with two kinds it flips);
     samples, medians, and each kind's ratio to raw (``ratio`` is hvdray's)."""
@@ -144,20 +180,33 @@ def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, An
     medians = {kind: statistics.median(samples[kind]) for kind in kinds}
     row: dict[str, Any] = {"samples": samples, **{f"{kind}_median_s": medians[kind] for kind in kinds}}
     row["ratio"] = medians["hvdray"] / medians["raw"]
+    if "ray-train" in medians:
+        row["train_ratio"] = medians["hvdray"] / medians["ray-train"]
     if "hvdray-host" in medians:
         row["host_ratio"] = medians["hvdray-host"] / medians["raw"]
     return row
 
 
-def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None) -> dict[str, Any]:
-    """Alternate hvdray and raw rounds in this driver; medians and their ratio."""
+def compare(workers: int, rounds: int, phases: dict[str, list[float]] | None,
+            ray_train_storage: str | None = None) -> dict[str, Any]:
+    """Alternate hvdray and raw rounds (and Ray Train's, given a storage path for its runs) in this driver;
+    medians and their ratios."""
     time_raw(workers)  # warm-up, untimed: the first actors of a fresh Ray instance pay for its start
     # hvdray's first executor in this driver also exports hvdray's actor classes: reported apart, as the
     # start a script that runs one job pays
     first = time_hvdray(workers, None)
     time.sleep(0.5)
-    row = alternate({"hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers)}, rounds)
-    return {"workers": workers, **row, "hvdray_first_s": first, "first_ratio": first / row["raw_median_s"]}
+    runs = {"hvdray": lambda: time_hvdray(workers, phases), "raw": lambda: time_raw(workers)}
+    fits: list[float] = []
+    if ray_train_storage is not None:  # its first run in this driver imports and exports Ray Train's classes
+        train_first = time_ray_train(workers, ray_train_storage)
+        time.sleep(0.5)
+        runs["ray-train"] = lambda: time_ray_train(workers, ray_train_storage, fits)
+    row = alternate(runs, rounds)
+    row.update(workers=workers, hvdray_first_s=first, first_ratio=first / row["raw_median_s"])
+    if ray_train_storage is not None:
+        row.update(ray_train_first_s=train_first, ray_train_fit_median_s=statistics.median(fits))
+    return row
 
 
 def time_in_fresh_driver(kind: str, workers: int, address: str) -> float:
@@ -215,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also this many alternating rounds of each kind in a driver process of its own")
     parser.add_argument("--with-host", action="store_true",
                         help="the fresh-driver rounds also start hvdray with its coordinator in the driver's host")
+    parser.add_argument("--ray-train", action="store_true",
+                        help="also time Ray Train's TorchTrainer to its first allreduce, in the same rounds")
     parser.add_argument("--alone", choices=("hvdray", "hvdray-host", "raw"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -231,19 +282,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_host and not args.fresh_drivers:
         parser.error("--with-host needs --fresh-drivers")
 
-    ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False)
+    # Ray Train's runs need Ray's state API (its placement-group cleaner asks it about the run's
+    # controller), which the dashboard serves: with --ray-train, Ray keeps its default dashboard
+    ray.init(address="local", num_cpus=max(args.workers), include_dashboard=None if args.ray_train else False)
     rows = []
+    ray_train_storage = tempfile.TemporaryDirectory(prefix="hvdray-startup-ray-train-") if args.ray_train else None
     try:
         with spinning(args.load, args.load_niceness):
             for workers in args.workers:
                 phases: dict[str, list[float]] | None = {} if args.phases else None
-                row = compare(workers, args.rounds, phases)
+                row = compare(workers, args.rounds, phases, ray_train_storage and ray_train_storage.name)
                 if phases is not None:
                     row["phases"] = {k: statistics.median(v) for k, v in phases.items()}
                 rows.append(row)
                 print(f"{workers} workers: hvdray {row['hvdray_median_s']:.2f} s, raw Ray + Gloo "
                       f"{row['raw_median_s']:.2f} s, ratio {row['ratio']:.2f}; the driver's first hvdray "
                       f"executor {row['hvdray_first_s']:.2f} s ({row['first_ratio']:.2f}x raw)", flush=True)
+                if args.ray_train:
+                    print(f"{workers} workers: Ray Train {row['ray-train_median_s']:.2f} s to its first allreduce "
+                          f"(fit() returned after {row['ray_train_fit_median_s']:.2f} s), hvdray / Ray Train "
+                          f"{row['train_ratio']:.2f}; the driver's first Ray Train run {row['ray_train_first_s']:.2f} s",
+                          flush=True)
                 if args.fresh_drivers:
                     fresh = compare_fresh(workers, args.fresh_drivers, ray.get_runtime_context().gcs_address,
                                           args.with_host)
@@ -254,11 +313,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"raw {fresh['raw_median_s']:.2f} s, ratio {fresh['ratio']:.2f}{host}", flush=True)
     finally:
         ray.shutdown()
+        if ray_train_storage is not None:
+            ray_train_storage.cleanup()
     print("\n| workers | hvdray (s, median) | raw Ray actors + Gloo (s, median) | hvdray / raw "
           "| the driver's first hvdray executor (s) | first / raw |\n|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['workers']} | {row['hvdray_median_s']:.2f} | {row['raw_median_s']:.2f} | {row['ratio']:.2f} "
               f"| {row['hvdray_first_s']:.2f} | {row['first_ratio']:.2f} |")
+    if args.ray_train:
+        print("\n| workers | hvdray (s, median) | Ray Train to its first allreduce (s, median) | hvdray / Ray Train "
+              "| Ray Train's fit() returned (s, median) | the driver's first Ray Train run (s) |\n"
+              "|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['workers']} | {row['hvdray_median_s']:.2f} | {row['ray-train_median_s']:.2f} "
+                  f"| {row['train_ratio']:.2f} | {row['ray_train_fit_median_s']:.2f} | {row['ray_train_first_s']:.2f} |")
     if args.fresh_drivers:
         host_columns = " coordinator in the host (s) | host / raw |" if args.with_host else ""
         print("\n| workers | hvdray, fresh driver (s, median) | raw, fresh driver (s, median) | hvdray / raw |"
