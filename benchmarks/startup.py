@@ -10,9 +10,9 @@ rounds (A B A B ...), so that the machine's noise hits both alike:
   one ``all_reduce`` in every actor; the clock stops when every actor has returned its result.
 * ``ray-train`` (with ``--ray-train``): Ray Train's ``TorchTrainer(fn, scaling_config=ScalingConfig(
   num_workers=N))`` and ``fit()``, where ``fn`` allreduces one tensor over the Gloo group Ray Train set up
-  and returns the time its result was there (Ray Train v2 hands rank 0's return value to the driver); the clock stops at that time (``fit()`` returns only after
-  Ray Train has shut its workers down: its median is printed too). Its runs write to a temporary
-  directory, removed at the end.
+  and returns the time its result was there (Ray Train v2 hands rank 0's return value to the driver);
+  the clock stops at that time (``fit()`` returns only after Ray Train has shut its workers down: its
+  median is printed too). Its runs write to a temporary directory, removed at the end.
 
 All include the placement group, the actors' processes, importing torch in them and the shutdown is
 not timed. The first hvdray executor of the driver pays for the driver's first export of hvdray's actor
@@ -151,7 +151,7 @@ def ray_train_first_allreduce() -> tuple[float, float]:
 
 
 def time_ray_train(workers: int, storage: str, fits: list[float] | None = None) -> float:
-    """Seconds from ``TorchTrainer(...)`` to the first allreduce's result (the time rank 0 reports it);
+    """Seconds from ``TorchTrainer(...)`` to the first allreduce's result (the time rank 0 returns);
     ``fits`` gets the seconds until ``fit()`` returned (Ray Train shuts its workers down before it does)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
