@@ -36,17 +36,29 @@ _shared_local_ray: dict[str, str] = {}
 _STAYING_ACTOR_CLASSES = {"CoordinatorHost", "_StatsActor"}
 
 
+def _actors_left_behind() -> list[dict]:
+    """The live actors of the connected Ray other than those that stay by design."""
+    from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
+
+    return [a for a in actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] not in _STAYING_ACTOR_CLASSES]
+
+
+@pytest.fixture(scope="session")
+def actors_left_behind():
+    """A function listing the live actors other than those that stay by design (for tests that count leaks)."""
+    return _actors_left_behind
+
+
 def _cluster_is_clean(timeout_s: float = 5.0) -> bool:
     """No actor but those that stay by design and no placement group alive (both go away
     asynchronously after an executor's shutdown, so this waits up to ``timeout_s`` for it)."""
     import time
 
-    from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
     from ray.util import placement_group_table
 
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [a for a in actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] not in _STAYING_ACTOR_CLASSES]
+        alive = _actors_left_behind()
         groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
         if not alive and not groups:
             return True

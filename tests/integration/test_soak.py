@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import pytest
 import ray.cloudpickle
@@ -49,17 +50,14 @@ def _shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _cluster_usage() -> dict[str, float]:
-    from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
+def _cluster_usage(actors_left_behind: Callable[[], list[dict]]) -> dict[str, float]:
     from ray.util import placement_group_table
 
-    # the driver's coordinator host, which an earlier test's job may have started, stays by design, and so
-    # does Ray Data's statistics actor (detached) once an earlier module has used Ray Data on this Ray
-    alive = [a for a in actors().values() if a["State"] == "ALIVE" and not a["Name"].startswith("hvdray-coordinator-")
-             and a["ActorClassName"] != "_StatsActor"]
+    # not counted: the driver's coordinator host, which an earlier test's job may have started, and Ray Data's
+    # statistics actor (detached) once an earlier module has used Ray Data on this Ray: both stay by design
     groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
     return {
-        "actors": len(alive),
+        "actors": len(actors_left_behind()),
         "placement_groups": len(groups),
         "free_cpus": ray.available_resources().get("CPU", 0.0),
     }
@@ -85,7 +83,7 @@ def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~3 s a cycle on the 2-core CI machine: each cycle starts fresh worker processes
-def test_executor_lifecycles_leak_nothing(ray_local):
+def test_executor_lifecycles_leak_nothing(ray_local, actors_left_behind):
     from hvdray import RayExecutor
 
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=60)
@@ -103,8 +101,8 @@ def test_executor_lifecycles_leak_nothing(ray_local):
     # no actor stays: a job of 2 keeps its coordinator in its first worker
     baseline_usage = {"actors": 0, "placement_groups": 0, "free_cpus": total_cpus}
     # the first cycle's (and earlier tests') placement groups and actors go away asynchronously
-    assert _wait_for(lambda: _cluster_usage() == baseline_usage), (
-        f"not everything was released after one cycle: {_cluster_usage()} != {baseline_usage}"
+    assert _wait_for(lambda: _cluster_usage(actors_left_behind) == baseline_usage), (
+        f"not everything was released after one cycle: {_cluster_usage(actors_left_behind)} != {baseline_usage}"
     )
     fds, threads, shm, classes = _open_fds(), threading.active_count(), _shm_entries(), _actor_classes()
 
@@ -113,8 +111,8 @@ def test_executor_lifecycles_leak_nothing(ray_local):
         cycle()
     elapsed = time.monotonic() - started
 
-    assert _wait_for(lambda: _cluster_usage() == baseline_usage), (
-        f"after {CYCLES} cycles: {_cluster_usage()} != {baseline_usage}"
+    assert _wait_for(lambda: _cluster_usage(actors_left_behind) == baseline_usage), (
+        f"after {CYCLES} cycles: {_cluster_usage(actors_left_behind)} != {baseline_usage}"
     )
     assert _open_fds() <= fds + FD_SLACK, f"driver file descriptors grew from {fds} to {_open_fds()}"
     assert threading.active_count() <= threads + THREAD_SLACK, (
