@@ -61,6 +61,14 @@ from hvdray import RayExecutor
 GOAL_S = 5.0  # issue #23: a node's removal to the next committed step
 
 
+def small_model() -> Any:
+    """The model both kinds train (64-256-10), built after ``torch.manual_seed(0)`` on every rank."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
 def training_loop(stop_file: str, commit_every: int) -> int:
     """Runs on every worker: train forever (committing now and then) until the stop file appears."""
     import os
@@ -73,8 +81,7 @@ def training_loop(stop_file: str, commit_every: int) -> int:
 
     torch.set_num_threads(1)
     hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = small_model()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                          named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, optimizer, step=0)
@@ -122,10 +129,9 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     from ray.train.torch import prepare_model
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     context = ray.train.get_context()
     rank, size = context.get_world_rank(), context.get_world_size()
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    model = prepare_model(small_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = 0
     checkpoint = ray.train.get_checkpoint()
