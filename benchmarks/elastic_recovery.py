@@ -132,13 +132,14 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, size = context.get_world_rank(), context.get_world_size()
     model = prepare_model(small_model())
+    plain = getattr(model, "module", model)  # prepare_model wraps it in DDP only with more than one worker
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             saved = torch.load(os.path.join(directory, "state.pt"))
-        model.module.load_state_dict(saved["model"])
+        plain.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
@@ -165,7 +166,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
             with tempfile.TemporaryDirectory() as directory:
                 saved = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    torch.save({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
                                 "step": step}, os.path.join(directory, "state.pt"))
                     saved = ray.train.Checkpoint.from_directory(directory)
                 ray.train.report({"step": step}, checkpoint=saved)
