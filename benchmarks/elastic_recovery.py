@@ -43,6 +43,7 @@ Prints markdown tables and writes JSON with ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -51,7 +52,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from ray.cluster_utils import Cluster
@@ -258,30 +259,32 @@ class Trials:
             Path(self.stop_file).touch()
 
 
-def start_cluster(workers: int) -> Cluster:
-    """A head without CPUs and one 1-CPU raylet per worker (Ray's default health checks), connected."""
+@contextlib.contextmanager
+def fresh_cluster(workers: int) -> Iterator[Cluster]:
+    """A head without CPUs and one 1-CPU raylet per worker (Ray's default health checks), connected;
+    disconnected and shut down afterwards."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(workers):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    return cluster
+    try:
+        for _ in range(workers):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def run_hvdray(args: argparse.Namespace, scratch: Path) -> Trials:
     """The trials against an hvdray elastic job on a fresh cluster."""
-    cluster = start_cluster(args.workers)
     stop_file = str(scratch / "stop-hvdray")
-    trials = Trials(cluster, args.trials, args.workers, stop_file)
-    trials.thread.start()
     settings = RayExecutor.create_settings(timeout_s=args.timeout, discovery_interval_s=args.discovery_interval)
-    try:
+    with fresh_cluster(args.workers) as cluster:
+        trials = Trials(cluster, args.trials, args.workers, stop_file)
+        trials.thread.start()
         with RayExecutor(settings, min_workers=args.workers - 1, max_workers=args.workers) as executor:
             executor.run(training_loop, args=[stop_file, args.commit_every], callbacks=[trials])
         trials.thread.join(timeout=10)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     return trials
 
 
@@ -291,10 +294,8 @@ def run_ray_train(args: argparse.Namespace, scratch: Path) -> Trials:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    cluster = start_cluster(args.workers)
     stop_file, events = scratch / "stop-ray-train", scratch / "ray-train-events.jsonl"
     events.touch()
-    trials = Trials(cluster, args.trials, args.workers, str(stop_file), driver_events=False)
     trainer = TorchTrainer(
         ray_train_loop,
         train_loop_config={"events": str(events), "stop_file": str(stop_file), "commit_every": args.commit_every},
@@ -307,25 +308,25 @@ def run_ray_train(args: argparse.Namespace, scratch: Path) -> Trials:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.timeout)
     outcome: list[Any] = []
     fit = threading.Thread(target=lambda: outcome.append(trainer.fit()), daemon=True)
-    trials.thread.start()
-    fit.start()
-    try:
-        with events.open() as lines:
-            pending = ""
-            while fit.is_alive():
-                pending += lines.read()
-                *complete, pending = pending.split("\n")
-                for line in complete:
-                    trials(json.loads(line))
-                time.sleep(0.05)
-        trials.thread.join(timeout=10)
-        if outcome and outcome[0].error is not None:
-            print(f"Ray Train's run failed: {outcome[0].error!r}", file=sys.stderr)
-    finally:
-        stop_file.touch()
-        fit.join(timeout=60)
-        ray.shutdown()
-        cluster.shutdown()
+    with fresh_cluster(args.workers) as cluster:
+        trials = Trials(cluster, args.trials, args.workers, str(stop_file), driver_events=False)
+        trials.thread.start()
+        fit.start()
+        try:
+            with events.open() as lines:
+                pending = ""
+                while fit.is_alive():
+                    pending += lines.read()
+                    *complete, pending = pending.split("\n")
+                    for line in complete:
+                        trials(json.loads(line))
+                    time.sleep(0.05)
+            trials.thread.join(timeout=10)
+            if outcome and outcome[0].error is not None:
+                print(f"Ray Train's run failed: {outcome[0].error!r}", file=sys.stderr)
+        finally:
+            stop_file.touch()
+            fit.join(timeout=60)
     return trials
 
 
