@@ -127,6 +127,12 @@ class Settings(BaseModel):
         True, description="Ranks on the same node exchange data through a shared-memory segment instead of "
         "loopback TCP (Linux x86-64; falls back to Gloo where /dev/shm cannot be used).",
     )
+    small_message_sockets: bool = Field(
+        True, description="Allreduces of at most 64 KiB that go over the network (the engine's flags every tick, "
+        "small tensors, the cross-node step of hierarchical allreduce) run over direct TCP connections between "
+        "partner ranks, sent and received by the engine thread itself, instead of through Gloo's threads. "
+        "Off: every allreduce across nodes takes Gloo.",
+    )
     hierarchical_allreduce: Optional[bool] = Field(
         None, description="Allreduce across nodes in three steps: shared memory inside each node, Gloo between "
         "nodes, shared memory again. None (\"auto\"): on when the job spans several nodes with the same number "

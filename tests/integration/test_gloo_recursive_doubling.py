@@ -1,5 +1,6 @@
-"""The recursive-doubling allreduce over real Gloo groups of 2 to 7 processes (no Ray): every op and
-dtype against a reduction in torch, the same bits on every rank, and the message count of its schedule."""
+"""The recursive-doubling allreduce over real Gloo groups of 2 to 7 processes (no Ray), and the same
+schedule over the ranks' own TCP connections (``PeerSockets``) in the same processes: every op and
+dtype against a reduction in torch, the same bits on every rank, and the message count of the schedule."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def _reference(size: int, dtype: str, op: str) -> torch.Tensor:
 
 
 def _member(rank: int, paths: dict[int, str], queue) -> None:
-    from torch.distributed import FileStore, ProcessGroupGloo, ReduceOp
+    from torch.distributed import FileStore, PrefixStore, ProcessGroupGloo, ReduceOp
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling, group_options
+    from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
 
     torch.set_num_threads(1)
     results = {}
@@ -46,16 +48,23 @@ def _member(rank: int, paths: dict[int, str], queue) -> None:
         if rank >= size:
             continue
         options = group_options(60.0, hostname="127.0.0.1")
-        group = ProcessGroupGloo(FileStore(path, size), rank, size, options)
-        strategy = GlooRecursiveDoubling(group)
-        for dtype, op in CASES:
-            tensor = _inputs(rank, dtype)
-            strategy.run(tensor, getattr(ReduceOp, op))
-            results[(size, dtype, op)] = (str(tensor.dtype), tensor.tolist())  # plain data through the queue
-        strided = torch.arange(20.0).reshape(4, 5).t() * (rank + 1)  # not contiguous: reduced in place still
-        strategy.run(strided, ReduceOp.SUM)
-        results[(size, "strided", "SUM")] = strided.tolist()
+        store = FileStore(path, size)
+        group = ProcessGroupGloo(store, rank, size, options)
+        peers = PeerSockets.connect(PrefixStore("sockets/", store), rank, size, "127.0.0.1", 60.0)
+        for strategy in (GlooRecursiveDoubling(group), SocketRecursiveDoubling(peers)):
+            for dtype, op in CASES:
+                tensor = _inputs(rank, dtype)
+                strategy.run(tensor, getattr(ReduceOp, op))
+                # plain data through the queue
+                results[(strategy.name, size, dtype, op)] = (str(tensor.dtype), tensor.tolist())
+            strided = torch.arange(20.0).reshape(4, 5).t() * (rank + 1)  # not contiguous: reduced in place still
+            strategy.run(strided, ReduceOp.SUM)
+            results[(strategy.name, size, "strided", "SUM")] = strided.tolist()
+        peers.close()
     queue.put((rank, results))
+
+
+STRATEGIES = ("gloo recursive doubling", "socket recursive doubling")
 
 
 def test_every_rank_gets_the_reduction_of_all_for_2_to_7_ranks(tmp_path):
@@ -72,15 +81,16 @@ def test_every_rank_gets_the_reduction_of_all_for_2_to_7_ranks(tmp_path):
             member.join(timeout=30)
             if member.is_alive():
                 member.kill()
-    for size in SIZES:
-        for dtype, op in CASES:
-            want = _reference(size, dtype, op)
+    for name in STRATEGIES:
+        for size in SIZES:
+            for dtype, op in CASES:
+                want = _reference(size, dtype, op)
+                for rank in range(size):
+                    got = results[rank][(name, size, dtype, op)]
+                    assert got == (str(want.dtype), want.tolist()), (name, size, dtype, op, rank, got, want)
+            strided_sum = torch.arange(20.0).reshape(4, 5).t() * sum(r + 1 for r in range(size))
             for rank in range(size):
-                got = results[rank][(size, dtype, op)]
-                assert got == (str(want.dtype), want.tolist()), (size, dtype, op, rank, got, want)
-        strided_sum = torch.arange(20.0).reshape(4, 5).t() * sum(r + 1 for r in range(size))
-        for rank in range(size):
-            assert results[rank][(size, "strided", "SUM")] == strided_sum.tolist(), (size, rank)
+                assert results[rank][(name, size, "strided", "SUM")] == strided_sum.tolist(), (name, size, rank)
 
 
 @pytest.mark.parametrize("size", range(1, 70))

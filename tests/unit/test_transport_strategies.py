@@ -25,6 +25,7 @@ from hvdray.collective.transport.gloo import (
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
+from hvdray.collective.transport.sockets import SOCKET_ALLREDUCE_BYTES, SocketRecursiveDoubling
 from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, first_serving
 
 
@@ -39,6 +40,13 @@ class _Group:
 
     def rank(self) -> int:
         return 0
+
+
+class _Peers:
+    """Stands in for PeerSockets: the socket strategy reads only its size when built."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 class _Node:
@@ -56,6 +64,23 @@ def test_gloo_only_lists():
         "broadcast": ["gloo broadcast"],
     }
     assert strategies.fused is None
+
+
+def test_small_messages_take_the_ranks_own_connections_first():
+    """With small_message_sockets (the default) every network allreduce list starts with the sockets:
+    the job's list, and the cross-node step of hierarchical allreduce over its own connections."""
+    strategies = ordered_strategies(_Group(4), peers=_Peers(4))
+    assert strategies.names()["allreduce"] == [
+        "adasum", "socket recursive doubling", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"
+    ]
+    hierarchical = ordered_strategies(_Group(4), _Node(), cross=_Group(2), peers=_Peers(4), cross_peers=_Peers(2))
+    assert hierarchical.names()["allreduce"] == [
+        "adasum", "hierarchical", "socket recursive doubling", "gloo recursive doubling", "gloo gather-reduce",
+        "gloo ring",
+    ]
+    cross = hierarchical.allreduce[1]._cross
+    assert [s.name for s in cross][:2] == ["socket recursive doubling", "gloo recursive doubling"]
+    assert cross[0]._size == 2  # the cross-node group's connections, not the job's
 
 
 def test_one_node_lists_put_shared_memory_before_gloo():
@@ -122,6 +147,14 @@ def test_what_each_entry_serves():
     assert not doubling.serves(torch.ones(largest + 1), ReduceOp.SUM)
     assert not doubling.serves(torch.ones(5), Reduction.ADASUM)
     assert not GlooRecursiveDoubling(_Group(RECURSIVE_DOUBLING_MIN_RANKS - 1)).serves(torch.ones(5), ReduceOp.SUM)
+    # the sockets take messages up to SOCKET_ALLREDUCE_BYTES among any number of ranks above one
+    sockets = SocketRecursiveDoubling(_Peers(2))
+    largest = SOCKET_ALLREDUCE_BYTES // 4
+    assert sockets.serves(torch.ones(largest), ReduceOp.SUM) and sockets.serves(torch.ones(3, dtype=torch.uint8),
+                                                                              ReduceOp.BAND)
+    assert not sockets.serves(torch.ones(largest + 1), ReduceOp.SUM)
+    assert not sockets.serves(torch.ones(5), Reduction.ADASUM)
+    assert not SocketRecursiveDoubling(_Peers(1)).serves(torch.ones(5), ReduceOp.SUM)
 
 
 def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():

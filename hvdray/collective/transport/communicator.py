@@ -20,10 +20,11 @@ from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import gloo, shm
 from hvdray.collective.transport.hierarchical import cross_node_group
-from hvdray.collective.transport.mesh_store import FullMeshStore
+from hvdray.collective.transport.mesh_store import FullMeshStore, prefixed
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
+from hvdray.collective.transport.sockets import PeerSockets, interface_address
 from hvdray.collective.transport.strategy import Finish, first_serving
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Communicator:
         interface: Optional[str] = None,
         rank_info: Optional[RankInfo] = None,
         transport: Optional[TransportOptions] = None,
+        small_message_sockets: bool = True,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -50,10 +52,21 @@ class Communicator:
         self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, rank, size), rank, size, options)
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
-        self.plan = TransportPlan(False, False, "no rank placement given")
-        self._use(ordered_strategies(self._pg))
-        if rank_info is not None and transport is not None and size > 1:
-            self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+        # the small-message connections among all ranks, and among the cross-node group's
+        self._peers: Optional[PeerSockets] = None
+        self._cross_peers: Optional[PeerSockets] = None
+        self._peer_address: Optional[str] = None
+        try:
+            if small_message_sockets and size > 1:
+                self._peer_address = interface_address(interface) if interface else hostname or gloo.node_address()
+                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, self._peer_address, timeout_s)
+            self.plan = TransportPlan(False, False, "no rank placement given")
+            self._use(ordered_strategies(self._pg, peers=self._peers))
+            if rank_info is not None and transport is not None and size > 1:
+                self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+        except BaseException:
+            self.close()
+            raise
 
     def _use(self, strategies: Strategies) -> None:
         """Run every op with ``strategies`` from now on."""
@@ -76,6 +89,9 @@ class Communicator:
         node, self._node = self._node, None
         if node is not None:
             node.close()
+        for peers in (self._peers, self._cross_peers):
+            if peers is not None:
+                peers.close()
         gloo.abort(self._cross)
         gloo.abort(self._pg)
         self._pg = self._cross = None
@@ -107,11 +123,15 @@ class Communicator:
                     node.segment.unlink()  # every local rank has tried to map it: the name can go
                 if agreed.item():
                     if plan.hierarchical:
-                        self._cross = cross_node_group(
-                            store, info.local_rank, layout.node_of(self.rank), layout.num_nodes, options
-                        )
+                        node_index = layout.node_of(self.rank)
+                        self._cross = cross_node_group(store, info.local_rank, node_index, layout.num_nodes, options)
+                        if self._peer_address is not None:
+                            self._cross_peers = PeerSockets.connect(
+                                prefixed(store, f"hvdray-tcp-cross/{info.local_rank}/"), node_index,
+                                layout.num_nodes, self._peer_address, timeout_s,
+                            )
                     self._node, node = node, None
-                    self._use(ordered_strategies(self._pg, self._node, self._cross))
+                    self._use(ordered_strategies(self._pg, self._node, self._cross, self._peers, self._cross_peers))
                 else:
                     plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
             finally:

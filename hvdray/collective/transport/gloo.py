@@ -66,7 +66,7 @@ def group_options(
     """Options for this rank's Gloo groups: the timeout, and the network interface (or the address) to use."""
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    address = None if interface else hostname or _loopback_or_host()
+    address = None if interface else hostname or node_address()
     try:
         if interface:
             device = ProcessGroupGloo.create_device(interface=interface)
@@ -241,7 +241,8 @@ class GlooBroadcast(BroadcastStrategy):
         self._group.broadcast([tensor], opts).wait()
 
 
-def _loopback_or_host() -> str:
+def node_address() -> str:
+    """This node's own address (what its hostname resolves to), else loopback."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

@@ -27,6 +27,7 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
 )
+from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
 from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
 
@@ -53,11 +54,14 @@ class Strategies:
 
 def ordered_strategies(
     world: ProcessGroupGloo, node: Optional[NodeCollectives] = None, cross: Optional[ProcessGroupGloo] = None,
+    peers: Optional[PeerSockets] = None, cross_peers: Optional[PeerSockets] = None,
 ) -> Strategies:
     """The lists for a job whose ranks share the Gloo group ``world``; ``node``: this node's shared-memory
     group, when the plan maps one; ``cross``: the Gloo group of this local rank across the nodes, when
-    allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node). A
-    job of one rank gets the identity strategies of ``single_rank.py`` alone."""
+    allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node);
+    ``peers`` and ``cross_peers``: the small-message connections among the ranks of ``world`` and of
+    ``cross`` (``small_message_sockets``). A job of one rank gets the identity strategies of
+    ``single_rank.py`` alone."""
     if world.size() == 1:
         return Strategies((SingleRankAllreduce(),), (SingleRankAllgather(),), (SingleRankBroadcast(),))
     one_node = node if cross is None else None
@@ -72,15 +76,20 @@ def ordered_strategies(
     allreduce = _present(
         AdasumAllreduce(allgather, world.size()),
         SharedMemoryAllreduce(one_node) if one_node is not None else None,
-        HierarchicalAllreduce(node, _gloo_allreduces(cross)) if node is not None and cross is not None else None,
-        *_gloo_allreduces(world),
+        HierarchicalAllreduce(node, _network_allreduces(cross, cross_peers))
+        if node is not None and cross is not None else None,
+        *_network_allreduces(world, peers),
     )
     return Strategies(allreduce, allgather, broadcast)
 
 
-def _gloo_allreduces(group: ProcessGroupGloo) -> tuple[AllreduceStrategy, ...]:
-    """Gloo's allreduce strategies over ``group``, small messages first."""
-    return GlooRecursiveDoubling(group), GlooGatherReduce(group), GlooRing(group)
+def _network_allreduces(group: ProcessGroupGloo, peers: Optional[PeerSockets]) -> tuple[AllreduceStrategy, ...]:
+    """The allreduce strategies among ranks that do not share memory, small messages first: over the
+    ranks' own connections (``peers``, when there are), then over the Gloo ``group``."""
+    return _present(
+        SocketRecursiveDoubling(peers) if peers is not None else None,
+        GlooRecursiveDoubling(group), GlooGatherReduce(group), GlooRing(group),
+    )
 
 
 def _present(*entries: Optional[_Strategy]) -> tuple[_Strategy, ...]:

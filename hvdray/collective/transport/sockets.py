@@ -1,0 +1,245 @@
+"""Small allreduces over direct TCP connections between ranks, run by the engine thread itself.
+
+A Gloo op hands the work to the process group's worker thread, whose receive waits for the Gloo
+device's own loop thread: several thread wake-ups per op. On the 2-core development machine a 2-rank
+Gloo allgather of 8 bytes (the engine's flag exchange) took 0.6-0.8 ms where a round trip over a TCP
+connection between the same processes takes about 0.07 ms. :class:`PeerSockets` connects each rank to
+its partners of a recursive doubling (``gloo.recursive_doubling``: about log2 P connections per rank,
+P log2 P in all, not a full mesh), and :class:`SocketRecursiveDoubling` runs small allreduces over
+them: the calling thread sends, waits in ``poll`` and receives, with no other thread in between.
+
+Connecting goes through the job's closed rendezvous, as Gloo's does: every rank that has a partner
+above it listens on the node's address (the one Gloo uses, or the ``nics`` interface's) and publishes
+its port and a fresh random key under the store; the higher rank of each pair connects and presents
+that key and its rank. The listener accepts its partners only, drops any other connection, and closes
+once every partner is in, so no port stays open while the job runs.
+
+A partner that ends (its process killed, its communicator closed) closes its connections, and every
+rank blocked on one fails at once; a silent partner fails the op after the group's timeout.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import secrets
+import select
+import socket
+import struct
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from hvdray.collective.errors import NetworkDeviceError
+from hvdray.collective.transport.gloo import recursive_doubling
+from hvdray.collective.transport.reductions import REDUCERS, TransportOp
+from hvdray.collective.transport.strategy import AllreduceStrategy, on_contiguous
+
+#: the largest allreduce (bytes of one rank's tensor) the sockets take; larger ones go to Gloo, whose ring
+#: moves large messages without sending all of it log2 P times. Below the kernel's default socket buffers,
+#: so two partners that send to each other at once never block each other. (``benchmarks/bench_shm.py
+#: --rows latency`` compares the 4 B and 64 KB rows with and without the sockets in one run.)
+SOCKET_ALLREDUCE_BYTES = 64 << 10
+
+_KEY_BYTES = 32
+_HELLO = struct.Struct(f"!{_KEY_BYTES}sI")  # the listener's key, then the connecting rank
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_address(interface: str) -> str:
+    """The IPv4 address of the network interface ``interface`` (Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", interface.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24])
+        except OSError as exc:
+            raise NetworkDeviceError(
+                f"the network interface {interface!r} (nics) on node {socket.gethostname()} has no IPv4 "
+                f"address for hvdray's small-message connections: {exc}"
+            ) from exc
+
+
+class PeerSockets:
+    """This rank's TCP connections to its recursive-doubling partners in a group of ``size`` ranks, and
+    the blocking exchanges over them. Used by one thread at a time (the engine's); :meth:`close` may
+    come from another and wakes that thread at once."""
+
+    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], timeout_s: float) -> None:
+        self.rank = rank
+        self.size = size
+        self._peers = peers
+        self._timeout_s = timeout_s
+        self.steps = tuple(recursive_doubling(rank, size))
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, address: str, timeout_s: float) -> "PeerSockets":
+        """Connect to this rank's partners through ``store`` (keys ``"<rank>"``), listening on ``address``."""
+        partners = sorted({peer for _, peer, _ in recursive_doubling(rank, size)})
+        above = [p for p in partners if p > rank]
+        below = [p for p in partners if p < rank]
+        deadline = time.monotonic() + timeout_s
+        peers: dict[int, socket.socket] = {}
+        listener: Optional[socket.socket] = None
+        try:
+            if above:
+                listener = socket.create_server((address, 0))
+                key = secrets.token_bytes(_KEY_BYTES)
+                port = listener.getsockname()[1]
+                store.set(str(rank), f"{address} {port} {key.hex()}".encode())
+            if below:
+                store.wait([str(p) for p in below])
+                for peer in below:
+                    host, port, key_hex = store.get(str(peer)).decode().split()
+                    conn = socket.create_connection((host, int(port)), timeout=_left(deadline, peer, "connect"))
+                    peers[peer] = conn
+                    conn.sendall(_HELLO.pack(bytes.fromhex(key_hex), rank))
+            if listener is not None:
+                _accept_partners(listener, key, set(above), peers, deadline)
+        except BaseException:
+            for conn in peers.values():
+                conn.close()
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+        for conn in peers.values():
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setblocking(False)
+        return cls(rank, size, peers, timeout_s)
+
+    def close(self) -> None:
+        """Close every connection; a thread blocked on one (here or at a partner) fails at once."""
+        peers, self._peers = self._peers, {}
+        for conn in peers.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the partner closed first
+            conn.close()
+
+    # -- blocking transfers (the calling thread does all the work) ------------------------------------
+    def transfer(self, peer: int, send: Optional[memoryview], receive: Optional[memoryview]) -> None:
+        """Send ``send`` to ``peer`` and receive ``receive``'s length from it, both at once (either may be None)."""
+        conn = self._peers.get(peer)
+        if conn is None:
+            raise ConnectionError(f"rank {self.rank}'s connection to rank {peer} is closed")
+        deadline = time.monotonic() + self._timeout_s
+        sent = got = 0
+        to_send = len(send) if send is not None else 0
+        to_get = len(receive) if receive is not None else 0
+        poller = None
+        while True:
+            if sent < to_send:
+                try:
+                    sent += conn.send(send[sent:])
+                except BlockingIOError:
+                    pass
+            if got < to_get:
+                try:
+                    n = conn.recv_into(receive[got:])
+                except BlockingIOError:
+                    n = -1
+                if n == 0:
+                    raise ConnectionError(f"rank {peer} closed its connection to rank {self.rank} (it ended or failed)")
+                got += max(n, 0)
+            if sent >= to_send and got >= to_get:
+                return
+            if poller is None:
+                poller = select.poll()
+                poller.register(conn, 0)
+            poller.modify(conn, (select.POLLIN if got < to_get else 0) | (select.POLLOUT if sent < to_send else 0))
+            left = deadline - time.monotonic()
+            if left <= 0 or not _poll(poller, left):
+                raise TimeoutError(
+                    f"rank {self.rank} heard nothing from rank {peer} for {self._timeout_s} s (timeout_s)"
+                )
+
+
+def _poll(poller: "select.poll", seconds: float) -> bool:
+    """Whether the registered socket became ready (or hung up) within ``seconds``."""
+    try:
+        return bool(poller.poll(max(1, int(seconds * 1000))))
+    except InterruptedError:
+        return True
+
+
+def _left(deadline: float, peer: int, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"could not {what} to rank {peer}'s small-message socket in time (timeout_s)")
+    return left
+
+
+def _accept_partners(
+    listener: socket.socket, key: bytes, expected: set[int], peers: dict[int, socket.socket], deadline: float
+) -> None:
+    """Accept a connection from each rank of ``expected`` that presents ``key``; drop any other."""
+    while expected:
+        listener.settimeout(_left(deadline, min(expected), "accept a connection from"))
+        conn, _ = listener.accept()
+        try:
+            conn.settimeout(min(5.0, _left(deadline, min(expected), "hear from")))
+            hello = _receive_exactly(conn, _HELLO.size)
+            presented, peer = _HELLO.unpack(hello)
+            if not hmac.compare_digest(presented, key) or peer not in expected:
+                raise PermissionError(f"a connection presented a wrong key or rank {peer}")
+        except (OSError, PermissionError, struct.error):
+            conn.close()  # not one of this rank's partners: keep waiting for them
+            continue
+        expected.discard(peer)
+        peers[peer] = conn
+
+
+def _receive_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the connection closed during the hello")
+        data += chunk
+    return bytes(data)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of the flat contiguous ``tensor`` (any dtype)."""
+    return memoryview(tensor.detach().view(torch.uint8).numpy()).cast("B")
+
+
+class SocketRecursiveDoubling(AllreduceStrategy):
+    """Small allreduces (at most :data:`SOCKET_ALLREDUCE_BYTES`) as a recursive doubling over
+    :class:`PeerSockets`: the engine's per-tick flags and small tensors, in one thread."""
+
+    name = "socket recursive doubling"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return (
+            self._size > 1 and op in REDUCERS
+            and tensor.numel() * tensor.element_size() <= SOCKET_ALLREDUCE_BYTES
+        )
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        if tensor.numel():
+            reducer = REDUCERS[op]
+            on_contiguous(tensor, lambda flat: self._run(flat, reducer))
+
+    def _run(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+        peers = self._peers
+        theirs = torch.empty_like(flat)
+        mine, received = _bytes_of(flat), _bytes_of(theirs)
+        for kind, peer, _ in peers.steps:
+            if kind == "send":
+                peers.transfer(peer, mine, None)
+            elif kind == "receive":
+                peers.transfer(peer, None, mine)
+            else:
+                peers.transfer(peer, mine if kind == "exchange" else None, received)
+                reducer(flat, theirs, out=flat)
+
+
+__all__ = ["PeerSockets", "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES", "interface_address"]

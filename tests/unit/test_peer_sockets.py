@@ -1,0 +1,196 @@
+"""The ranks' own small-message connections (``transport/sockets.py``), ranks as threads of this process:
+who connects to whom, the listener closed to strangers and gone once its partners are in, a partner
+that ends or falls silent failing the op fast and naming it, and messages in both directions at once."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from hvdray.collective.transport.gloo import recursive_doubling, recursive_doubling_messages
+from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
+
+
+def _connect_all(size: int, store: dist.Store, timeout_s: float = 10.0) -> list[PeerSockets]:
+    groups: list = [None] * size
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            groups[rank] = PeerSockets.connect(store, rank, size, "127.0.0.1", timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    if errors:
+        raise errors[0]
+    return groups
+
+
+def _in_threads(fn, groups: list[PeerSockets]) -> list:
+    results: list = [None] * len(groups)
+
+    def member(rank: int) -> None:
+        try:
+            results[rank] = fn(groups[rank])
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            results[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(len(groups))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def _close(groups: list[PeerSockets]) -> None:
+    for group in groups:
+        group.close()
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_each_rank_connects_to_its_recursive_doubling_partners_only(size):
+    groups = _connect_all(size, dist.HashStore())
+    try:
+        for rank, group in enumerate(groups):
+            assert set(group._peers) == {peer for _, peer, _ in recursive_doubling(rank, size)}
+        connections = sum(len(group._peers) for group in groups) // 2
+        assert connections <= recursive_doubling_messages(size)  # P log2 P, not the P(P-1)/2 of a full mesh
+        totals = _in_threads(lambda g: SocketRecursiveDoubling(g).run(t := torch.full((3,), g.rank + 1.0),
+                                                                         ReduceOp.SUM) or t.tolist(), groups)
+        assert totals == [[size * (size + 1) / 2] * 3] * size
+    finally:
+        _close(groups)
+
+
+def test_the_listener_drops_strangers_and_closes_once_its_partners_are_in():
+    store = dist.HashStore()
+    listening = threading.Event()
+    published: dict = {}
+
+    class Watching(dist.Store):  # rank 0's store: sees the address it publishes
+        def set(self, key, value):
+            published["address"] = value.decode().split()
+            store.set(key, value)
+            listening.set()
+
+    stranger_errors: list = []
+
+    def stranger() -> None:  # knows the port (a scan) but not the key: dropped, and rank 1 still gets in
+        listening.wait(10)
+        host, port, key_hex = published["address"]
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.sendall(b"\0" * 32 + (1).to_bytes(4, "big"))
+            try:
+                stranger_errors.append(conn.recv(1))  # b"": the listener closed it
+            except OSError as exc:
+                stranger_errors.append(exc)
+
+    groups: list = [None, None]
+
+    def rank0() -> None:
+        groups[0] = PeerSockets.connect(Watching(), 0, 2, "127.0.0.1", 10)
+
+    def rank1() -> None:
+        time.sleep(0.5)  # after the stranger
+        groups[1] = PeerSockets.connect(store, 1, 2, "127.0.0.1", 10)
+
+    threads = [threading.Thread(target=f) for f in (rank0, stranger, rank1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert groups[0] is not None and groups[1] is not None
+        assert stranger_errors and (stranger_errors[0] == b"" or isinstance(stranger_errors[0], OSError))
+        host, port, _ = published["address"]
+        with pytest.raises(ConnectionRefusedError):  # nothing listens any more
+            socket.create_connection((host, int(port)), timeout=5)
+        sums = _in_threads(lambda g: SocketRecursiveDoubling(g).run(t := torch.ones(2), ReduceOp.SUM) or t.tolist(),
+                           groups)
+        assert sums == [[2.0, 2.0], [2.0, 2.0]]
+    finally:
+        _close(groups)
+
+
+def test_a_partner_that_ends_fails_the_op_at_once_naming_it():
+    groups = _connect_all(3, dist.HashStore(), timeout_s=30)
+    try:
+        groups[2].close()  # rank 2's process ended: the kernel closes its connections
+
+        def reduce_as_the_engine_does(group: PeerSockets) -> None:
+            try:
+                SocketRecursiveDoubling(group).run(torch.ones(4), ReduceOp.SUM)
+            except BaseException:
+                group.close()  # a failed engine closes its communicator: its partners fail at once too
+                raise
+
+        started = time.monotonic()
+        errors = _in_threads(reduce_as_the_engine_does, groups[:2])
+        assert time.monotonic() - started < 5  # not the 30 s timeout
+        # rank 0 waited for rank 2's part (rank 2 folds into rank 0); rank 1 for rank 0, which then closed
+        assert isinstance(errors[0], ConnectionError) and "rank 2 closed its connection" in str(errors[0])
+        assert isinstance(errors[1], ConnectionError) and "rank 0 closed its connection" in str(errors[1])
+    finally:
+        _close(groups)
+
+
+def test_a_silent_partner_fails_the_op_after_the_timeout():
+    groups = _connect_all(2, dist.HashStore(), timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"rank 0 heard nothing from rank 1 for 0.5 s \(timeout_s\)"):
+            SocketRecursiveDoubling(groups[0]).run(torch.ones(4), ReduceOp.SUM)  # rank 1 never joins this op
+        assert 0.4 < time.monotonic() - started < 5
+    finally:
+        _close(groups)
+
+
+def test_closing_wakes_a_thread_blocked_on_a_partner():
+    groups = _connect_all(2, dist.HashStore(), timeout_s=30)
+    try:
+        outcome: list = []
+
+        def blocked() -> None:
+            try:
+                SocketRecursiveDoubling(groups[0]).run(torch.ones(4), ReduceOp.SUM)
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        groups[1].close()  # the partner's communicator closes (its engine failed)
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 5
+        assert isinstance(outcome[0], ConnectionError)
+    finally:
+        _close(groups)
+
+
+def test_large_messages_in_both_directions_at_once_do_not_block_each_other():
+    """Each side sends and receives together (non-blocking), so a message far beyond the kernel's socket
+    buffers goes through even when both partners send at once."""
+    groups = _connect_all(2, dist.HashStore())
+    try:
+        def exchange(group: PeerSockets) -> bool:
+            mine = torch.full((4 << 20,), group.rank, dtype=torch.uint8)  # 4 MiB each way
+            theirs = torch.empty_like(mine)
+            group.transfer(1 - group.rank, memoryview(mine.numpy()), memoryview(theirs.numpy()))
+            return bool((theirs == 1 - group.rank).all())
+
+        assert _in_threads(exchange, groups) == [True, True]
+    finally:
+        _close(groups)
