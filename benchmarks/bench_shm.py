@@ -2,7 +2,9 @@
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
 For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
-throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). ``benchmarks/bench.py`` adds
+throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). The latency rows also run
+hvdray over Gloo with ``small_message_sockets`` off, the network path before the ranks' own connections
+took small messages. ``benchmarks/bench.py`` adds
 these rows to its report; run alone it prints them:
 
     python benchmarks/bench_shm.py --local-ranks 2 4 --repeats 5      # --quick for a smoke run
@@ -25,24 +27,28 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
+#: the latency rows' extra column: hvdray over Gloo without the ranks' own small-message connections
+NO_SOCKETS = "hvdray gloo, small_message_sockets off"
 SHARED_TENSOR = "hvdray shm, tensor in shared memory"
 
 
-def _use_transport(shm: bool) -> str:
-    """Restart this worker's hvdray with ``shm_transport`` on or off (every rank does it in one call)."""
+def _use_transport(shm: bool, sockets: bool = True) -> str:
+    """Restart this worker's hvdray with ``shm_transport`` on or off (every rank does it in one call), and
+    ``small_message_sockets`` as given."""
     import hvdray.torch as hvd
     from hvdray.collective import session
 
     job = session.current().current_job()  # a worker's settings are read-only: the job gets a changed copy
-    job.settings = job.settings.replace(shm_transport=shm)
+    job.settings = job.settings.replace(shm_transport=shm, small_message_sockets=sockets)
     hvd.shutdown()
     hvd.init()
     return session.engine().comm.transport
 
 
-def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
+def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = False) -> dict[str, float]:
     """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport; over shared
-    memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place)."""
+    memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place);
+    ``without_sockets``: over Gloo also with ``small_message_sockets`` off."""
     import torch
     import torch.distributed as dist
 
@@ -50,8 +56,11 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
 
     tensor = torch.ones(max(1, int(size_mb * 1024 * 1024 // 4)))
     times = {"raw gloo": timed(lambda: dist.all_reduce(tensor), iterations)}
-    for impl, shm in TRANSPORTS.items():
-        _use_transport(shm)
+    configurations = [(impl, shm, True) for impl, shm in TRANSPORTS.items()]
+    if without_sockets:
+        configurations.append((NO_SOCKETS, False, False))
+    for impl, shm, sockets in configurations:
+        _use_transport(shm, sockets)
         times[impl] = timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
         if shm:
             shared = tensor.clone().share_memory_()
@@ -93,7 +102,7 @@ def shared_memory_rows(
                 record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
             if "latency" in rows:
                 for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
-                    samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
+                    samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300, True], repeats)
                     micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:

@@ -12,8 +12,10 @@ members (threads, no tensors, no sockets):
   ``set`` of its pairs' addresses, then a ``wait`` and a ``get`` of every rank's key, in rank order:
   the sequence a real ``ProcessGroupGloo`` issues, with records of a real one's size, checked by
   ``tests/unit/test_control_plane_scale.py``),
-  the node's shared-memory segment name (set by local rank 0, read by the others) and, on several
-  nodes, the connect of its cross-node group. Counted: every coordinator call (store operations and
+  the node's shared-memory segment name (set by local rank 0, read by the others), on several
+  nodes the connect of its cross-node group, and there the records of the small-message connections
+  (``transport.sockets.partner_records``, the real code: one record set, one wait for its partners'
+  below it, for the job's group and the cross-node one). Counted: every coordinator call (store operations and
   the assignment) and the value bytes the members read.
 * **negotiation** (per training step): every member's real engine
   :class:`~hvdray.collective.engine.agreement.Agreement` sorts ``--tensors`` named requests, fills its
@@ -21,8 +23,9 @@ members (threads, no tensors, no sockets):
   decoded, absorbed and planned, as the engine loop does. Counted per step: control collectives
   and their bytes per rank; messages are those collectives' point-to-point messages under the
   transport the job would use: the flags' AND crosses the nodes (``--ranks-per-node`` > 1:
-  hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling among 4 or more
-  (P log2 P messages), a full round's allgather is Gloo's ring among all ranks (N(N-1)).
+  hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling over the ranks' own
+  connections (P log2 P messages); a full round's two allgathers (lengths, messages) take the same
+  connections while every rank's copies fit 64 KiB, else Gloo's ring among all ranks (N(N-1)).
 
 ``--rendezvous`` picks how the members read the Gloo records: ``parts`` (hvdray: one gathered wait
 per group, each record cut to the reader's part, ``hvdray.collective.gloo_record``), ``whole`` (one
@@ -49,7 +52,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +63,8 @@ from hvdray.collective.engine.handle import Handle, Request
 from hvdray.collective.engine.negotiation import RoundMessage
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.topology import WorkerSlot
-from hvdray.collective.transport.gloo import RECURSIVE_DOUBLING_MIN_RANKS, recursive_doubling_messages
+from hvdray.collective.transport.gloo import recursive_doubling_messages
+from hvdray.collective.transport.sockets import SOCKET_ALLREDUCE_BYTES, partner_records, partners
 from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.driver.coordinator_host import CoordinatorClient, CoordinatorHost
 from hvdray.worker.rendezvous import CoordinatorStore
@@ -223,6 +227,16 @@ def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: in
     nodes = size // per_node
     if per_node > 1 and nodes > 1:  # hierarchical: the group of this local rank across the nodes
         gloo_connect(gloo_store(store.prefixed(f"hvdray-cross/{local_rank}/"), node, nodes, mode), node, nodes)
+    if nodes > 1:  # small_message_sockets: the job's, and the cross-node group's, partner connections
+        partner_records(store.prefixed("hvdray-tcp/"), rank, size, _socket_record(rank, size))
+        if per_node > 1:
+            partner_records(store.prefixed(f"hvdray-tcp-cross/{local_rank}/"), node, nodes, _socket_record(node, nodes))
+
+
+def _socket_record(rank: int, size: int) -> Optional[bytes]:
+    """A listener's record (address, port, 32-byte key in hex) as ``PeerSockets.connect`` publishes it,
+    for a rank with a partner above it (None: it does not listen)."""
+    return f"10.0.{rank // 250}.{rank % 250} 40000 {'0' * 64}".encode() if partners(rank, size)[1] else None
 
 
 def rendezvous(size: int, per_node: int, mode: str) -> dict[str, Any]:
@@ -266,17 +280,20 @@ def _requests(tensors: int) -> list[Request]:
 def flag_messages(size: int, per_node: int) -> int:
     """Point-to-point messages of one AND of the flag vector: inside a node the ranks share memory
     (hierarchical, ``per_node`` > 1) and the node's part crosses the nodes; with one rank per node
-    every rank takes part. Among 4 or more that is the recursive doubling (P log2 P messages), among
-    fewer the gather-reduce's allgather ring (P(P-1))."""
+    every rank takes part: a recursive doubling over the ranks' own connections (P log2 P messages)."""
     group = size // per_node if per_node > 1 else size
-    if group >= RECURSIVE_DOUBLING_MIN_RANKS:
-        return recursive_doubling_messages(group)
-    return group * (group - 1)
+    return recursive_doubling_messages(group)
 
 
-def round_messages(size: int) -> int:
-    """Point-to-point messages of a full round's message allgather: Gloo's ring among every rank."""
-    return size * (size - 1)
+def round_messages(size: int, longest: int) -> int:
+    """Point-to-point messages of a full round's two allgathers (every rank's length, then every message
+    padded to the ``longest``): over the ranks' own connections (a recursive doubling) while every
+    rank's copies fit ``SOCKET_ALLREDUCE_BYTES``, else Gloo's ring among every rank (N(N-1))."""
+    def allgather(nbytes: int) -> int:
+        fits = size * nbytes <= SOCKET_ALLREDUCE_BYTES
+        return recursive_doubling_messages(size) if fits else size * (size - 1)
+
+    return allgather(8) + allgather(longest)
 
 
 def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict[str, Any]]:
@@ -304,7 +321,7 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
             if read[0][2]:  # a full round: every rank's message to every rank
                 payloads = [m.message(False, False, 1, None).encode() for m in members]
                 collectives += 1
-                sent += round_messages(size)
+                sent += round_messages(size, max(len(p) for p in payloads))
                 round_bytes += sum(len(p) for p in payloads)
                 messages = [RoundMessage.decode(p) for p in payloads]  # decoded once: every rank decodes alike
                 for member in members:

@@ -128,10 +128,10 @@ class Settings(BaseModel):
         "loopback TCP (Linux x86-64; falls back to Gloo where /dev/shm cannot be used).",
     )
     small_message_sockets: bool = Field(
-        True, description="Allreduces of at most 64 KiB that go over the network (the engine's flags every tick, "
-        "small tensors, the cross-node step of hierarchical allreduce) run over direct TCP connections between "
-        "partner ranks, sent and received by the engine thread itself, instead of through Gloo's threads. "
-        "Off: every allreduce across nodes takes Gloo.",
+        True, description="Allreduces, allgathers and broadcasts of at most 64 KiB that cross the network (the "
+        "engine's flags every tick, its negotiation rounds, small tensors, the cross-node step of hierarchical "
+        "allreduce) run over direct TCP connections between partner ranks, sent and received by the engine thread "
+        "itself, instead of through Gloo's threads. Off: Gloo carries them.",
     )
     hierarchical_allreduce: Optional[bool] = Field(
         None, description="Allreduce across nodes in three steps: shared memory inside each node, Gloo between "

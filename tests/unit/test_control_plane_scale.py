@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from hvdray.collective.transport.sockets import partners
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo_threads import gloo_group, in_threads  # noqa: E402 - shared by the Gloo unit tests
 
@@ -92,8 +94,10 @@ def test_rendezvous_grows_at_most_n_log_n_and_per_key_waits_would_not(scale):
     gathered_growth = gathered[64]["coordinator_calls"] / gathered[16]["coordinator_calls"]
     assert gathered_growth <= bound
     assert per_key[64]["coordinator_calls"] / per_key[16]["coordinator_calls"] > bound  # the check can fail
-    # one node's worth of ranks per node: job group (set + one gathered wait), segment name, cross group (2)
-    assert gathered[64]["store_ops"] == 5 * 64
+    # one node's worth of ranks per node: job group (set + one gathered wait), segment name, cross group (2),
+    # and the small-message connections of the job's group and of the cross group (a record set by each
+    # rank with a partner above it, one wait by each with a partner below it)
+    assert gathered[64]["store_ops"] == 5 * 64 + _socket_store_ops(64) + 8 * _socket_store_ops(8)
     assert gathered[64]["calls_by_method"]["assign"] == 1
 
 
@@ -106,9 +110,17 @@ def test_rendezvous_bytes_grow_as_n_squared_with_record_parts_and_whole_records_
     assert parts[128] < whole[128] / 5
 
 
-def test_one_rank_per_node_rendezvous_is_two_store_calls_per_rank(scale):
+def _socket_store_ops(size: int) -> int:
+    """Store operations of ``PeerSockets.connect`` among ``size`` ranks: a set per listener, a wait per connector."""
+    return sum(bool(below) + bool(above) for below, above in (partners(rank, size) for rank in range(size)))
+
+
+def test_one_rank_per_node_rendezvous_is_about_four_store_calls_per_rank(scale):
+    """The Gloo group's record and gathered wait, and the small-message connections' record and wait
+    (every rank but the last has a partner above it, every rank but the first one below it)."""
     result = scale.rendezvous(16, per_node=1, mode="parts")
-    assert result["calls_by_method"] == {"assign": 1, "kv_set": 16, "kv_read": 16}
+    assert _socket_store_ops(16) == 2 * 16 - 2
+    assert result["calls_by_method"] == {"assign": 1, "kv_set": 16 + 15, "kv_read": 16 + 15}
 
 
 def test_steady_step_costs_one_constant_control_collective(scale):

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from hvdray.collective.transport.gloo import recursive_doubling, recursive_doubling_messages
-from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
+from hvdray.collective.transport.communicator import as_bytes
+from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
 
 
 def _connect_all(size: int, store: dist.Store, timeout_s: float = 10.0) -> list[PeerSockets]:
@@ -70,6 +71,48 @@ def test_each_rank_connects_to_its_recursive_doubling_partners_only(size):
         totals = _in_threads(lambda g: SocketRecursiveDoubling(g).run(t := torch.full((3,), g.rank + 1.0),
                                                                          ReduceOp.SUM) or t.tolist(), groups)
         assert totals == [[size * (size + 1) / 2] * 3] * size
+    finally:
+        _close(groups)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_allgather_and_broadcast_give_every_rank_the_exact_bytes(size):
+    """Each is a byte-wise sum of bytes only one rank holds: exact for every dtype (NaN, -0.0, bfloat16,
+    and int16 moved as bytes, as the communicator moves dtypes Gloo lacks)."""
+    groups = _connect_all(size, dist.HashStore())
+
+    def tensor_of(rank: int, dtype: torch.dtype) -> torch.Tensor:
+        values = torch.tensor([rank + 0.5, -0.0, float("nan"), -(rank + 1) * 1e30])
+        return values.to(dtype) if dtype.is_floating_point else torch.arange(4, dtype=dtype) * (rank + 1) - 5
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.int16, torch.bool, torch.uint8)
+
+    def member(group: PeerSockets) -> list:
+        done = []
+        for dtype in dtypes:
+            mine = tensor_of(group.rank, dtype) if dtype != torch.bool else torch.tensor([group.rank % 2 == 0] * 3)
+            out = torch.empty((size, *mine.shape), dtype=dtype)
+            if dtype == torch.int16:  # Gloo has no int16: moved as bytes
+                SocketAllgather(group).run(as_bytes(mine), as_bytes(out))
+            else:
+                SocketAllgather(group).run(mine, out)
+            done.append(out)
+        for root in range(size):
+            tensor = tensor_of(group.rank, torch.float32)[::2]  # a strided view: written back in place
+            SocketBroadcast(group).run(tensor, root)
+            done.append(tensor)
+        return done
+
+    try:
+        results = _in_threads(member, groups)
+        for rank in range(size):
+            assert not isinstance(results[rank], BaseException), results[rank]
+            for dtype, gathered in zip(dtypes, results[rank]):
+                want = torch.stack([tensor_of(r, dtype) if dtype != torch.bool else torch.tensor([r % 2 == 0] * 3)
+                                    for r in range(size)])
+                assert torch.equal(as_bytes(gathered), as_bytes(want)), (rank, dtype)
+            for root, got in enumerate(results[rank][len(dtypes):]):
+                assert torch.equal(as_bytes(got.contiguous()), as_bytes(tensor_of(root, torch.float32)[::2].contiguous()))
     finally:
         _close(groups)
 

@@ -25,7 +25,12 @@ from hvdray.collective.transport.gloo import (
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
-from hvdray.collective.transport.sockets import SOCKET_ALLREDUCE_BYTES, SocketRecursiveDoubling
+from hvdray.collective.transport.sockets import (
+    SOCKET_ALLREDUCE_BYTES,
+    SocketAllgather,
+    SocketBroadcast,
+    SocketRecursiveDoubling,
+)
 from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, first_serving
 
 
@@ -78,6 +83,9 @@ def test_small_messages_take_the_ranks_own_connections_first():
         "adasum", "hierarchical", "socket recursive doubling", "gloo recursive doubling", "gloo gather-reduce",
         "gloo ring",
     ]
+    assert strategies.names()["allgather"] == ["socket allgather", "gloo allgather"]
+    assert strategies.names()["broadcast"] == ["socket broadcast", "gloo broadcast"]
+    assert hierarchical.names()["allgather"] == ["socket allgather", "gloo allgather"]
     cross = hierarchical.allreduce[1]._cross
     assert [s.name for s in cross][:2] == ["socket recursive doubling", "gloo recursive doubling"]
     assert cross[0]._size == 2  # the cross-node group's connections, not the job's
@@ -155,6 +163,11 @@ def test_what_each_entry_serves():
     assert not sockets.serves(torch.ones(largest + 1), ReduceOp.SUM)
     assert not sockets.serves(torch.ones(5), Reduction.ADASUM)
     assert not SocketRecursiveDoubling(_Peers(1)).serves(torch.ones(5), ReduceOp.SUM)
+    gather = SocketAllgather(_Peers(4))  # every rank's copies together, as the gather-reduce
+    assert gather.serves(torch.ones(SOCKET_ALLREDUCE_BYTES // 16)) and not gather.serves(
+        torch.ones(SOCKET_ALLREDUCE_BYTES // 16 + 1))
+    broadcast = SocketBroadcast(_Peers(4))
+    assert broadcast.serves(torch.ones(largest), 3) and not broadcast.serves(torch.ones(largest + 1), 3)
 
 
 def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():

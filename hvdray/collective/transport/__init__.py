@@ -8,10 +8,13 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 2. SharedMemoryAllreduce   every rank on one node: the node's segment (shm/)
                    or HierarchicalAllreduce   several nodes: the segment, then this rank's part over a
                                               Gloo group across the nodes (hierarchical.py)
-                3. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges (gloo.py)
-                4. GlooGatherReduce        small messages: allgather + reduction in rank order (gloo.py)
-                5. GlooRing                Gloo's allreduce: serves everything else (gloo.py)
-                (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
+                3. SocketRecursiveDoubling  messages up to 64 KiB: log2 P exchanges over the ranks' own
+                                           TCP connections, on the engine thread (sockets.py; unless
+                                           small_message_sockets is off)
+                4. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges (gloo.py)
+                5. GlooGatherReduce        small messages: allgather + reduction in rank order (gloo.py)
+                6. GlooRing                Gloo's allreduce: serves everything else (gloo.py)
+                (3-6 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
     allgather   SharedMemoryAllgather (one node), GlooAllgather
     broadcast   SharedMemoryBroadcast (one node), GlooBroadcast
     alltoall, reducescatter: Gloo only
@@ -32,7 +35,7 @@ as the Gloo one. CPU tensors never match its ``serves``, so nothing else changes
 Modules: ``communicator.py`` (the facade: groups, segment, lists), ``strategy.py`` (what a strategy
 is, and the walk of a list), ``order.py`` (the lists), ``plan.py`` (the pure decisions),
 ``reductions.py`` (how ops are named and computed), ``gloo.py``, ``hierarchical.py``, ``adasum.py``,
-``single_rank.py`` and ``shm/`` (the strategies and what they run on).
+``single_rank.py``, ``sockets.py`` and ``shm/`` (the strategies and what they run on).
 """
 
 from hvdray.collective.transport.communicator import Communicator

@@ -55,18 +55,26 @@ class Communicator:
         # the small-message connections among all ranks, and among the cross-node group's
         self._peers: Optional[PeerSockets] = None
         self._cross_peers: Optional[PeerSockets] = None
-        self._peer_address: Optional[str] = None
         try:
-            if small_message_sockets and size > 1:
-                self._peer_address = interface_address(interface) if interface else hostname or gloo.node_address()
-                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, self._peer_address, timeout_s)
             self.plan = TransportPlan(False, False, "no rank placement given")
-            self._use(ordered_strategies(self._pg, peers=self._peers))
+            self._use(ordered_strategies(self._pg))  # what the setup below runs on
+            cross_place = None
             if rank_info is not None and transport is not None and size > 1:
-                self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+                cross_place = self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
+            if small_message_sockets and size > 1 and self.transport != "shm":  # one node's segment serves all
+                address = interface_address(interface) if interface else hostname or gloo.node_address()
+                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
+                if cross_place is not None:
+                    local_rank, node, nodes = cross_place
+                    self._cross_peers = PeerSockets.connect(
+                        prefixed(store, f"hvdray-tcp-cross/{local_rank}/"), node, nodes, address, timeout_s
+                    )
+            self._use(ordered_strategies(self._pg, self._node, self._cross, self._peers, self._cross_peers))
         except BaseException:
             self.close()
             raise
+        log.debug("rank %d transport %s (%s); strategies %s", rank, self.transport, self.plan.reason,
+                  self.strategies.names())
 
     def _use(self, strategies: Strategies) -> None:
         """Run every op with ``strategies`` from now on."""
@@ -100,8 +108,9 @@ class Communicator:
     def _setup_shared_memory(
         self, store: dist.Store, info: RankInfo, transport: TransportOptions, timeout_s: float,
         options: "ProcessGroupGloo._Options",
-    ) -> None:
-        """Agree on a plan with every rank, then map the node's segment (and the cross-node group)."""
+    ) -> Optional[tuple[int, int, int]]:
+        """Agree on a plan with every rank, then map the node's segment (and the cross-node group); when
+        allreduce is hierarchical, this rank's place in its cross-node group: (local rank, node, nodes)."""
         unsupported = shm.unsupported_reason()
         mine = torch.tensor([info.local_rank, info.local_size, 0 if unsupported else 1], dtype=torch.int64)
         table = torch.stack(self.allgather(mine)).tolist()
@@ -110,10 +119,11 @@ class Communicator:
         except ValueError as exc:
             log.warning("shared-memory transport off: %s", exc)
             self.plan = TransportPlan(False, False, str(exc))
-            return
+            return None
         if any(not ok for _, _, ok in table) and not unsupported:
             unsupported = "another rank cannot map shared memory"
         plan = plan_transport(layout, transport, [unsupported] if unsupported else [])
+        cross_place = None
         if plan.node_shm:
             node = self._attach_node_segment(store, info, layout, transport, timeout_s)
             try:
@@ -123,23 +133,16 @@ class Communicator:
                     node.segment.unlink()  # every local rank has tried to map it: the name can go
                 if agreed.item():
                     if plan.hierarchical:
-                        node_index = layout.node_of(self.rank)
-                        self._cross = cross_node_group(store, info.local_rank, node_index, layout.num_nodes, options)
-                        if self._peer_address is not None:
-                            self._cross_peers = PeerSockets.connect(
-                                prefixed(store, f"hvdray-tcp-cross/{info.local_rank}/"), node_index,
-                                layout.num_nodes, self._peer_address, timeout_s,
-                            )
+                        cross_place = (info.local_rank, layout.node_of(self.rank), layout.num_nodes)
+                        self._cross = cross_node_group(store, *cross_place, options)
                     self._node, node = node, None
-                    self._use(ordered_strategies(self._pg, self._node, self._cross, self._peers, self._cross_peers))
                 else:
                     plan = TransportPlan(False, False, "a rank could not map its node's shared-memory segment")
             finally:
                 if node is not None:  # not used (or setup failed): unmap, and unlink if this rank created it
                     node.close()
         self.plan = plan
-        log.debug("rank %d transport %s (%s); strategies %s", self.rank, self.transport, plan.reason,
-                  self.strategies.names())
+        return cross_place
 
     def _attach_node_segment(
         self, store: dist.Store, info: RankInfo, layout: NodeLayout, transport: TransportOptions, timeout_s: float,

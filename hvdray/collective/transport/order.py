@@ -27,7 +27,7 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
 )
-from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
+from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
 from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
 
@@ -67,10 +67,12 @@ def ordered_strategies(
     one_node = node if cross is None else None
     allgather = _present(
         SharedMemoryAllgather(one_node) if one_node is not None else None,
+        SocketAllgather(peers) if peers is not None else None,
         GlooAllgather(world),
     )
     broadcast = _present(
         SharedMemoryBroadcast(one_node) if one_node is not None else None,
+        SocketBroadcast(peers) if peers is not None else None,
         GlooBroadcast(world),
     )
     allreduce = _present(

@@ -1,4 +1,5 @@
-"""Small allreduces over direct TCP connections between ranks, run by the engine thread itself.
+"""Small allreduces, allgathers and broadcasts over direct TCP connections between ranks, run by the
+engine thread itself.
 
 A Gloo op hands the work to the process group's worker thread, whose receive waits for the Gloo
 device's own loop thread: several thread wake-ups per op. On the 2-core development machine a 2-rank
@@ -7,6 +8,9 @@ connection between the same processes takes about 0.07 ms. :class:`PeerSockets` 
 its partners of a recursive doubling (``gloo.recursive_doubling``: about log2 P connections per rank,
 P log2 P in all, not a full mesh), and :class:`SocketRecursiveDoubling` runs small allreduces over
 them: the calling thread sends, waits in ``poll`` and receives, with no other thread in between.
+:class:`SocketAllgather` and :class:`SocketBroadcast` are the same reduction of bytes that only one rank
+holds (the others hold zeros): the engine's full rounds (two allgathers) and small broadcasts.
+Ranks on one node that share a segment (``shm/``) need none of this: a single-node job has no sockets.
 
 Connecting goes through the job's closed rendezvous, as Gloo's does: every rank that has a partner
 above it listens on the node's address (the one Gloo uses, or the ``nics`` interface's) and publishes
@@ -35,7 +39,7 @@ import torch.distributed as dist
 from hvdray.collective.errors import NetworkDeviceError
 from hvdray.collective.transport.gloo import recursive_doubling
 from hvdray.collective.transport.reductions import REDUCERS, TransportOp
-from hvdray.collective.transport.strategy import AllreduceStrategy, on_contiguous
+from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy, on_contiguous
 
 #: the largest allreduce (bytes of one rank's tensor) the sockets take; larger ones go to Gloo, whose ring
 #: moves large messages without sending all of it log2 P times. Below the kernel's default socket buffers,
@@ -76,25 +80,21 @@ class PeerSockets:
     @classmethod
     def connect(cls, store: dist.Store, rank: int, size: int, address: str, timeout_s: float) -> "PeerSockets":
         """Connect to this rank's partners through ``store`` (keys ``"<rank>"``), listening on ``address``."""
-        partners = sorted({peer for _, peer, _ in recursive_doubling(rank, size)})
-        above = [p for p in partners if p > rank]
-        below = [p for p in partners if p < rank]
+        below, above = partners(rank, size)
         deadline = time.monotonic() + timeout_s
         peers: dict[int, socket.socket] = {}
         listener: Optional[socket.socket] = None
         try:
+            own = None
             if above:
                 listener = socket.create_server((address, 0))
                 key = secrets.token_bytes(_KEY_BYTES)
-                port = listener.getsockname()[1]
-                store.set(str(rank), f"{address} {port} {key.hex()}".encode())
-            if below:
-                store.wait([str(p) for p in below])
-                for peer in below:
-                    host, port, key_hex = store.get(str(peer)).decode().split()
-                    conn = socket.create_connection((host, int(port)), timeout=_left(deadline, peer, "connect"))
-                    peers[peer] = conn
-                    conn.sendall(_HELLO.pack(bytes.fromhex(key_hex), rank))
+                own = f"{address} {listener.getsockname()[1]} {key.hex()}".encode()
+            for peer, record in partner_records(store, rank, size, own).items():
+                host, port, key_hex = record.decode().split()
+                conn = socket.create_connection((host, int(port)), timeout=_left(deadline, peer, "connect"))
+                peers[peer] = conn
+                conn.sendall(_HELLO.pack(bytes.fromhex(key_hex), rank))
             if listener is not None:
                 _accept_partners(listener, key, set(above), peers, deadline)
         except BaseException:
@@ -155,6 +155,27 @@ class PeerSockets:
                 raise TimeoutError(
                     f"rank {self.rank} heard nothing from rank {peer} for {self._timeout_s} s (timeout_s)"
                 )
+
+
+def partners(rank: int, size: int) -> tuple[list[int], list[int]]:
+    """``rank``'s recursive-doubling partners below it (it connects to them) and above it (they connect to
+    it: it listens)."""
+    peers = {peer for _, peer, _ in recursive_doubling(rank, size)}
+    return sorted(p for p in peers if p < rank), sorted(p for p in peers if p > rank)
+
+
+def partner_records(store: dist.Store, rank: int, size: int, own: Optional[bytes]) -> dict[int, bytes]:
+    """What a rank asks of the store to connect: it publishes ``own`` (its listener's address and key,
+    when it has partners above it), then waits for the records of its partners below it and reads them
+    (one ``set`` and one ``wait`` per rank, about log2 P keys read: ``benchmarks/control_plane_scale.py``
+    replays it)."""
+    below, _ = partners(rank, size)
+    if own is not None:
+        store.set(str(rank), own)
+    if not below:
+        return {}
+    store.wait([str(peer) for peer in below])
+    return {peer: store.get(str(peer)) for peer in below}
 
 
 def _poll(poller: "select.poll", seconds: float) -> bool:
@@ -226,20 +247,78 @@ class SocketRecursiveDoubling(AllreduceStrategy):
     def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
         if tensor.numel():
             reducer = REDUCERS[op]
-            on_contiguous(tensor, lambda flat: self._run(flat, reducer))
-
-    def _run(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
-        peers = self._peers
-        theirs = torch.empty_like(flat)
-        mine, received = _bytes_of(flat), _bytes_of(theirs)
-        for kind, peer, _ in peers.steps:
-            if kind == "send":
-                peers.transfer(peer, mine, None)
-            elif kind == "receive":
-                peers.transfer(peer, None, mine)
-            else:
-                peers.transfer(peer, mine if kind == "exchange" else None, received)
-                reducer(flat, theirs, out=flat)
+            on_contiguous(tensor, lambda flat: _recursive_doubling(self._peers, flat, reducer))
 
 
-__all__ = ["PeerSockets", "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES", "interface_address"]
+def _recursive_doubling(peers: PeerSockets, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+    """Reduce the flat contiguous ``flat`` in place across ``peers``' group with ``reducer``."""
+    theirs = torch.empty_like(flat)
+    mine, received = _bytes_of(flat), _bytes_of(theirs)
+    for kind, peer, _ in peers.steps:
+        if kind == "send":
+            peers.transfer(peer, mine, None)
+        elif kind == "receive":
+            peers.transfer(peer, None, mine)
+        else:
+            peers.transfer(peer, mine if kind == "exchange" else None, received)
+            reducer(flat, theirs, out=flat)
+
+
+def _sum_of_bytes(peers: PeerSockets, flat: torch.Tensor) -> None:
+    """``flat`` (any dtype) summed byte by byte across the group, where at most one rank holds anything
+    but zeros at each byte: every rank gets those bytes exactly (x + 0 is x, with no carry)."""
+    _recursive_doubling(peers, flat.view(torch.uint8), torch.add)
+
+
+class SocketAllgather(AllgatherStrategy):
+    """Small allgathers (every rank's copies together at most :data:`SOCKET_ALLREDUCE_BYTES`: the lengths
+    and messages of the engine's full rounds, small tensors) over :class:`PeerSockets`: each rank writes
+    its tensor into its row of a zeroed output, and the rows are summed byte by byte."""
+
+    name = "socket allgather"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+
+    def serves(self, tensor: torch.Tensor) -> bool:
+        return self._size > 1 and tensor.numel() * tensor.element_size() * self._size <= SOCKET_ALLREDUCE_BYTES
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        if not tensor.numel():
+            return
+        rows = out.view(self._size, -1).view(torch.uint8)
+        rows.zero_()
+        rows[self._peers.rank].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        _sum_of_bytes(self._peers, rows.view(-1))
+
+
+class SocketBroadcast(BroadcastStrategy):
+    """Small broadcasts (at most :data:`SOCKET_ALLREDUCE_BYTES`: a model's small parameters, objects) over
+    :class:`PeerSockets`: every rank but the root zeroes its tensor, and the tensors are summed byte by byte."""
+
+    name = "socket broadcast"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+
+    def serves(self, tensor: torch.Tensor, root: int) -> bool:
+        return self._size > 1 and tensor.numel() * tensor.element_size() <= SOCKET_ALLREDUCE_BYTES
+
+    def run(self, tensor: torch.Tensor, root: int) -> None:
+        if not tensor.numel():
+            return
+
+        def broadcast(flat: torch.Tensor) -> None:
+            if self._peers.rank != root:
+                flat.view(torch.uint8).zero_()
+            _sum_of_bytes(self._peers, flat)
+
+        on_contiguous(tensor, broadcast)
+
+
+__all__ = [
+    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES",
+    "interface_address",
+]
