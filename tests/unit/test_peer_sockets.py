@@ -18,13 +18,13 @@ from hvdray.collective.transport.communicator import as_bytes
 from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
 
 
-def _connect_all(size: int, store: dist.Store, timeout_s: float = 10.0) -> list[PeerSockets]:
+def _connect_all(size: int, store: dist.Store, timeout_s: float = 10.0, address: str = "127.0.0.1") -> list[PeerSockets]:
     groups: list = [None] * size
     errors: list[BaseException] = []
 
     def member(rank: int) -> None:
         try:
-            groups[rank] = PeerSockets.connect(store, rank, size, "127.0.0.1", timeout_s)
+            groups[rank] = PeerSockets.connect(store, rank, size, address, timeout_s)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             errors.append(exc)
 
@@ -113,6 +113,25 @@ def test_allgather_and_broadcast_give_every_rank_the_exact_bytes(size):
                 assert torch.equal(as_bytes(gathered), as_bytes(want)), (rank, dtype)
             for root, got in enumerate(results[rank][len(dtypes):]):
                 assert torch.equal(as_bytes(got.contiguous()), as_bytes(tensor_of(root, torch.float32)[::2].contiguous()))
+    finally:
+        _close(groups)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_a_node_with_an_ipv6_address_listens_on_it():
+    groups = _connect_all(3, dist.HashStore(), address="::1")
+    try:
+        sums = _in_threads(lambda g: SocketRecursiveDoubling(g).run(t := torch.ones(2), ReduceOp.SUM) or t.tolist(),
+                           groups)
+        assert sums == [[3.0, 3.0]] * 3
     finally:
         _close(groups)
 

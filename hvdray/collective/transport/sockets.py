@@ -87,7 +87,8 @@ class PeerSockets:
         try:
             own = None
             if above:
-                listener = socket.create_server((address, 0))
+                family = socket.AF_INET6 if ":" in address else socket.AF_INET
+                listener = socket.create_server((address, 0), family=family)
                 key = secrets.token_bytes(_KEY_BYTES)
                 own = f"{address} {listener.getsockname()[1]} {key.hex()}".encode()
             for peer, record in partner_records(store, rank, size, own).items():
