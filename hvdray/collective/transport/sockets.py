@@ -132,19 +132,15 @@ class PeerSockets:
         to_get = len(receive) if receive is not None else 0
         poller = None
         while True:
-            if sent < to_send:
-                try:
-                    sent += conn.send(send[sent:])
-                except BlockingIOError:
-                    pass
-            if got < to_get:
-                try:
-                    n = conn.recv_into(receive[got:])
-                except BlockingIOError:
-                    n = -1
-                if n == 0:
-                    raise ConnectionError(f"rank {peer} closed its connection to rank {self.rank} (it ended or failed)")
-                got += max(n, 0)
+            try:
+                if sent < to_send:
+                    sent += _send_some(conn, send[sent:])
+                received = _receive_some(conn, receive[got:]) if got < to_get else -1
+            except OSError as exc:
+                raise ConnectionError(f"rank {self.rank}'s connection to rank {peer} failed: {exc}") from exc
+            if received == 0:
+                raise ConnectionError(f"rank {peer} closed its connection to rank {self.rank} (it ended or failed)")
+            got += max(received, 0)
             if sent >= to_send and got >= to_get:
                 return
             if poller is None:
@@ -154,7 +150,8 @@ class PeerSockets:
             left = deadline - time.monotonic()
             if left <= 0 or not _poll(poller, left):
                 raise TimeoutError(
-                    f"rank {self.rank} heard nothing from rank {peer} for {self._timeout_s} s (timeout_s)"
+                    f"rank {self.rank}'s exchange with rank {peer} did not finish within {self._timeout_s} s "
+                    "(timeout_s): it is not running this collective, or cannot be reached"
                 )
 
 
@@ -177,6 +174,22 @@ def partner_records(store: dist.Store, rank: int, size: int, own: Optional[bytes
         return {}
     store.wait([str(peer) for peer in below])
     return {peer: store.get(str(peer)) for peer in below}
+
+
+def _send_some(conn: socket.socket, data: memoryview) -> int:
+    """Bytes of ``data`` the non-blocking ``conn`` took now (0 while its buffer is full)."""
+    try:
+        return conn.send(data)
+    except BlockingIOError:
+        return 0
+
+
+def _receive_some(conn: socket.socket, into: memoryview) -> int:
+    """Bytes received into ``into`` now: -1 while nothing has arrived, 0 once the partner has closed."""
+    try:
+        return conn.recv_into(into)
+    except BlockingIOError:
+        return -1
 
 
 def _poll(poller: "select.poll", seconds: float) -> bool:
