@@ -2,9 +2,9 @@
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
 For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
-throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). The latency rows also run
-hvdray over Gloo with ``small_message_sockets`` off, the network path before the ranks' own connections
-took small messages. ``benchmarks/bench.py`` adds
+throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). The latency and training
+rows also run hvdray over Gloo with ``small_message_sockets`` off, the network path before the ranks'
+own connections took small messages. ``benchmarks/bench.py`` adds
 these rows to its report; run alone it prints them:
 
     python benchmarks/bench_shm.py --local-ranks 2 4 --repeats 5      # --quick for a smoke run
@@ -56,10 +56,7 @@ def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = Fa
 
     tensor = torch.ones(max(1, int(size_mb * 1024 * 1024 // 4)))
     times = {"raw gloo": timed(lambda: dist.all_reduce(tensor), iterations)}
-    configurations = [(impl, shm, True) for impl, shm in TRANSPORTS.items()]
-    if without_sockets:
-        configurations.append((NO_SOCKETS, False, False))
-    for impl, shm, sockets in configurations:
+    for impl, shm, sockets in _configurations(without_sockets):
         _use_transport(shm, sockets)
         times[impl] = timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
         if shm:
@@ -70,11 +67,20 @@ def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = Fa
     return times
 
 
-def _training_round(steps: int, batch: int) -> dict[str, float]:
-    """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport."""
+def _configurations(without_sockets: bool) -> list[tuple[str, bool, bool]]:
+    """(name, shm_transport, small_message_sockets) of each hvdray column."""
+    configurations = [(impl, shm, True) for impl, shm in TRANSPORTS.items()]
+    if without_sockets:
+        configurations.append((NO_SOCKETS, False, False))
+    return configurations
+
+
+def _training_round(steps: int, batch: int, without_sockets: bool = False) -> dict[str, float]:
+    """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport (``without_sockets``:
+    over Gloo also with ``small_message_sockets`` off)."""
     rates: dict[str, float] = {}
-    for impl, shm in TRANSPORTS.items():
-        _use_transport(shm)
+    for impl, shm, sockets in _configurations(without_sockets):
+        _use_transport(shm, sockets)
         measured = training_round(steps, batch)
         rates.setdefault("DDP (gloo)", measured["DDP (gloo)"])
         rates[f"{impl} DistributedOptimizer"] = measured["hvdray DistributedOptimizer"]
@@ -107,7 +113,7 @@ def shared_memory_rows(
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:
                 record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", alternate(
-                    ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
+                    ex, _training_round, [5 if quick else 40, 64, True], repeats), "samples/s", "DDP (gloo)", True)
 
 
 def main(argv: list[str] | None = None) -> int:

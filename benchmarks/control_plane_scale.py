@@ -25,7 +25,7 @@ members (threads, no tensors, no sockets):
   transport the job would use: the flags' AND crosses the nodes (``--ranks-per-node`` > 1:
   hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling over the ranks' own
   connections (P log2 P messages); a full round's two allgathers (lengths, messages) take the same
-  connections while every rank's copies fit 64 KiB, else Gloo's ring among all ranks (N(N-1)).
+  connections while every rank's copies fit 1 MiB, else Gloo's ring among all ranks (N(N-1)).
 
 ``--rendezvous`` picks how the members read the Gloo records: ``parts`` (hvdray: one gathered wait
 per group, each record cut to the reader's part, ``hvdray.collective.gloo_record``), ``whole`` (one

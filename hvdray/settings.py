@@ -128,7 +128,7 @@ class Settings(BaseModel):
         "loopback TCP (Linux x86-64; falls back to Gloo where /dev/shm cannot be used).",
     )
     small_message_sockets: bool = Field(
-        True, description="Allreduces, allgathers and broadcasts of at most 64 KiB that cross the network (the "
+        True, description="Allreduces, allgathers and broadcasts of at most 1 MiB that cross the network (the "
         "engine's flags every tick, its negotiation rounds, small tensors, the cross-node step of hierarchical "
         "allreduce) run over direct TCP connections between partner ranks, sent and received by the engine thread "
         "itself, instead of through Gloo's threads. Off: Gloo carries them.",

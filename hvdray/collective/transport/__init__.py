@@ -8,7 +8,7 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 2. SharedMemoryAllreduce   every rank on one node: the node's segment (shm/)
                    or HierarchicalAllreduce   several nodes: the segment, then this rank's part over a
                                               Gloo group across the nodes (hierarchical.py)
-                3. SocketRecursiveDoubling  messages up to 64 KiB: log2 P exchanges over the ranks' own
+                3. SocketRecursiveDoubling  messages up to 1 MiB: log2 P exchanges over the ranks' own
                                            TCP connections, on the engine thread (sockets.py; unless
                                            small_message_sockets is off)
                 4. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges (gloo.py)

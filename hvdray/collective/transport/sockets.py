@@ -42,10 +42,11 @@ from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy, on_contiguous
 
 #: the largest allreduce (bytes of one rank's tensor) the sockets take; larger ones go to Gloo, whose ring
-#: moves large messages without sending all of it log2 P times. Below the kernel's default socket buffers,
-#: so two partners that send to each other at once never block each other. (``benchmarks/bench_shm.py
-#: --rows latency`` compares the 4 B and 64 KB rows with and without the sockets in one run.)
-SOCKET_ALLREDUCE_BYTES = 64 << 10
+#: moves large messages without sending all of it log2 P times. ``python benchmarks/gloo_small.py --ranks
+#: 2 4 8`` (2026-11-28, loopback) had the sockets ahead of Gloo's allreduce, its allgather + reduce and
+#: its recursive doubling at every size from 12 B to 1 MB among 2, 4 and 8 processes (1 MB: 2.8x, 2.1x
+#: and 3.7x Gloo's allreduce), and at 4 MB behind Gloo's ring among 4 and 8 (0.86x, 0.83x).
+SOCKET_ALLREDUCE_BYTES = 1 << 20
 
 _KEY_BYTES = 32
 _HELLO = struct.Struct(f"!{_KEY_BYTES}sI")  # the listener's key, then the connecting rank
