@@ -10,7 +10,8 @@ P log2 P in all, not a full mesh), and :class:`SocketRecursiveDoubling` runs sma
 them: the calling thread sends, waits in ``poll`` and receives, with no other thread in between.
 :class:`SocketAllgather` and :class:`SocketBroadcast` are the same reduction of bytes that only one rank
 holds (the others hold zeros): the engine's full rounds (two allgathers) and small broadcasts.
-Ranks on one node that share a segment (``shm/``) need none of this: a single-node job has no sockets.
+Ranks on one node that share a segment (``shm/``) need none of this: a single-node job's global group has no
+sockets (its process sets, plain Gloo groups, do).
 
 Connecting goes through the job's closed rendezvous, as Gloo's does: every rank that has a partner
 above it listens on the node's address (the one Gloo uses, or the ``nics`` interface's) and publishes
