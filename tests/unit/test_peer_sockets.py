@@ -208,6 +208,13 @@ def test_a_partner_that_ends_fails_the_op_at_once_naming_it():
         _close(groups)
 
 
+def test_a_partner_that_never_connects_fails_the_connect_after_the_timeout_naming_it():
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not connect within timeout_s"):
+        PeerSockets.connect(dist.HashStore(), 0, 2, "127.0.0.1", 0.5)  # rank 1 never starts
+    assert time.monotonic() - started < 5
+
+
 def test_a_silent_partner_fails_the_op_after_the_timeout():
     groups = _connect_all(2, dist.HashStore(), timeout_s=0.5)
     try:

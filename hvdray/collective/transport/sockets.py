@@ -95,7 +95,7 @@ class PeerSockets:
                 own = f"{address} {listener.getsockname()[1]} {key.hex()}".encode()
             for peer, record in partner_records(store, rank, size, own).items():
                 host, port, key_hex = record.decode().split()
-                conn = socket.create_connection((host, int(port)), timeout=_left(deadline, peer, "connect"))
+                conn = socket.create_connection((host, int(port)), timeout=_left(deadline, f"connect to rank {peer}"))
                 peers[peer] = conn
                 conn.sendall(_HELLO.pack(bytes.fromhex(key_hex), rank))
             if listener is not None:
@@ -196,16 +196,14 @@ def _receive_some(conn: socket.socket, into: memoryview) -> int:
 
 def _poll(poller: "select.poll", seconds: float) -> bool:
     """Whether the registered socket became ready (or hung up) within ``seconds``."""
-    try:
-        return bool(poller.poll(max(1, int(seconds * 1000))))
-    except InterruptedError:
-        return True
+    return bool(poller.poll(max(1, int(seconds * 1000))))
 
 
-def _left(deadline: float, peer: int, what: str) -> float:
+def _left(deadline: float, what: str) -> float:
+    """Seconds left before ``deadline`` to ``what`` (raises once none are)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"could not {what} to rank {peer}'s small-message socket in time (timeout_s)")
+        raise TimeoutError(f"could not {what} within timeout_s (small-message connections)")
     return left
 
 
@@ -214,10 +212,15 @@ def _accept_partners(
 ) -> None:
     """Accept a connection from each rank of ``expected`` that presents ``key``; drop any other."""
     while expected:
-        listener.settimeout(_left(deadline, min(expected), "accept a connection from"))
-        conn, _ = listener.accept()
+        listener.settimeout(_left(deadline, f"hear from rank(s) {sorted(expected)}"))
         try:
-            conn.settimeout(min(5.0, _left(deadline, min(expected), "hear from")))
+            conn, _ = listener.accept()
+        except TimeoutError:
+            raise TimeoutError(
+                f"rank(s) {sorted(expected)} did not connect within timeout_s (small-message connections)"
+            ) from None
+        try:
+            conn.settimeout(min(5.0, _left(deadline, f"hear from rank(s) {sorted(expected)}")))
             hello = _receive_exactly(conn, _HELLO.size)
             presented, peer = _HELLO.unpack(hello)
             if not hmac.compare_digest(presented, key) or peer not in expected:
