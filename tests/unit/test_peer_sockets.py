@@ -5,8 +5,10 @@ that ends or falls silent failing the op fast and naming it, and messages in bot
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,42 +19,23 @@ from hvdray.collective.transport.gloo import recursive_doubling, recursive_doubl
 from hvdray.collective.transport.communicator import as_bytes
 from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_threads import in_threads  # noqa: E402 - shared by the unit tests that run ranks as threads
+
 
 def _connect_all(size: int, store: dist.Store, timeout_s: float = 10.0, address: str = "127.0.0.1") -> list[PeerSockets]:
-    groups: list = [None] * size
-    errors: list[BaseException] = []
-
-    def member(rank: int) -> None:
-        try:
-            groups[rank] = PeerSockets.connect(store, rank, size, address, timeout_s)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    if errors:
-        raise errors[0]
-    return groups
+    return in_threads(size, lambda rank: PeerSockets.connect(store, rank, size, address, timeout_s))
 
 
 def _in_threads(fn, groups: list[PeerSockets]) -> list:
-    results: list = [None] * len(groups)
-
-    def member(rank: int) -> None:
+    """``fn(group)`` for every rank's group at once; each rank's result, or the exception it raised."""
+    def outcome(rank: int):
         try:
-            results[rank] = fn(groups[rank])
+            return fn(groups[rank])
         except BaseException as exc:  # noqa: BLE001 - returned to the test
-            results[rank] = exc
+            return exc
 
-    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(len(groups))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    return results
+    return in_threads(len(groups), outcome)
 
 
 def _close(groups: list[PeerSockets]) -> None:
