@@ -2,9 +2,10 @@
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
 For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
-throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). The latency and training
-rows also run hvdray over Gloo with ``small_message_sockets`` off, the network path before the ranks'
-own connections took small messages. ``benchmarks/bench.py`` adds
+throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). "hvdray gloo" is the network
+path (``shm_transport`` off: what ranks on different nodes use between them), whose allreduces run over
+the ranks' own connections (``peer_sockets``); every row also runs it with ``peer_sockets`` off, where
+Gloo carries them. ``benchmarks/bench.py`` adds
 these rows to its report; run alone it prints them:
 
     python benchmarks/bench_shm.py --local-ranks 2 4 --repeats 5      # --quick for a smoke run
@@ -27,28 +28,30 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
-#: the latency rows' extra column: hvdray over Gloo without the ranks' own small-message connections
-NO_SOCKETS = "hvdray gloo, small_message_sockets off"
+#: every row's extra column: the network path without the ranks' own connections (Gloo carries everything)
+NO_SOCKETS = "hvdray gloo, peer_sockets off"
 SHARED_TENSOR = "hvdray shm, tensor in shared memory"
+#: (column, shm_transport, peer_sockets) of each hvdray column
+CONFIGURATIONS = [*((impl, shm, True) for impl, shm in TRANSPORTS.items()), (NO_SOCKETS, False, False)]
 
 
 def _use_transport(shm: bool, sockets: bool = True) -> str:
     """Restart this worker's hvdray with ``shm_transport`` on or off (every rank does it in one call), and
-    ``small_message_sockets`` as given."""
+    ``peer_sockets`` as given."""
     import hvdray.torch as hvd
     from hvdray.collective import session
 
     job = session.current().current_job()  # a worker's settings are read-only: the job gets a changed copy
-    job.settings = job.settings.replace(shm_transport=shm, small_message_sockets=sockets)
+    job.settings = job.settings.replace(shm_transport=shm, peer_sockets=sockets)
     hvd.shutdown()
     hvd.init()
     return session.engine().comm.transport
 
 
-def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = False) -> dict[str, float]:
+def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport; over shared
     memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place);
-    ``without_sockets``: over Gloo also with ``small_message_sockets`` off."""
+    and over the network path with ``peer_sockets`` off."""
     import torch
     import torch.distributed as dist
 
@@ -56,7 +59,7 @@ def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = Fa
 
     tensor = torch.ones(max(1, int(size_mb * 1024 * 1024 // 4)))
     times = {"raw gloo": timed(lambda: dist.all_reduce(tensor), iterations)}
-    for impl, shm, sockets in _configurations(without_sockets):
+    for impl, shm, sockets in CONFIGURATIONS:
         _use_transport(shm, sockets)
         times[impl] = timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="shm_bench"), iterations)
         if shm:
@@ -67,19 +70,11 @@ def _allreduce_round(size_mb: float, iterations: int, without_sockets: bool = Fa
     return times
 
 
-def _configurations(without_sockets: bool) -> list[tuple[str, bool, bool]]:
-    """(name, shm_transport, small_message_sockets) of each hvdray column."""
-    configurations = [(impl, shm, True) for impl, shm in TRANSPORTS.items()]
-    if without_sockets:
-        configurations.append((NO_SOCKETS, False, False))
-    return configurations
-
-
-def _training_round(steps: int, batch: int, without_sockets: bool = False) -> dict[str, float]:
-    """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport (``without_sockets``:
-    over Gloo also with ``small_message_sockets`` off)."""
+def _training_round(steps: int, batch: int) -> dict[str, float]:
+    """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport (and over the network
+    path with ``peer_sockets`` off)."""
     rates: dict[str, float] = {}
-    for impl, shm, sockets in _configurations(without_sockets):
+    for impl, shm, sockets in CONFIGURATIONS:
         _use_transport(shm, sockets)
         measured = training_round(steps, batch)
         rates.setdefault("DDP (gloo)", measured["DDP (gloo)"])
@@ -108,12 +103,12 @@ def shared_memory_rows(
                 record(f"allreduce 64 MB bus bandwidth, {n} local ranks", busbw, "GB/s", "raw gloo", True)
             if "latency" in rows:
                 for label, size_mb in (("4 B", 4 / 2**20), ("64 KB", 1 / 16)):
-                    samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300, True], repeats)
+                    samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
                     micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:
                 record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", alternate(
-                    ex, _training_round, [5 if quick else 40, 64, True], repeats), "samples/s", "DDP (gloo)", True)
+                    ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,7 +227,7 @@ def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: in
     nodes = size // per_node
     if per_node > 1 and nodes > 1:  # hierarchical: the group of this local rank across the nodes
         gloo_connect(gloo_store(store.prefixed(f"hvdray-cross/{local_rank}/"), node, nodes, mode), node, nodes)
-    if nodes > 1:  # small_message_sockets: the job's, and the cross-node group's, partner connections
+    if nodes > 1:  # peer_sockets: the job's, and the cross-node group's, partner connections
         partner_records(store.prefixed("hvdray-tcp/"), rank, size, _socket_record(rank, size))
         if per_node > 1:
             partner_records(store.prefixed(f"hvdray-tcp-cross/{local_rank}/"), node, nodes, _socket_record(node, nodes))

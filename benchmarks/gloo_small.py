@@ -1,18 +1,20 @@
 """Gloo's allreduce vs an allgather plus a local reduction vs a recursive doubling (over Gloo, and over
-the ranks' own TCP connections), for small messages, without Ray or the engine.
+the ranks' own TCP connections) vs a halving-doubling over those connections, per message size, without
+Ray or the engine.
 
-Why hvdray's Gloo path (jobs across nodes, ``shm_transport=False``, process sets) sends an allreduce
-whose every-rank copies total at most ``GATHER_REDUCE_BYTES`` as an allgather and a reduction of the
-rows in rank order. ``n`` fresh processes on one ``ProcessGroupGloo`` (a FileStore group, loopback TCP)
-alternate, round by round: raw ``allreduce``, ``allgather`` + ``torch.add`` of the rows, and hvdray's
-``GlooRecursiveDoubling`` (log2 n exchanges of the whole message over Gloo's point-to-point sends), and
-``SocketRecursiveDoubling`` (the same schedule over ``PeerSockets``, sent and received by the calling
-thread: what ``small_message_sockets`` runs up to ``SOCKET_ALLREDUCE_BYTES``), for each message size.
-Prints the median microseconds per call (the slowest rank's) and the ratios; the Gloo recursive
-doubling serves small messages among ``RECURSIVE_DOUBLING_MIN_RANKS`` ranks or more when the sockets
-are off.
+Why hvdray's network path (jobs across nodes, ``shm_transport=False``, process sets) runs its allreduces
+as it does. ``n`` fresh processes on one ``ProcessGroupGloo`` (a FileStore group, loopback TCP)
+alternate, round by round: raw ``allreduce``; ``allgather`` + ``torch.add`` of the rows (what the Gloo
+path does up to ``GATHER_REDUCE_BYTES``); hvdray's ``GlooRecursiveDoubling`` (log2 n exchanges of the
+whole message over Gloo's point-to-point sends); ``SocketRecursiveDoubling`` (the same schedule over
+``PeerSockets``, sent and received by the calling thread: what ``peer_sockets`` runs up to
+``SOCKET_ALLREDUCE_BYTES``); and ``SocketHalvingDoubling`` (a reduce-scatter by halving and an allgather
+by doubling over the same connections: what ``peer_sockets`` runs above that). The first four run up
+to 4 MB, the halving-doubling from 256 KB. Prints the median microseconds per call (the slowest
+rank's) and each one's speed against Gloo's allreduce.
 
     python benchmarks/gloo_small.py --ranks 2 4 8 --rounds 5
+    python benchmarks/gloo_small.py --ranks 2 4 --rounds 3 --sizes 1048576 4194304 16777216 67108864
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ import sys
 import tempfile
 import time
 
-SIZES = [12, 256, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20]
+SIZES = [12, 256, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+#: the sizes each implementation but Gloo's allreduce runs at (bytes, inclusive)
+RANGES = {
+    "allgather + reduce": (0, 4 << 20), "recursive doubling": (0, 4 << 20), "sockets": (0, 4 << 20),
+    "socket halving-doubling": (256 << 10, 1 << 62),
+}
 
 
-def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
+def _worker(rank: int, n: int, store_path: str, rounds: int, sizes: list[int], queue) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed import ProcessGroupGloo, ReduceOp
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling
-    from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
+    from hvdray.collective.transport.sockets import PeerSockets, SocketHalvingDoubling, SocketRecursiveDoubling
 
     torch.set_num_threads(1)
     options = ProcessGroupGloo._Options()
@@ -44,14 +51,15 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
     options._threads = 2
     store = dist.FileStore(store_path, n)
     pg = ProcessGroupGloo(store, rank, n, options)
-    sockets = SocketRecursiveDoubling(PeerSockets.connect(dist.PrefixStore("sockets/", store), rank, n, "127.0.0.1", 120))
+    peers = PeerSockets.connect(dist.PrefixStore("sockets/", store), rank, n, "127.0.0.1", 120)
+    sockets, halving = SocketRecursiveDoubling(peers), SocketHalvingDoubling(peers)
     opts = dist.AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM
     doubling = GlooRecursiveDoubling(pg)
     times: dict[tuple[int, str], list[float]] = {}
-    for nbytes in SIZES:
+    for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4))
-        rows = torch.empty((n, tensor.numel()))
+        rows = torch.empty((n, tensor.numel())) if nbytes <= RANGES["allgather + reduce"][1] else None
 
         def allreduce() -> None:
             pg.allreduce([tensor], opts).wait()
@@ -68,9 +76,17 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
         def socket_doubling() -> None:
             sockets.run(tensor, ReduceOp.SUM)
 
-        calls = 100 if nbytes <= 65536 else 20
-        implementations = (("allreduce", allreduce), ("allgather + reduce", gather_reduce),
-                           ("recursive doubling", recursive_doubling), ("sockets", socket_doubling))
+        def socket_halving() -> None:
+            halving.run(tensor, ReduceOp.SUM)
+
+        calls = 100 if nbytes <= 65536 else 20 if nbytes <= 4 << 20 else 5
+        implementations = [
+            (label, fn) for label, fn in (
+                ("allreduce", allreduce), ("allgather + reduce", gather_reduce),
+                ("recursive doubling", recursive_doubling), ("sockets", socket_doubling),
+                ("socket halving-doubling", socket_halving),
+            ) if label == "allreduce" or RANGES[label][0] <= nbytes <= RANGES[label][1]
+        ]
         for _, fn in implementations:
             for _ in range(5):
                 fn()
@@ -84,12 +100,12 @@ def _worker(rank: int, n: int, store_path: str, rounds: int, queue) -> None:
     queue.put((rank, times))
 
 
-def measure(n: int, rounds: int) -> dict[tuple[int, str], float]:
+def measure(n: int, rounds: int, sizes: list[int]) -> dict[tuple[int, str], float]:
     """Median seconds per call, per (message bytes, implementation), the slowest rank's per round."""
     store = os.path.join(tempfile.mkdtemp(), "store")
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, n, store, rounds, queue)) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, store, rounds, sizes, queue)) for r in range(n)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=900)[1] for _ in procs]
@@ -102,17 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message sizes in bytes")
     args = parser.parse_args(argv)
     for n in args.ranks:
-        seconds = measure(n, args.rounds)
-        for nbytes in SIZES:
-            base, gathered = seconds[(nbytes, "allreduce")], seconds[(nbytes, "allgather + reduce")]
-            doubled, sockets = seconds[(nbytes, "recursive doubling")], seconds[(nbytes, "sockets")]
-            print(f"{n} ranks {nbytes:8d} B  allreduce {base * 1e6:8.0f} us  allgather + reduce "
-                  f"{gathered * 1e6:8.0f} us ({base / gathered:5.2f}x raw's speed)  recursive doubling "
-                  f"{doubled * 1e6:8.0f} us ({base / doubled:5.2f}x raw's, {gathered / doubled:5.2f}x "
-                  f"gather-reduce's)  sockets {sockets * 1e6:8.0f} us ({base / sockets:5.2f}x raw's, "
-                  f"{gathered / sockets:5.2f}x gather-reduce's)", flush=True)
+        seconds = measure(n, args.rounds, args.sizes)
+        for nbytes in args.sizes:
+            base = seconds[(nbytes, "allreduce")]
+            line = f"{n} ranks {nbytes:9d} B  allreduce {base * 1e6:9.0f} us"
+            for label in RANGES:
+                if (nbytes, label) in seconds:
+                    took = seconds[(nbytes, label)]
+                    line += f"  {label} {took * 1e6:9.0f} us ({base / took:5.2f}x raw's speed)"
+            print(line, flush=True)
     return 0
 
 

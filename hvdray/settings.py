@@ -127,11 +127,11 @@ class Settings(BaseModel):
         True, description="Ranks on the same node exchange data through a shared-memory segment instead of "
         "loopback TCP (Linux x86-64; falls back to Gloo where /dev/shm cannot be used).",
     )
-    small_message_sockets: bool = Field(
-        True, description="Allreduces, allgathers and broadcasts of at most 1 MiB that cross the network (the "
-        "engine's flags every tick, its negotiation rounds, small tensors, the cross-node step of hierarchical "
-        "allreduce) run over direct TCP connections between partner ranks, sent and received by the engine thread "
-        "itself, instead of through Gloo's threads. Off: Gloo carries them.",
+    peer_sockets: bool = Field(
+        True, description="Collectives that cross the network run over direct TCP connections between partner "
+        "ranks, sent and received by the engine thread itself, instead of through Gloo's threads: every allreduce "
+        "(the engine's flags every tick, tensors of any size, the cross-node step of hierarchical allreduce) and "
+        "allgathers and broadcasts of at most 1 MiB (its negotiation rounds, small tensors). Off: Gloo carries them.",
     )
     hierarchical_allreduce: Optional[bool] = Field(
         None, description="Allreduce across nodes in three steps: shared memory inside each node, Gloo between "

@@ -229,7 +229,7 @@ class Session:
                 interface=settings.nics[0] if settings.nics else None,
                 rank_info=placement,
                 transport=transport,
-                small_message_sockets=settings.small_message_sockets,
+                peer_sockets=settings.peer_sockets,
             )
         except NetworkDeviceError:
             raise  # this worker's own fault, before it met any peer

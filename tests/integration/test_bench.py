@@ -65,7 +65,7 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
 @pytest.mark.slow
 def test_shared_memory_rows_switch_the_transport_in_the_same_workers():
     """``bench_shm.py`` (the rows ``bench.py`` adds unless ``--no-shm-rows``) restarts hvdray in its workers
-    with the shared-memory transport on, then off (and over Gloo with ``small_message_sockets`` off), and
+    with the shared-memory transport on, then off (and over Gloo with ``peer_sockets`` off), and
     measures each beside raw Gloo."""
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_shm.py"), "--quick", "--local-ranks", "2", "--rows", "latency"],
@@ -76,7 +76,7 @@ def test_shared_memory_rows_switch_the_transport_in_the_same_workers():
     for size in ("4 B", "64 KB"):
         assert {impl for size_, impl, _ in rows if size_ == size} == {
             "raw gloo", "hvdray shm", "hvdray shm, tensor in shared memory", "hvdray gloo",
-            "hvdray gloo, small_message_sockets off"}, done.stdout
+            "hvdray gloo, peer_sockets off"}, done.stdout
     assert all(float(us) > 0 for _, _, us in rows), rows
 
 

@@ -1,6 +1,7 @@
-"""The recursive-doubling allreduce over real Gloo groups of 2 to 7 processes (no Ray), and the same
-schedule over the ranks' own TCP connections (``PeerSockets``) in the same processes: every op and
-dtype against a reduction in torch, the same bits on every rank, and the message count of the schedule."""
+"""The recursive-doubling allreduce over real Gloo groups of 2 to 7 processes (no Ray), the same schedule
+over the ranks' own TCP connections (``PeerSockets``) in the same processes, and the halving-doubling
+over those connections: every op and dtype against a reduction in torch, the same bits on every rank,
+and the message count of the schedule."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _member(rank: int, paths: dict[int, str], queue) -> None:
     from torch.distributed import FileStore, PrefixStore, ProcessGroupGloo, ReduceOp
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling, group_options
-    from hvdray.collective.transport.sockets import PeerSockets, SocketRecursiveDoubling
+    from hvdray.collective.transport.sockets import PeerSockets, SocketHalvingDoubling, SocketRecursiveDoubling
 
     torch.set_num_threads(1)
     results = {}
@@ -51,7 +52,7 @@ def _member(rank: int, paths: dict[int, str], queue) -> None:
         store = FileStore(path, size)
         group = ProcessGroupGloo(store, rank, size, options)
         peers = PeerSockets.connect(PrefixStore("sockets/", store), rank, size, "127.0.0.1", 60.0)
-        for strategy in (GlooRecursiveDoubling(group), SocketRecursiveDoubling(peers)):
+        for strategy in (GlooRecursiveDoubling(group), SocketRecursiveDoubling(peers), SocketHalvingDoubling(peers)):
             for dtype, op in CASES:
                 tensor = _inputs(rank, dtype)
                 strategy.run(tensor, getattr(ReduceOp, op))
@@ -64,7 +65,7 @@ def _member(rank: int, paths: dict[int, str], queue) -> None:
     queue.put((rank, results))
 
 
-STRATEGIES = ("gloo recursive doubling", "socket recursive doubling")
+STRATEGIES = ("gloo recursive doubling", "socket recursive doubling", "socket halving-doubling")
 
 
 def test_every_rank_gets_the_reduction_of_all_for_2_to_7_ranks(tmp_path):

@@ -17,7 +17,13 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.transport.gloo import recursive_doubling, recursive_doubling_messages
 from hvdray.collective.transport.communicator import as_bytes
-from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
+from hvdray.collective.transport.sockets import (
+    PeerSockets,
+    SocketAllgather,
+    SocketBroadcast,
+    SocketHalvingDoubling,
+    SocketRecursiveDoubling,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo_threads import in_threads  # noqa: E402 - shared by the unit tests that run ranks as threads
@@ -54,6 +60,49 @@ def test_each_rank_connects_to_its_recursive_doubling_partners_only(size):
         totals = _in_threads(lambda g: SocketRecursiveDoubling(g).run(t := torch.full((3,), g.rank + 1.0),
                                                                          ReduceOp.SUM) or t.tolist(), groups)
         assert totals == [[size * (size + 1) / 2] * 3] * size
+    finally:
+        _close(groups)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
+def test_halving_doubling_gives_every_rank_the_same_exact_reduction(size):
+    """Large messages: a reduce-scatter by halving, then an allgather by doubling. Every rank ends with the
+    same bits, equal to the reduction of every rank's tensor, for every op, for lengths that do not split
+    evenly (fewer elements than ranks, odd lengths) and for a tensor that is not contiguous."""
+    groups = _connect_all(size, dist.HashStore())
+    generator = torch.Generator().manual_seed(size)
+    lengths = (1, size - 1, 7, 1001, 300_001)  # the last in several pieces (HALVING_PIECE_BYTES)
+    inputs = {n: [torch.randn(n, generator=generator, dtype=torch.float64) for _ in range(size)] for n in lengths}
+    ops = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+           ReduceOp.PRODUCT: torch.mul}
+
+    def member(group: PeerSockets) -> list:
+        results = []
+        for n in lengths:
+            for op in ops:
+                mine = inputs[n][group.rank].clone()
+                SocketHalvingDoubling(group).run(mine, op)
+                results.append(mine)
+        ints = torch.arange(12, dtype=torch.int64).reshape(3, 4).t() * (group.rank + 1)  # not contiguous
+        SocketHalvingDoubling(group).run(ints, ReduceOp.SUM)
+        results.append(ints)
+        return results
+
+    try:
+        results = _in_threads(member, groups)
+        for rank_results in results:
+            assert not isinstance(rank_results, BaseException), rank_results
+            assert all(torch.equal(a, b) for a, b in zip(rank_results, results[0]))  # bit for bit, every rank
+        expected = []
+        for n in lengths:
+            for reducer in ops.values():
+                total = inputs[n][0].clone()
+                for other in inputs[n][1:]:
+                    total = reducer(total, other)
+                expected.append(total)
+        for got, want in zip(results[0], expected):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # another order of the same sums
+        assert torch.equal(results[0][-1], torch.arange(12).reshape(3, 4).t() * (size * (size + 1) // 2))
     finally:
         _close(groups)
 

@@ -71,23 +71,23 @@ def test_gloo_only_lists():
     assert strategies.fused is None
 
 
-def test_small_messages_take_the_ranks_own_connections_first():
-    """With small_message_sockets (the default) every network allreduce list starts with the sockets:
-    the job's list, and the cross-node step of hierarchical allreduce over its own connections."""
+def test_network_allreduces_take_the_ranks_own_connections():
+    """With peer_sockets (the default) every network allreduce list runs over the sockets (Gloo's ring
+    stays last, for a reduction they do not compute): the job's list, and the cross-node step of
+    hierarchical allreduce over its own connections."""
     strategies = ordered_strategies(_Group(4), peers=_Peers(4))
     assert strategies.names()["allreduce"] == [
-        "adasum", "socket recursive doubling", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"
+        "adasum", "socket recursive doubling", "socket halving-doubling", "gloo ring"
     ]
     hierarchical = ordered_strategies(_Group(4), _Node(), cross=_Group(2), peers=_Peers(4), cross_peers=_Peers(2))
     assert hierarchical.names()["allreduce"] == [
-        "adasum", "hierarchical", "socket recursive doubling", "gloo recursive doubling", "gloo gather-reduce",
-        "gloo ring",
+        "adasum", "hierarchical", "socket recursive doubling", "socket halving-doubling", "gloo ring",
     ]
     assert strategies.names()["allgather"] == ["socket allgather", "gloo allgather"]
     assert strategies.names()["broadcast"] == ["socket broadcast", "gloo broadcast"]
     assert hierarchical.names()["allgather"] == ["socket allgather", "gloo allgather"]
     cross = hierarchical.allreduce[1]._cross
-    assert [s.name for s in cross][:2] == ["socket recursive doubling", "gloo recursive doubling"]
+    assert [s.name for s in cross][:2] == ["socket recursive doubling", "socket halving-doubling"]
     assert cross[0]._size == 2  # the cross-node group's connections, not the job's
 
 

@@ -8,15 +8,18 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 2. SharedMemoryAllreduce   every rank on one node: the node's segment (shm/)
                    or HierarchicalAllreduce   several nodes: the segment, then this rank's part over a
                                               Gloo group across the nodes (hierarchical.py)
-                3. SocketRecursiveDoubling  messages up to 1 MiB: log2 P exchanges over the ranks' own
-                                           TCP connections, on the engine thread (sockets.py; unless
-                                           small_message_sockets is off)
-                4. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges (gloo.py)
-                5. GlooGatherReduce        small messages: allgather + reduction in rank order (gloo.py)
-                6. GlooRing                Gloo's allreduce: serves everything else (gloo.py)
-                (3-6 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
-    allgather   SharedMemoryAllgather (one node), GlooAllgather
-    broadcast   SharedMemoryBroadcast (one node), GlooBroadcast
+                then, with peer_sockets (the default), over the ranks' own TCP connections, on the
+                engine thread (sockets.py):
+                3. SocketRecursiveDoubling  messages up to 1 MiB: log2 P exchanges of the whole message
+                4. SocketHalvingDoubling    larger ones: a reduce-scatter by recursive halving, then an
+                                            allgather by recursive doubling
+                or, with peer_sockets off, over Gloo (gloo.py):
+                3. GlooRecursiveDoubling   small messages among 4 ranks or more: log2 P exchanges
+                4. GlooGatherReduce        small messages: allgather + reduction in rank order
+                5. GlooRing                Gloo's allreduce: serves everything else (last in both lists)
+                (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
+    allgather   SharedMemoryAllgather (one node), SocketAllgather (up to 1 MiB), GlooAllgather
+    broadcast   SharedMemoryBroadcast (one node), SocketBroadcast (up to 1 MiB), GlooBroadcast
     alltoall, reducescatter: Gloo only
     a job of one rank: SingleRankAllreduce, SingleRankAllgather and SingleRankBroadcast alone (the
     identity, no Gloo call: single_rank.py)

@@ -44,7 +44,7 @@ class Communicator:
         interface: Optional[str] = None,
         rank_info: Optional[RankInfo] = None,
         transport: Optional[TransportOptions] = None,
-        small_message_sockets: bool = True,
+        peer_sockets: bool = True,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -52,7 +52,7 @@ class Communicator:
         self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, rank, size), rank, size, options)
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
-        # the small-message connections among all ranks, and among the cross-node group's
+        # the ranks' own connections (sockets.py) among all ranks, and among the cross-node group's
         self._peers: Optional[PeerSockets] = None
         self._cross_peers: Optional[PeerSockets] = None
         try:
@@ -61,7 +61,7 @@ class Communicator:
             cross_place = None
             if rank_info is not None and transport is not None and size > 1:
                 cross_place = self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
-            if small_message_sockets and size > 1 and self.transport != "shm":  # one node's segment serves all
+            if peer_sockets and size > 1 and self.transport != "shm":  # one node's segment serves all
                 address = interface_address(interface) if interface else hostname or gloo.node_address()
                 self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
                 if cross_place is not None:

@@ -27,7 +27,13 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
 )
-from hvdray.collective.transport.sockets import PeerSockets, SocketAllgather, SocketBroadcast, SocketRecursiveDoubling
+from hvdray.collective.transport.sockets import (
+    PeerSockets,
+    SocketAllgather,
+    SocketBroadcast,
+    SocketHalvingDoubling,
+    SocketRecursiveDoubling,
+)
 from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
 
@@ -59,8 +65,8 @@ def ordered_strategies(
     """The lists for a job whose ranks share the Gloo group ``world``; ``node``: this node's shared-memory
     group, when the plan maps one; ``cross``: the Gloo group of this local rank across the nodes, when
     allreduce is hierarchical (allgather and broadcast then take Gloo, as the segment holds one node);
-    ``peers`` and ``cross_peers``: the small-message connections among the ranks of ``world`` and of
-    ``cross`` (``small_message_sockets``). A job of one rank gets the identity strategies of
+    ``peers`` and ``cross_peers``: the ranks' own connections among the ranks of ``world`` and of
+    ``cross`` (``peer_sockets``). A job of one rank gets the identity strategies of
     ``single_rank.py`` alone."""
     if world.size() == 1:
         return Strategies((SingleRankAllreduce(),), (SingleRankAllgather(),), (SingleRankBroadcast(),))
@@ -86,12 +92,12 @@ def ordered_strategies(
 
 
 def _network_allreduces(group: ProcessGroupGloo, peers: Optional[PeerSockets]) -> tuple[AllreduceStrategy, ...]:
-    """The allreduce strategies among ranks that do not share memory, small messages first: over the
-    ranks' own connections (``peers``, when there are), then over the Gloo ``group``."""
-    return _present(
-        SocketRecursiveDoubling(peers) if peers is not None else None,
-        GlooRecursiveDoubling(group), GlooGatherReduce(group), GlooRing(group),
-    )
+    """The allreduce strategies among ranks that do not share memory: over the ranks' own connections
+    (``peers``, when there are: small messages by recursive doubling, the rest by halving-doubling), else
+    over the Gloo ``group``; Gloo's ring last, for any reduction the others do not compute."""
+    if peers is not None:
+        return SocketRecursiveDoubling(peers), SocketHalvingDoubling(peers), GlooRing(group)
+    return GlooRecursiveDoubling(group), GlooGatherReduce(group), GlooRing(group)
 
 
 def _present(*entries: Optional[_Strategy]) -> tuple[_Strategy, ...]:

@@ -1,5 +1,5 @@
-"""Small allreduces, allgathers and broadcasts over direct TCP connections between ranks, run by the
-engine thread itself.
+"""Allreduces of every size, and small allgathers and broadcasts, over direct TCP connections between
+ranks, run by the engine thread itself.
 
 A Gloo op hands the work to the process group's worker thread, whose receive waits for the Gloo
 device's own loop thread: several thread wake-ups per op. On the 2-core development machine a 2-rank
@@ -8,6 +8,9 @@ connection between the same processes takes about 0.07 ms. :class:`PeerSockets` 
 its partners of a recursive doubling (``gloo.recursive_doubling``: about log2 P connections per rank,
 P log2 P in all, not a full mesh), and :class:`SocketRecursiveDoubling` runs small allreduces over
 them: the calling thread sends, waits in ``poll`` and receives, with no other thread in between.
+Larger allreduces take :class:`SocketHalvingDoubling` over the same partners: a reduce-scatter by
+recursive halving and an allgather by recursive doubling, which moves as many bytes per rank as Gloo's
+ring in log2 P steps instead of P - 1.
 :class:`SocketAllgather` and :class:`SocketBroadcast` are the same reduction of bytes that only one rank
 holds (the others hold zeros): the engine's full rounds (two allgathers) and small broadcasts.
 Ranks on one node that share a segment (``shm/``) need none of this: a single-node job's global group has no
@@ -42,12 +45,16 @@ from hvdray.collective.transport.gloo import recursive_doubling
 from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy, on_contiguous
 
-#: the largest allreduce (bytes of one rank's tensor) the sockets take; larger ones go to Gloo, whose ring
-#: moves large messages without sending all of it log2 P times. ``python benchmarks/gloo_small.py --ranks
-#: 2 4 8`` (2026-11-28, loopback) had the sockets ahead of Gloo's allreduce, its allgather + reduce and
-#: its recursive doubling at every size from 12 B to 1 MB among 2, 4 and 8 processes (1 MB: 2.8x, 2.1x
-#: and 3.7x Gloo's allreduce), and at 4 MB behind Gloo's ring among 4 and 8 (0.86x, 0.83x).
+#: the largest allreduce (bytes of one rank's tensor) the recursive doubling takes; larger ones take the
+#: halving-doubling, which does not send the whole message log2 P times. ``python benchmarks/gloo_small.py
+#: --ranks 2 4 8`` (2026-11-28, loopback) had the recursive doubling ahead of Gloo's allreduce, its
+#: allgather + reduce and its recursive doubling at every size from 12 B to 1 MB among 2, 4 and 8
+#: processes (1 MB: 2.8x, 2.1x and 3.7x Gloo's allreduce), and at 4 MB behind Gloo's ring among 4 and 8
+#: (0.86x, 0.83x).
 SOCKET_ALLREDUCE_BYTES = 1 << 20
+
+#: the halving-doubling receives what it reduces in pieces of this many bytes, reduced while in the cache
+HALVING_PIECE_BYTES = 1 << 20
 
 _KEY_BYTES = 32
 _HELLO = struct.Struct(f"!{_KEY_BYTES}sI")  # the listener's key, then the connecting rank
@@ -63,7 +70,7 @@ def interface_address(interface: str) -> str:
         except OSError as exc:
             raise NetworkDeviceError(
                 f"the network interface {interface!r} (nics) on node {socket.gethostname()} has no IPv4 "
-                f"address for hvdray's small-message connections: {exc}"
+                f"address for hvdray's own connections between ranks (peer_sockets): {exc}"
             ) from exc
 
 
@@ -123,26 +130,38 @@ class PeerSockets:
             conn.close()
 
     # -- blocking transfers (the calling thread does all the work) ------------------------------------
-    def transfer(self, peer: int, send: Optional[memoryview], receive: Optional[memoryview]) -> None:
-        """Send ``send`` to ``peer`` and receive ``receive``'s length from it, both at once (either may be None)."""
+    def transfer(
+        self, peer: int, send: Optional[memoryview], receive: Optional[memoryview],
+        consume: Optional[Callable[[int], None]] = None, total: int = 0,
+    ) -> None:
+        """Send ``send`` to ``peer`` and receive from it, both at once (either may be None). Without
+        ``consume``, ``receive``'s length arrives into it. With ``consume``, ``total`` bytes arrive through
+        ``receive`` as a window: each time it is full, and at the end, ``consume(n)`` takes the ``n`` bytes
+        in it before it is filled again, while this rank's own sending goes on as far as the kernel takes it."""
         conn = self._peers.get(peer)
         if conn is None:
             raise ConnectionError(f"rank {self.rank}'s connection to rank {peer} is closed")
         deadline = time.monotonic() + self._timeout_s
-        sent = got = 0
+        sent = got = filled = 0
         to_send = len(send) if send is not None else 0
-        to_get = len(receive) if receive is not None else 0
+        window = len(receive) if receive is not None else 0
+        to_get = total if consume is not None else window
         poller = None
         while True:
             try:
                 if sent < to_send:
                     sent += _send_some(conn, send[sent:])
-                received = _receive_some(conn, receive[got:]) if got < to_get else -1
+                received = _receive_some(conn, receive[filled:min(window, filled + to_get - got)]) if got < to_get else -1
             except OSError as exc:
                 raise ConnectionError(f"rank {self.rank}'s connection to rank {peer} failed: {exc}") from exc
             if received == 0:
                 raise ConnectionError(f"rank {peer} closed its connection to rank {self.rank} (it ended or failed)")
-            got += max(received, 0)
+            if received > 0:
+                got += received
+                filled += received
+                if consume is not None and (filled == window or got == to_get):
+                    consume(filled)
+                    filled = 0
             if sent >= to_send and got >= to_get:
                 return
             if poller is None:
@@ -203,7 +222,7 @@ def _left(deadline: float, what: str) -> float:
     """Seconds left before ``deadline`` to ``what`` (raises once none are)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"could not {what} within timeout_s (small-message connections)")
+        raise TimeoutError(f"could not {what} within timeout_s (the ranks' own connections, peer_sockets)")
     return left
 
 
@@ -217,7 +236,7 @@ def _accept_partners(
             conn, _ = listener.accept()
         except TimeoutError:
             raise TimeoutError(
-                f"rank(s) {sorted(expected)} did not connect within timeout_s (small-message connections)"
+                f"rank(s) {sorted(expected)} did not connect within timeout_s (the ranks' own connections, peer_sockets)"
             ) from None
         try:
             conn.settimeout(min(5.0, _left(deadline, f"hear from rank(s) {sorted(expected)}")))
@@ -283,6 +302,92 @@ def _recursive_doubling(peers: PeerSockets, flat: torch.Tensor, reducer: Callabl
             reducer(flat, theirs, out=flat)
 
 
+class SocketHalvingDoubling(AllreduceStrategy):
+    """Large allreduces (above :data:`SOCKET_ALLREDUCE_BYTES`) over :class:`PeerSockets`: a reduce-scatter
+    by recursive halving, then an allgather by recursive doubling, between the same partners as the
+    small messages' recursive doubling. Each rank sends and receives about 2 S (P-1)/P bytes of an
+    S-byte message, as in Gloo's ring, in 2 log2 P exchanges instead of the ring's 2 (P-1) hops, and
+    in the engine's own thread."""
+
+    name = "socket halving-doubling"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+        self._scratch = torch.empty(HALVING_PIECE_BYTES, dtype=torch.uint8)
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return self._size > 1 and op in REDUCERS
+
+    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        if tensor.numel():
+            reducer = REDUCERS[op]
+            on_contiguous(tensor, lambda flat: _halving_doubling(self._peers, flat, reducer, self._scratch))
+
+
+def _halving_doubling(
+    peers: PeerSockets, flat: torch.Tensor, reducer: Callable[..., torch.Tensor], scratch: torch.Tensor
+) -> None:
+    """Reduce the flat contiguous ``flat`` in place across ``peers``' group with ``reducer``, receiving
+    what is reduced piece by piece into ``scratch`` (uint8; its bytes a multiple of every element size).
+
+    With P the largest power of two up to the group's size, ranks from P on first fold their data into
+    rank ``rank - P`` and get the result back at the end (as in :func:`~hvdray.collective.transport.gloo.
+    recursive_doubling`). Among ranks 0..P-1, round k pairs each rank with the one differing in bit k:
+    both hold the same block, each keeps one half (the lower for the rank whose bit is clear), sends the
+    other and reduces its partner's copy of the kept half into its own. After log2 P rounds each rank
+    holds one P-th of the result, reduced by that rank alone; the rounds then run backwards, each
+    partner sending its part and receiving the other's, so every rank ends with the same bits."""
+    rank, size = peers.rank, peers.size
+    power = 1 << (size.bit_length() - 1)
+    if rank >= power:
+        mine = _bytes_of(flat)
+        peers.transfer(rank - power, mine, None)
+        peers.transfer(rank - power, None, mine)
+        return
+    folded = rank + power < size
+    pieces = scratch.view(flat.dtype)
+    if folded:
+        _reduce_exchange(peers, rank + power, flat[:0], flat, pieces, reducer)
+    lo, hi = 0, flat.numel()
+    blocks = []
+    bit = 1
+    while bit < power:
+        mid = lo + (hi - lo) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & bit else ((lo, mid), (mid, hi))
+        blocks.append((lo, hi))
+        _reduce_exchange(peers, rank ^ bit, flat[give[0]:give[1]], flat[keep[0]:keep[1]], pieces, reducer)
+        lo, hi = keep
+        bit <<= 1
+    while blocks:
+        bit >>= 1
+        whole_lo, whole_hi = blocks.pop()
+        other = (whole_lo, lo) if lo > whole_lo else (hi, whole_hi)
+        peers.transfer(rank ^ bit, _bytes_of(flat[lo:hi]), _bytes_of(flat[other[0]:other[1]]))
+        lo, hi = whole_lo, whole_hi
+    if folded:
+        peers.transfer(rank + power, _bytes_of(flat), None)
+
+
+def _reduce_exchange(
+    peers: PeerSockets, peer: int, give: torch.Tensor, keep: torch.Tensor, pieces: torch.Tensor,
+    reducer: Callable[..., torch.Tensor],
+) -> None:
+    """Send ``give`` to ``peer`` while receiving its copy of ``keep`` and reducing it into ``keep``, a
+    piece of ``pieces``' length at a time: each piece is reduced while it is still in the cache, and
+    while the rest of ``give`` keeps going out."""
+    done = 0
+
+    def reduce_piece(nbytes: int) -> None:
+        nonlocal done
+        count = nbytes // keep.element_size()
+        part = keep[done:done + count]
+        reducer(part, pieces[:count], out=part)
+        done += count
+
+    peers.transfer(peer, _bytes_of(give), _bytes_of(pieces), reduce_piece, keep.numel() * keep.element_size())
+
+
 def _sum_of_bytes(peers: PeerSockets, flat: torch.Tensor) -> None:
     """``flat`` (any dtype) summed byte by byte across the group, where at most one rank holds anything
     but zeros at each byte: every rank gets those bytes exactly (x + 0 is x, with no carry)."""
@@ -338,6 +443,7 @@ class SocketBroadcast(BroadcastStrategy):
 
 
 __all__ = [
-    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES",
+    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketHalvingDoubling",
+    "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES",
     "interface_address",
 ]
