@@ -240,6 +240,27 @@ def test_a_partner_that_ends_fails_the_op_at_once_naming_it():
         _close(groups)
 
 
+def test_a_partner_that_ends_in_the_middle_of_a_large_allreduce_fails_it_at_once_naming_it():
+    """The halving-doubling streams: rank 1 sends one piece of its half, then its process ends. Rank 0,
+    which reduced that piece and is still sending its own half, fails at once, not at the timeout."""
+    groups = _connect_all(2, dist.HashStore(), timeout_s=30)
+    try:
+        def member(group: PeerSockets):
+            if group.rank == 1:
+                piece = torch.ones(1 << 18)  # 1 MiB of float32: a piece of its half, then it ends
+                group.transfer(0, memoryview(piece.numpy()).cast("B"), None)
+                group.close()
+                return None
+            SocketHalvingDoubling(group).run(torch.ones(8 << 20), ReduceOp.SUM)  # 32 MiB
+
+        started = time.monotonic()
+        outcome = _in_threads(member, groups)
+        assert time.monotonic() - started < 5
+        assert isinstance(outcome[0], ConnectionError) and "rank 1" in str(outcome[0]), outcome[0]
+    finally:
+        _close(groups)
+
+
 def test_a_partner_that_never_connects_fails_the_connect_after_the_timeout_naming_it():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not connect within timeout_s"):
