@@ -21,6 +21,7 @@ from hvdray.collective.transport.sockets import (
     PeerSockets,
     SocketAllgather,
     SocketBroadcast,
+    SocketDoublingAllgather,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
 )
@@ -103,6 +104,36 @@ def test_halving_doubling_gives_every_rank_the_same_exact_reduction(size):
         for got, want in zip(results[0], expected):
             assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # another order of the same sums
         assert torch.equal(results[0][-1], torch.arange(12).reshape(3, 4).t() * (size * (size + 1) // 2))
+    finally:
+        _close(groups)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
+def test_the_doubling_allgather_gives_every_rank_every_row_exactly(size):
+    """Larger allgathers: each rank's row reaches every rank bit for bit (NaN, -0.0 and all), for group
+    sizes with and without ranks folded in, for rows of one byte and of several MiB."""
+    groups = _connect_all(size, dist.HashStore())
+
+    def row_of(rank: int, numel: int) -> torch.Tensor:
+        values = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        values[0] = float("nan") if rank % 2 else -0.0
+        return values
+
+    def member(group: PeerSockets) -> list:
+        gathered = []
+        for numel in (1, 3, 1 << 20):  # 4 B, 12 B, 4 MiB rows
+            out = torch.full((size, numel), 7.0)
+            SocketDoublingAllgather(group).run(row_of(group.rank, numel), out)
+            gathered.append(out)
+        return gathered
+
+    try:
+        results = _in_threads(member, groups)
+        for rank_results in results:
+            assert not isinstance(rank_results, BaseException), rank_results
+            for out, numel in zip(rank_results, (1, 3, 1 << 20)):
+                want = torch.stack([row_of(r, numel) for r in range(size)])
+                assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # every bit, NaN included
     finally:
         _close(groups)
 

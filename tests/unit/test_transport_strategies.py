@@ -83,9 +83,9 @@ def test_network_allreduces_take_the_ranks_own_connections():
     assert hierarchical.names()["allreduce"] == [
         "adasum", "hierarchical", "socket recursive doubling", "socket halving-doubling", "gloo ring",
     ]
-    assert strategies.names()["allgather"] == ["socket allgather", "gloo allgather"]
+    assert strategies.names()["allgather"] == ["socket allgather", "socket doubling allgather", "gloo allgather"]
     assert strategies.names()["broadcast"] == ["socket broadcast", "gloo broadcast"]
-    assert hierarchical.names()["allgather"] == ["socket allgather", "gloo allgather"]
+    assert hierarchical.names()["allgather"] == ["socket allgather", "socket doubling allgather", "gloo allgather"]
     cross = hierarchical.allreduce[1]._cross
     assert [s.name for s in cross][:2] == ["socket recursive doubling", "socket halving-doubling"]
     assert cross[0]._size == 2  # the cross-node group's connections, not the job's

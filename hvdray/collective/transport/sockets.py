@@ -262,8 +262,10 @@ def _receive_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of the flat contiguous ``tensor`` (any dtype)."""
-    return memoryview(tensor.detach().view(torch.uint8).numpy()).cast("B")
+    """A writable flat byte view of the contiguous ``tensor`` (any dtype and shape)."""
+    if not tensor.is_contiguous():
+        raise ValueError("hvdray's connections move contiguous tensors only (a reshape would copy)")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class SocketRecursiveDoubling(AllreduceStrategy):
@@ -417,6 +419,58 @@ class SocketAllgather(AllgatherStrategy):
         _sum_of_bytes(self._peers, rows.view(-1))
 
 
+class SocketDoublingAllgather(AllgatherStrategy):
+    """Larger allgathers over :class:`PeerSockets`: a recursive doubling, each round exchanging every row
+    a rank holds with its partner, so that each rank receives each other rank's row once ((P-1)/P of
+    the result, as Gloo's ring), in log2 P exchanges, on the engine thread."""
+
+    name = "socket doubling allgather"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+
+    def serves(self, tensor: torch.Tensor) -> bool:
+        return self._size > 1
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        if not tensor.numel():
+            return
+        rows = out.view(self._size, -1).view(torch.uint8)
+        rows[self._peers.rank].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        _doubling_allgather(self._peers, rows)
+
+
+def _doubling_allgather(peers: PeerSockets, rows: torch.Tensor) -> None:
+    """Fill every row of ``rows`` (uint8, one row per rank, this rank's own already in place) with its
+    rank's bytes.
+
+    With P the largest power of two up to the group's size, rank ``r + P`` (where there is one) first
+    hands its row to rank ``r``, which then holds rows r and r + P. In round k each rank of 0..P-1 and
+    its partner differing in bit k swap what they hold: the rows of the 2^k ranks sharing their higher
+    bits (one contiguous block), and those ranks' rows from P on (a second block). After log2 P rounds
+    ranks 0..P-1 hold every row; each sends the whole result to its rank ``r + P`` last."""
+    rank, size = peers.rank, peers.size
+    power = 1 << (size.bit_length() - 1)
+    if rank >= power:
+        peers.transfer(rank - power, _bytes_of(rows[rank]), None)
+        peers.transfer(rank - power, None, _bytes_of(rows))
+        return
+    folded = rank + power < size
+    if folded:
+        peers.transfer(rank + power, None, _bytes_of(rows[rank + power]))
+    bit = 1
+    while bit < power:
+        mine, theirs = rank & ~(bit - 1), (rank ^ bit) & ~(bit - 1)
+        peers.transfer(rank ^ bit, _bytes_of(rows[mine:mine + bit]), _bytes_of(rows[theirs:theirs + bit]))
+        mine_extra, theirs_extra = rows[power + mine:power + mine + bit], rows[power + theirs:power + theirs + bit]
+        if mine_extra.numel() or theirs_extra.numel():
+            peers.transfer(rank ^ bit, _bytes_of(mine_extra), _bytes_of(theirs_extra))
+        bit <<= 1
+    if folded:
+        peers.transfer(rank + power, _bytes_of(rows), None)
+
+
 class SocketBroadcast(BroadcastStrategy):
     """Small broadcasts (at most :data:`SOCKET_ALLREDUCE_BYTES`: a model's small parameters, objects) over
     :class:`PeerSockets`: every rank but the root zeroes its tensor, and the tensors are summed byte by byte."""
@@ -443,7 +497,7 @@ class SocketBroadcast(BroadcastStrategy):
 
 
 __all__ = [
-    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketHalvingDoubling",
+    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketDoublingAllgather", "SocketHalvingDoubling",
     "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES",
     "interface_address",
 ]
