@@ -25,7 +25,8 @@ members (threads, no tensors, no sockets):
   transport the job would use: the flags' AND crosses the nodes (``--ranks-per-node`` > 1:
   hierarchical, shared memory inside a node) or all ranks (1) by recursive doubling over the ranks' own
   connections (P log2 P messages); a full round's two allgathers (lengths, messages) take the same
-  connections while every rank's copies fit 1 MiB, else Gloo's ring among all ranks (N(N-1)).
+  connections (a recursive doubling of the rows each rank holds: P log2 P messages each for a power of
+  two, a few more for the ranks folded in otherwise).
 
 ``--rendezvous`` picks how the members read the Gloo records: ``parts`` (hvdray: one gathered wait
 per group, each record cut to the reader's part, ``hvdray.collective.gloo_record``), ``whole`` (one
@@ -64,7 +65,7 @@ from hvdray.collective.engine.negotiation import RoundMessage
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
 from hvdray.collective.topology import WorkerSlot
 from hvdray.collective.transport.gloo import recursive_doubling_messages
-from hvdray.collective.transport.sockets import SOCKET_ALLREDUCE_BYTES, partner_records, partners
+from hvdray.collective.transport.sockets import partner_records, partners
 from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.driver.coordinator_host import CoordinatorClient, CoordinatorHost
 from hvdray.worker.rendezvous import CoordinatorStore
@@ -285,15 +286,18 @@ def flag_messages(size: int, per_node: int) -> int:
     return recursive_doubling_messages(group)
 
 
-def round_messages(size: int, longest: int) -> int:
+def round_messages(size: int) -> int:
     """Point-to-point messages of a full round's two allgathers (every rank's length, then every message
-    padded to the ``longest``): over the ranks' own connections (a recursive doubling) while every
-    rank's copies fit ``SOCKET_ALLREDUCE_BYTES``, else Gloo's ring among every rank (N(N-1))."""
-    def allgather(nbytes: int) -> int:
-        fits = size * nbytes <= SOCKET_ALLREDUCE_BYTES
-        return recursive_doubling_messages(size) if fits else size * (size - 1)
-
-    return allgather(8) + allgather(longest)
+    padded to the longest) over the ranks' own connections: ``SocketAllgather``'s recursive doubling,
+    whose ranks 0..P-1 send their block once per round and once more where it holds rows of ranks from P
+    on, which send their row in and get the result back (``transport/sockets.py``)."""
+    power = 1 << (size.bit_length() - 1)
+    messages = 2 * (size - power)  # the folded ranks' rows in, the results out
+    bit = 1
+    while bit < power:
+        messages += sum(1 + ((rank & ~(bit - 1)) + power < size) for rank in range(power))
+        bit <<= 1
+    return 2 * messages
 
 
 def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict[str, Any]]:
@@ -321,7 +325,7 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
             if read[0][2]:  # a full round: every rank's message to every rank
                 payloads = [m.message(False, False, 1, None).encode() for m in members]
                 collectives += 1
-                sent += round_messages(size, max(len(p) for p in payloads))
+                sent += round_messages(size)
                 round_bytes += sum(len(p) for p in payloads)
                 messages = [RoundMessage.decode(p) for p in payloads]  # decoded once: every rank decodes alike
                 for member in members:

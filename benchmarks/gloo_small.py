@@ -12,10 +12,9 @@ round, for each message size (bytes of one rank's tensor):
   runs up to ``SOCKET_ALLREDUCE_BYTES``); and ``SocketHalvingDoubling`` (a reduce-scatter by halving
   and an allgather by doubling over the same connections: what ``peer_sockets`` runs above that). The
   first four run up to 4 MB, the halving-doubling from 256 KB.
-- ``--op allgather``: raw ``allgather``; ``SocketAllgather`` (a byte-wise sum of rows only one rank
-  holds, what ``peer_sockets`` runs while every rank's rows total at most ``SOCKET_ALLREDUCE_BYTES``);
-  and ``SocketDoublingAllgather`` (each round swaps every row a rank holds with its partner: what
-  ``peer_sockets`` runs above that).
+- ``--op allgather``: raw ``allgather`` and ``SocketAllgather`` (a recursive doubling over the ranks'
+  own connections, each round swapping every row a rank holds with its partner: what ``peer_sockets``
+  runs).
 
 Prints the median microseconds per call (the slowest rank's) and each one's speed against Gloo's own.
 
@@ -42,7 +41,7 @@ RANGES = {
         "allgather + reduce": (0, 4 << 20), "recursive doubling": (0, 4 << 20), "sockets": (0, 4 << 20),
         "socket halving-doubling": (256 << 10, 1 << 62),
     },
-    "allgather": {"socket allgather": (0, 4 << 20), "socket doubling allgather": (0, 1 << 62)},
+    "allgather": {"socket allgather": (0, 1 << 62)},
 }
 
 
@@ -54,15 +53,14 @@ def _implementations(op: str, n: int, pg, peers, tensor, rows) -> dict:
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling
     from hvdray.collective.transport.sockets import (
-        SocketAllgather, SocketDoublingAllgather, SocketHalvingDoubling, SocketRecursiveDoubling,
+        SocketAllgather, SocketHalvingDoubling, SocketRecursiveDoubling,
     )
 
     if op == "allgather":
-        gathered, doubling = SocketAllgather(peers), SocketDoublingAllgather(peers)
+        gathered = SocketAllgather(peers)
         return {
             "allgather": lambda: pg.allgather([list(rows.unbind(0))], [tensor]).wait(),
             "socket allgather": lambda: gathered.run(tensor, rows),
-            "socket doubling allgather": lambda: doubling.run(tensor, rows),
         }
     opts = dist.AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM

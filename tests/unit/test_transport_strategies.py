@@ -83,9 +83,9 @@ def test_network_allreduces_take_the_ranks_own_connections():
     assert hierarchical.names()["allreduce"] == [
         "adasum", "hierarchical", "socket recursive doubling", "socket halving-doubling", "gloo ring",
     ]
-    assert strategies.names()["allgather"] == ["socket allgather", "socket doubling allgather", "gloo allgather"]
+    assert strategies.names()["allgather"] == ["socket allgather", "gloo allgather"]
     assert strategies.names()["broadcast"] == ["socket broadcast", "gloo broadcast"]
-    assert hierarchical.names()["allgather"] == ["socket allgather", "socket doubling allgather", "gloo allgather"]
+    assert hierarchical.names()["allgather"] == ["socket allgather", "gloo allgather"]
     cross = hierarchical.allreduce[1]._cross
     assert [s.name for s in cross][:2] == ["socket recursive doubling", "socket halving-doubling"]
     assert cross[0]._size == 2  # the cross-node group's connections, not the job's
@@ -163,9 +163,9 @@ def test_what_each_entry_serves():
     assert not sockets.serves(torch.ones(largest + 1), ReduceOp.SUM)
     assert not sockets.serves(torch.ones(5), Reduction.ADASUM)
     assert not SocketRecursiveDoubling(_Peers(1)).serves(torch.ones(5), ReduceOp.SUM)
-    gather = SocketAllgather(_Peers(4))  # every rank's copies together, as the gather-reduce
-    assert gather.serves(torch.ones(SOCKET_ALLREDUCE_BYTES // 16)) and not gather.serves(
-        torch.ones(SOCKET_ALLREDUCE_BYTES // 16 + 1))
+    gather = SocketAllgather(_Peers(4))  # any size: each rank receives each other row once
+    assert gather.serves(torch.ones(4 * SOCKET_ALLREDUCE_BYTES)) and not SocketAllgather(_Peers(1)).serves(
+        torch.ones(5))
     broadcast = SocketBroadcast(_Peers(4))
     assert broadcast.serves(torch.ones(largest), 3) and not broadcast.serves(torch.ones(largest + 1), 3)
 

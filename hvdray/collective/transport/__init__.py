@@ -18,7 +18,7 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 4. GlooGatherReduce        small messages: allgather + reduction in rank order
                 5. GlooRing                Gloo's allreduce: serves everything else (last in both lists)
                 (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
-    allgather   SharedMemoryAllgather (one node), SocketAllgather (up to 1 MiB), GlooAllgather
+    allgather   SharedMemoryAllgather (one node), SocketAllgather, GlooAllgather
     broadcast   SharedMemoryBroadcast (one node), SocketBroadcast (up to 1 MiB), GlooBroadcast
     alltoall, reducescatter: Gloo only
     a job of one rank: SingleRankAllreduce, SingleRankAllgather and SingleRankBroadcast alone (the

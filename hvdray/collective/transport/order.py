@@ -31,7 +31,6 @@ from hvdray.collective.transport.sockets import (
     PeerSockets,
     SocketAllgather,
     SocketBroadcast,
-    SocketDoublingAllgather,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
 )
@@ -75,7 +74,6 @@ def ordered_strategies(
     allgather = _present(
         SharedMemoryAllgather(one_node) if one_node is not None else None,
         SocketAllgather(peers) if peers is not None else None,
-        SocketDoublingAllgather(peers) if peers is not None else None,
         GlooAllgather(world),
     )
     broadcast = _present(

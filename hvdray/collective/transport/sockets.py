@@ -11,8 +11,9 @@ them: the calling thread sends, waits in ``poll`` and receives, with no other th
 Larger allreduces take :class:`SocketHalvingDoubling` over the same partners: a reduce-scatter by
 recursive halving and an allgather by recursive doubling, which moves as many bytes per rank as Gloo's
 ring in log2 P steps instead of P - 1.
-:class:`SocketAllgather` and :class:`SocketBroadcast` are the same reduction of bytes that only one rank
-holds (the others hold zeros): the engine's full rounds (two allgathers) and small broadcasts.
+:class:`SocketAllgather` gathers over the same partners (each round swaps every row a rank holds), and
+:class:`SocketBroadcast` is the small messages' reduction of bytes that only the root holds (the others
+hold zeros).
 Ranks on one node that share a segment (``shm/``) need none of this: a single-node job's global group has no
 sockets (its process sets, plain Gloo groups, do).
 
@@ -397,34 +398,12 @@ def _sum_of_bytes(peers: PeerSockets, flat: torch.Tensor) -> None:
 
 
 class SocketAllgather(AllgatherStrategy):
-    """Small allgathers (every rank's copies together at most :data:`SOCKET_ALLREDUCE_BYTES`: the lengths
-    and messages of the engine's full rounds, small tensors) over :class:`PeerSockets`: each rank writes
-    its tensor into its row of a zeroed output, and the rows are summed byte by byte."""
+    """Allgathers over :class:`PeerSockets` (the lengths and messages of the engine's full rounds, tensors
+    of any size): a recursive doubling, each round exchanging every row a rank holds with its partner,
+    so that each rank receives each other rank's row once ((P-1)/P of the result, as Gloo's ring), in
+    log2 P exchanges, on the engine thread."""
 
     name = "socket allgather"
-
-    def __init__(self, peers: PeerSockets) -> None:
-        self._peers = peers
-        self._size = peers.size
-
-    def serves(self, tensor: torch.Tensor) -> bool:
-        return self._size > 1 and tensor.numel() * tensor.element_size() * self._size <= SOCKET_ALLREDUCE_BYTES
-
-    def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        if not tensor.numel():
-            return
-        rows = out.view(self._size, -1).view(torch.uint8)
-        rows.zero_()
-        rows[self._peers.rank].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-        _sum_of_bytes(self._peers, rows.view(-1))
-
-
-class SocketDoublingAllgather(AllgatherStrategy):
-    """Larger allgathers over :class:`PeerSockets`: a recursive doubling, each round exchanging every row
-    a rank holds with its partner, so that each rank receives each other rank's row once ((P-1)/P of
-    the result, as Gloo's ring), in log2 P exchanges, on the engine thread."""
-
-    name = "socket doubling allgather"
 
     def __init__(self, peers: PeerSockets) -> None:
         self._peers = peers
@@ -497,7 +476,7 @@ class SocketBroadcast(BroadcastStrategy):
 
 
 __all__ = [
-    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketDoublingAllgather", "SocketHalvingDoubling",
+    "PeerSockets", "partner_records", "partners", "SocketAllgather", "SocketBroadcast", "SocketHalvingDoubling",
     "SocketRecursiveDoubling", "SOCKET_ALLREDUCE_BYTES",
     "interface_address",
 ]
