@@ -1,6 +1,6 @@
 """Gloo's own collectives against hvdray's network-path strategies, per message size, without Ray or the
 engine: why hvdray's network path (jobs across nodes, ``shm_transport=False``, process sets) runs its
-allreduces and allgathers as it does.
+allreduces, allgathers and broadcasts as it does.
 
 ``n`` fresh processes on one ``ProcessGroupGloo`` (a FileStore group, loopback TCP) alternate, round by
 round, for each message size (bytes of one rank's tensor):
@@ -15,12 +15,15 @@ round, for each message size (bytes of one rank's tensor):
 - ``--op allgather``: raw ``allgather`` and ``SocketAllgather`` (a recursive doubling over the ranks'
   own connections, each round swapping every row a rank holds with its partner: what ``peer_sockets``
   runs).
+- ``--op broadcast``: raw ``broadcast`` from rank 0 and ``SocketBroadcast`` (a binomial tree over the
+  same connections: what ``peer_sockets`` runs).
 
 Prints the median microseconds per call (the slowest rank's) and each one's speed against Gloo's own.
 
     python benchmarks/gloo_small.py --ranks 2 4 8 --rounds 5
     python benchmarks/gloo_small.py --ranks 2 4 --rounds 3 --sizes 1048576 4194304 16777216 67108864
     python benchmarks/gloo_small.py --op allgather --ranks 2 4 8 --rounds 3 --sizes 65536 1048576 16777216
+    python benchmarks/gloo_small.py --op broadcast --ranks 2 4 8 --rounds 3 --sizes 256 65536 1048576 16777216
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ RANGES = {
         "socket halving-doubling": (256 << 10, 1 << 62),
     },
     "allgather": {"socket allgather": (0, 1 << 62)},
+    "broadcast": {"socket broadcast": (0, 1 << 62)},
 }
 
 
@@ -53,9 +57,16 @@ def _implementations(op: str, n: int, pg, peers, tensor, rows) -> dict:
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling
     from hvdray.collective.transport.sockets import (
-        SocketAllgather, SocketHalvingDoubling, SocketRecursiveDoubling,
+        SocketAllgather, SocketBroadcast, SocketHalvingDoubling, SocketRecursiveDoubling,
     )
 
+    if op == "broadcast":
+        tree, opts = SocketBroadcast(peers), dist.BroadcastOptions()
+        opts.rootRank = 0
+        return {
+            "broadcast": lambda: pg.broadcast([tensor], opts).wait(),
+            "socket broadcast": lambda: tree.run(tensor, 0),
+        }
     if op == "allgather":
         gathered = SocketAllgather(peers)
         return {

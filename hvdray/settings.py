@@ -131,7 +131,7 @@ class Settings(BaseModel):
         True, description="Collectives that cross the network run over direct TCP connections between partner "
         "ranks, sent and received by the engine thread itself, instead of through Gloo's threads: every allreduce "
         "(the engine's flags every tick, tensors of any size, the cross-node step of hierarchical allreduce), "
-        "every allgather (its negotiation rounds, tensors) and broadcasts of at most 1 MiB. Off: Gloo carries them.",
+        "every allgather (its negotiation rounds, tensors) and every broadcast. Off: Gloo carries them.",
     )
     hierarchical_allreduce: Optional[bool] = Field(
         None, description="Allreduce across nodes in three steps: shared memory inside each node, Gloo between "

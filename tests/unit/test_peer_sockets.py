@@ -137,6 +137,36 @@ def test_the_allgather_gives_every_rank_every_row_exactly(size):
         _close(groups)
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
+def test_the_broadcast_gives_every_rank_the_roots_bytes_from_every_root(size):
+    """A binomial tree over the partners, rooted anywhere (below and above the largest power of two),
+    for a 4-byte tensor and a 4 MiB one: every rank ends with the root's bits."""
+    groups = _connect_all(size, dist.HashStore())
+
+    def mine(rank: int, numel: int) -> torch.Tensor:
+        values = torch.arange(numel, dtype=torch.float32) + rank * 0.5
+        values[0] = float("nan") if rank % 2 else -0.0
+        return values
+
+    def member(group: PeerSockets) -> list:
+        got = []
+        for root in range(size):
+            for numel in (1, 1 << 20):
+                tensor = mine(group.rank, numel)
+                SocketBroadcast(group).run(tensor, root)
+                got.append(tensor)
+        return got
+
+    try:
+        results = _in_threads(member, groups)
+        for rank_results in results:
+            assert not isinstance(rank_results, BaseException), rank_results
+            want = [mine(root, numel) for root in range(size) for numel in (1, 1 << 20)]
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(rank_results, want))
+    finally:
+        _close(groups)
+
+
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_allgather_and_broadcast_give_every_rank_the_exact_bytes(size):
     """Each is a byte-wise sum of bytes only one rank holds: exact for every dtype (NaN, -0.0, bfloat16,

@@ -166,8 +166,8 @@ def test_what_each_entry_serves():
     gather = SocketAllgather(_Peers(4))  # any size: each rank receives each other row once
     assert gather.serves(torch.ones(4 * SOCKET_ALLREDUCE_BYTES)) and not SocketAllgather(_Peers(1)).serves(
         torch.ones(5))
-    broadcast = SocketBroadcast(_Peers(4))
-    assert broadcast.serves(torch.ones(largest), 3) and not broadcast.serves(torch.ones(largest + 1), 3)
+    broadcast = SocketBroadcast(_Peers(4))  # any size: a binomial tree
+    assert broadcast.serves(torch.ones(4 * largest), 3) and not SocketBroadcast(_Peers(1)).serves(torch.ones(5), 0)
 
 
 def test_ops_reach_the_strategies_as_gloo_reductions_or_adasum():

@@ -19,7 +19,7 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 5. GlooRing                Gloo's allreduce: serves everything else (last in both lists)
                 (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
     allgather   SharedMemoryAllgather (one node), SocketAllgather, GlooAllgather
-    broadcast   SharedMemoryBroadcast (one node), SocketBroadcast (up to 1 MiB), GlooBroadcast
+    broadcast   SharedMemoryBroadcast (one node), SocketBroadcast, GlooBroadcast
     alltoall, reducescatter: Gloo only
     a job of one rank: SingleRankAllreduce, SingleRankAllgather and SingleRankBroadcast alone (the
     identity, no Gloo call: single_rank.py)

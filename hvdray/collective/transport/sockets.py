@@ -12,8 +12,7 @@ Larger allreduces take :class:`SocketHalvingDoubling` over the same partners: a 
 recursive halving and an allgather by recursive doubling, which moves as many bytes per rank as Gloo's
 ring in log2 P steps instead of P - 1.
 :class:`SocketAllgather` gathers over the same partners (each round swaps every row a rank holds), and
-:class:`SocketBroadcast` is the small messages' reduction of bytes that only the root holds (the others
-hold zeros).
+:class:`SocketBroadcast` sends down a binomial tree over them.
 Ranks on one node that share a segment (``shm/``) need none of this: a single-node job's global group has no
 sockets (its process sets, plain Gloo groups, do).
 
@@ -391,12 +390,6 @@ def _reduce_exchange(
     peers.transfer(peer, _bytes_of(give), _bytes_of(pieces), reduce_piece, keep.numel() * keep.element_size())
 
 
-def _sum_of_bytes(peers: PeerSockets, flat: torch.Tensor) -> None:
-    """``flat`` (any dtype) summed byte by byte across the group, where at most one rank holds anything
-    but zeros at each byte: every rank gets those bytes exactly (x + 0 is x, with no carry)."""
-    _recursive_doubling(peers, flat.view(torch.uint8), torch.add)
-
-
 class SocketAllgather(AllgatherStrategy):
     """Allgathers over :class:`PeerSockets` (the lengths and messages of the engine's full rounds, tensors
     of any size): a recursive doubling, each round exchanging every row a rank holds with its partner,
@@ -451,8 +444,8 @@ def _doubling_allgather(peers: PeerSockets, rows: torch.Tensor) -> None:
 
 
 class SocketBroadcast(BroadcastStrategy):
-    """Small broadcasts (at most :data:`SOCKET_ALLREDUCE_BYTES`: a model's small parameters, objects) over
-    :class:`PeerSockets`: every rank but the root zeroes its tensor, and the tensors are summed byte by byte."""
+    """Broadcasts over :class:`PeerSockets` (parameters, objects, tensors of any size): a binomial tree over
+    the recursive-doubling partners, rooted at ``root``; each rank but the root receives the tensor once."""
 
     name = "socket broadcast"
 
@@ -461,18 +454,43 @@ class SocketBroadcast(BroadcastStrategy):
         self._size = peers.size
 
     def serves(self, tensor: torch.Tensor, root: int) -> bool:
-        return self._size > 1 and tensor.numel() * tensor.element_size() <= SOCKET_ALLREDUCE_BYTES
+        return self._size > 1
 
     def run(self, tensor: torch.Tensor, root: int) -> None:
-        if not tensor.numel():
-            return
+        if tensor.numel():
+            on_contiguous(tensor, lambda flat: _binomial_broadcast(self._peers, _bytes_of(flat), root))
 
-        def broadcast(flat: torch.Tensor) -> None:
-            if self._peers.rank != root:
-                flat.view(torch.uint8).zero_()
-            _sum_of_bytes(self._peers, flat)
 
-        on_contiguous(tensor, broadcast)
+def _binomial_broadcast(peers: PeerSockets, data: memoryview, root: int) -> None:
+    """Give every rank ``root``'s ``data``, in place.
+
+    With P the largest power of two up to the group's size, a root from P on first hands its data to
+    rank ``root - P``, the tree's root then. Among ranks 0..P-1, numbered from the tree's root by XOR (so
+    that partners stay partners), the rounds go from the highest bit to the lowest: each rank that holds
+    the data sends it to its partner differing in that bit. Last, each rank r holds it for rank
+    ``r + P`` (where there is one, and it is not the root)."""
+    rank, size = peers.rank, peers.size
+    power = 1 << (size.bit_length() - 1)
+    top = root - power if root >= power else root
+    if rank >= power:
+        if rank == root:
+            peers.transfer(rank - power, data, None)
+        else:
+            peers.transfer(rank - power, None, data)
+        return
+    if root >= power and rank == top:
+        peers.transfer(root, None, data)
+    virtual = rank ^ top
+    bit = power >> 1
+    while bit:
+        low = virtual & (2 * bit - 1)
+        if low == 0:
+            peers.transfer(rank ^ bit, data, None)
+        elif low == bit:
+            peers.transfer(rank ^ bit, None, data)
+        bit >>= 1
+    if rank + power < size and rank + power != root:
+        peers.transfer(rank + power, data, None)
 
 
 __all__ = [
