@@ -444,9 +444,8 @@ class WorkerGroup:
         """After a call in which a rank's function raised (:attr:`failed_call`): whether the workers can
         take the next call. They can once every worker's call has ended within ``wait_s`` (a peer blocked
         on an op the raising rank never submitted fails at once) and every engine still works (a broken
-        ring keeps raising what broke it); they then count generated op names from 0 again, alike. The
-        records that the call's workers sent after the failure are dropped: the failed call's result is
-        final. False: the caller stops the group."""
+        ring keeps raising what broke it). The records that the call's workers sent after the failure are
+        dropped: the failed call's result is final. False: the caller stops the group."""
         self.failed_call = False
         calls = [w.run_ref for w in self.workers.values() if w.run_ref is not None]
         ended, running = ray.wait(calls, num_returns=len(calls), timeout=wait_s) if calls else ([], [])

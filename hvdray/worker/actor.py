@@ -123,17 +123,12 @@ class Worker:
 
     def ready_after_failed_call(self) -> bool:
         """Whether this worker can take the driver's next call after one in which a rank raised: every
-        engine it runs is still working (one whose ring broke keeps raising what broke it). If so, its
-        engines count generated names (``allreduce.noname.N``) from 0 again, as the other ranks' do:
-        the failed call's ranks submitted different ops, so their counts differ."""
+        engine it runs is still working (one whose ring broke keeps raising what broke it). The next
+        call's generated names count from 0 on every rank (``Engine.begin_call``), whatever each rank
+        submitted in the failed one."""
         from hvdray.collective import session
 
-        engines = session.engines()
-        if any(engine.broken for engine in engines):
-            return False
-        for engine in engines:
-            engine.restart_generated_names()
-        return True
+        return not any(engine.broken for engine in session.engines())
 
     def _send_log(self, record: dict[str, Any]) -> None:
         rank = int(os.environ.get("HOROVOD_RANK", "-1"))  # elastic ranks change with each epoch

@@ -100,6 +100,36 @@ def test_a_rank_that_raises_is_the_error_run_raises_not_its_waiting_peer(ex):
     assert ex.run(_sum_of_ranks) == [1.0, 1.0]
 
 
+def _unnamed_ops(rank1_leaves_after: int):
+    """Unnamed allreduces (generated names); rank 1 returns after ``rank1_leaves_after`` of them (-1: never),
+    and rank 0 catches the error of the op rank 1 skipped and returns normally, as a test harness would."""
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    sums = []
+    for i in range(4):
+        if hvd.rank() == 1 and i == rank1_leaves_after:
+            return sums
+        try:
+            sums.append(hvd.allreduce(torch.tensor([float(i)]), op=hvd.Sum).item())
+        except PeerFinishedError:
+            return sums + ["skipped"]
+    return sums
+
+
+def test_a_call_whose_ranks_submitted_different_ops_leaves_the_next_calls_names_alike(ex):
+    """Generated names count from 0 in each call: after a call that returned normally on every rank although
+    rank 1 left two ops early (rank 0 caught the error), the next call's unnamed ops match at once
+    instead of waiting for names the ranks count differently."""
+    first = ex.run(_unnamed_ops, args=[2])
+    assert first == [[0.0, 2.0, "skipped"], [0.0, 2.0]]
+    started = time.monotonic()
+    assert ex.run(_unnamed_ops, args=[-1]) == [[0.0, 2.0, 4.0, 6.0]] * 2
+    assert time.monotonic() - started < BOUND_S
+
+
 def _peer_errors_seen_by_rank0():
     import torch
 

@@ -178,18 +178,16 @@ class Engine:
                 self._wake.notify()
 
     def auto_name(self, op: str) -> str:
-        """A generated name (``allreduce.noname.3``); equal on every rank that calls ops in the same order."""
+        """A generated name, equal on every rank that calls ops in the same order: ``allreduce.noname.3``
+        outside executor calls, ``allreduce.noname.2.3`` in executor call 2. Each call counts from 0, so
+        that a call in which the ranks submitted different ops (one left early, and its peers caught the
+        error and returned) leaves no difference in the next call's names, and its names never meet an
+        op of an earlier call that is still in flight."""
         with self._lock:
             n = self._name_counters.get(op, 0)
             self._name_counters[op] = n + 1
-        return f"{op}{GENERATED_NAME_MARK}{n}"
-
-    def restart_generated_names(self) -> None:
-        """Count generated names from 0 again, as every rank does at once after a call in which the ranks
-        submitted different ops (one raised or returned early): their counts differ, and the next
-        call's unnamed ops must get the same names on every rank."""
-        with self._lock:
-            self._name_counters.clear()
+            call = self._call
+        return f"{op}{GENERATED_NAME_MARK}{call}.{n}" if call else f"{op}{GENERATED_NAME_MARK}{n}"
 
     def join(self) -> Handle:
         """This rank is done: it contributes zeros to allreduces until every rank has joined."""
@@ -203,9 +201,11 @@ class Engine:
             return self._join_handle
 
     def begin_call(self, call: int) -> None:
-        """This rank's function of executor call ``call`` starts (calls count up from 1 on every rank alike)."""
+        """This rank's function of executor call ``call`` starts (calls count up from 1 on every rank alike);
+        its generated names count from 0."""
         with self._lock:
             self._call = call
+            self._name_counters.clear()
 
     def finish_call(self, how: str) -> Optional[Handle]:
         """This rank has left its call's function (``how``: "returned" or "raised"). Every rank hears it in the
