@@ -233,12 +233,18 @@ class Executor:
 def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
     """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype). An integer average
     rounds toward zero, as Horovod's (its torch ops divide so; its core scales integers by 1/size in double
-    and converts back, which truncates too)."""
+    and converts back, which truncates too). A float average without a postscale factor divides by the
+    size: the correctly rounded quotient, as Horovod's scaling by 1/size in double gives, where multiplying
+    by 1/size in the tensor's own precision is one ulp off for about a third of the elements when the
+    size is not a power of two."""
     average = desc.reduce_op is ReduceOp.AVERAGE
     if average and not bufs[0].is_floating_point():
         if size != 1:
             for buf in bufs:
                 buf.div_(size, rounding_mode="trunc")
+    elif average and desc.postscale == 1.0:
+        if size != 1:
+            torch._foreach_div_(bufs, float(size))
     elif average or desc.postscale != 1.0:
         factor = desc.postscale / size if average else desc.postscale
         if factor == 1.0:  # an average over one rank: nothing to scale
