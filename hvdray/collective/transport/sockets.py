@@ -1,5 +1,5 @@
-"""Allreduces of every size, and small allgathers and broadcasts, over direct TCP connections between
-ranks, run by the engine thread itself.
+"""Allreduces, allgathers and broadcasts of every size over direct TCP connections between ranks, run by
+the engine thread itself.
 
 A Gloo op hands the work to the process group's worker thread, whose receive waits for the Gloo
 device's own loop thread: several thread wake-ups per op. On the 2-core development machine a 2-rank
@@ -151,7 +151,10 @@ class PeerSockets:
             try:
                 if sent < to_send:
                     sent += _send_some(conn, send[sent:])
-                received = _receive_some(conn, receive[filled:min(window, filled + to_get - got)]) if got < to_get else -1
+                if got < to_get:
+                    received = _receive_some(conn, receive[filled:min(window, filled + to_get - got)])
+                else:
+                    received = -1
             except OSError as exc:
                 raise ConnectionError(f"rank {self.rank}'s connection to rank {peer} failed: {exc}") from exc
             if received == 0:
@@ -236,7 +239,8 @@ def _accept_partners(
             conn, _ = listener.accept()
         except TimeoutError:
             raise TimeoutError(
-                f"rank(s) {sorted(expected)} did not connect within timeout_s (the ranks' own connections, peer_sockets)"
+                f"rank(s) {sorted(expected)} did not connect within timeout_s (the ranks' own connections, "
+                "peer_sockets)"
             ) from None
         try:
             conn.settimeout(min(5.0, _left(deadline, f"hear from rank(s) {sorted(expected)}")))
