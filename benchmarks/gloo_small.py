@@ -49,8 +49,8 @@ RANGES = {
 }
 
 
-def _implementations(op: str, n: int, pg, peers, tensor, rows) -> dict:
-    """Each implementation of ``op`` on ``tensor`` (``rows``: a ``(n, numel)`` buffer for the gathers)."""
+def _implementations(op: str, pg, peers, tensor, rows) -> dict:
+    """Each implementation of ``op`` on ``tensor`` (``rows``: a ``(ranks, numel)`` buffer for the gathers)."""
     import torch
     import torch.distributed as dist
     from torch.distributed import ReduceOp
@@ -113,7 +113,7 @@ def _worker(rank: int, n: int, store_path: str, op: str, rounds: int, sizes: lis
         tensor = torch.ones(max(1, nbytes // 4))
         rows = torch.empty((n, tensor.numel()))
         implementations = [
-            (label, fn) for label, fn in _implementations(op, n, pg, peers, tensor, rows).items()
+            (label, fn) for label, fn in _implementations(op, pg, peers, tensor, rows).items()
             if label == op or RANGES[op][label][0] <= nbytes <= RANGES[op][label][1]
         ]
         calls = 100 if nbytes <= 65536 else 20 if nbytes <= 4 << 20 else 5

@@ -49,6 +49,26 @@ def _close(groups: list[PeerSockets]) -> None:
         group.close()
 
 
+def _on_every_rank(size: int, member) -> list:
+    """Connect ``size`` ranks, run ``member(group)`` on each at once and close them; each rank's result
+    (the test fails if any rank raised)."""
+    groups = _connect_all(size, dist.HashStore())
+    try:
+        results = _in_threads(member, groups)
+    finally:
+        _close(groups)
+    for rank_results in results:
+        assert not isinstance(rank_results, BaseException), rank_results
+    return results
+
+
+def _exact_values(rank: int, numel: int) -> torch.Tensor:
+    """Float32 values that differ by rank and begin with NaN (odd ranks) or -0.0 (even): compared bit for bit."""
+    values = torch.arange(numel, dtype=torch.float32) + rank * 0.5
+    values[0] = float("nan") if rank % 2 else -0.0
+    return values
+
+
 @pytest.mark.parametrize("size", [2, 3, 5, 8])
 def test_each_rank_connects_to_its_recursive_doubling_partners_only(size):
     groups = _connect_all(size, dist.HashStore())
@@ -69,7 +89,6 @@ def test_halving_doubling_gives_every_rank_the_same_exact_reduction(size):
     """Large messages: a reduce-scatter by halving, then an allgather by doubling. Every rank ends with the
     same bits, equal to the reduction of every rank's tensor, for every op, for lengths that do not split
     evenly (fewer elements than ranks, odd lengths) and for a tensor that is not contiguous."""
-    groups = _connect_all(size, dist.HashStore())
     generator = torch.Generator().manual_seed(size)
     lengths = (1, size - 1, 7, 1001, 300_001)  # the last in several pieces (HALVING_PIECE_BYTES)
     inputs = {n: [torch.randn(n, generator=generator, dtype=torch.float64) for _ in range(size)] for n in lengths}
@@ -88,90 +107,61 @@ def test_halving_doubling_gives_every_rank_the_same_exact_reduction(size):
         results.append(ints)
         return results
 
-    try:
-        results = _in_threads(member, groups)
-        for rank_results in results:
-            assert not isinstance(rank_results, BaseException), rank_results
-            assert all(torch.equal(a, b) for a, b in zip(rank_results, results[0]))  # bit for bit, every rank
-        expected = []
-        for n in lengths:
-            for reducer in ops.values():
-                total = inputs[n][0].clone()
-                for other in inputs[n][1:]:
-                    total = reducer(total, other)
-                expected.append(total)
-        for got, want in zip(results[0], expected):
-            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # another order of the same sums
-        assert torch.equal(results[0][-1], torch.arange(12).reshape(3, 4).t() * (size * (size + 1) // 2))
-    finally:
-        _close(groups)
+    results = _on_every_rank(size, member)
+    for rank_results in results:
+        assert all(torch.equal(a, b) for a, b in zip(rank_results, results[0]))  # bit for bit, every rank
+    expected = []
+    for n in lengths:
+        for reducer in ops.values():
+            total = inputs[n][0].clone()
+            for other in inputs[n][1:]:
+                total = reducer(total, other)
+            expected.append(total)
+    for got, want in zip(results[0], expected):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # another order of the same sums
+    assert torch.equal(results[0][-1], torch.arange(12).reshape(3, 4).t() * (size * (size + 1) // 2))
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
 def test_the_allgather_gives_every_rank_every_row_exactly(size):
     """Each rank's row reaches every rank bit for bit (NaN, -0.0 and all), for group sizes with and
     without ranks folded in, for rows of 4 bytes and of several MiB."""
-    groups = _connect_all(size, dist.HashStore())
-
-    def row_of(rank: int, numel: int) -> torch.Tensor:
-        values = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-        values[0] = float("nan") if rank % 2 else -0.0
-        return values
-
     def member(group: PeerSockets) -> list:
         gathered = []
         for numel in (1, 3, 1 << 20):  # 4 B, 12 B, 4 MiB rows
             out = torch.full((size, numel), 7.0)
-            SocketAllgather(group).run(row_of(group.rank, numel), out)
+            SocketAllgather(group).run(_exact_values(group.rank, numel), out)
             gathered.append(out)
         return gathered
 
-    try:
-        results = _in_threads(member, groups)
-        for rank_results in results:
-            assert not isinstance(rank_results, BaseException), rank_results
-            for out, numel in zip(rank_results, (1, 3, 1 << 20)):
-                want = torch.stack([row_of(r, numel) for r in range(size)])
-                assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # every bit, NaN included
-    finally:
-        _close(groups)
+    for rank_results in _on_every_rank(size, member):
+        for out, numel in zip(rank_results, (1, 3, 1 << 20)):
+            want = torch.stack([_exact_values(r, numel) for r in range(size)])
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # every bit, NaN included
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
 def test_the_broadcast_gives_every_rank_the_roots_bytes_from_every_root(size):
     """A binomial tree over the partners, rooted anywhere (below and above the largest power of two),
     for a 4-byte tensor and a 4 MiB one: every rank ends with the root's bits."""
-    groups = _connect_all(size, dist.HashStore())
-
-    def mine(rank: int, numel: int) -> torch.Tensor:
-        values = torch.arange(numel, dtype=torch.float32) + rank * 0.5
-        values[0] = float("nan") if rank % 2 else -0.0
-        return values
-
     def member(group: PeerSockets) -> list:
         got = []
         for root in range(size):
             for numel in (1, 1 << 20):
-                tensor = mine(group.rank, numel)
+                tensor = _exact_values(group.rank, numel)
                 SocketBroadcast(group).run(tensor, root)
                 got.append(tensor)
         return got
 
-    try:
-        results = _in_threads(member, groups)
-        for rank_results in results:
-            assert not isinstance(rank_results, BaseException), rank_results
-            want = [mine(root, numel) for root in range(size) for numel in (1, 1 << 20)]
-            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(rank_results, want))
-    finally:
-        _close(groups)
+    want = [_exact_values(root, numel) for root in range(size) for numel in (1, 1 << 20)]
+    for rank_results in _on_every_rank(size, member):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(rank_results, want))
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_allgather_and_broadcast_give_every_rank_the_exact_bytes(size):
-    """Each is a byte-wise sum of bytes only one rank holds: exact for every dtype (NaN, -0.0, bfloat16,
-    and int16 moved as bytes, as the communicator moves dtypes Gloo lacks)."""
-    groups = _connect_all(size, dist.HashStore())
+    """Each moves bytes untouched: exact for every dtype (NaN, -0.0, bfloat16, and int16 moved as bytes, as
+    the communicator moves dtypes Gloo lacks), and a strided view is written back in place."""
 
     def tensor_of(rank: int, dtype: torch.dtype) -> torch.Tensor:
         values = torch.tensor([rank + 0.5, -0.0, float("nan"), -(rank + 1) * 1e30])
@@ -195,18 +185,14 @@ def test_allgather_and_broadcast_give_every_rank_the_exact_bytes(size):
             done.append(tensor)
         return done
 
-    try:
-        results = _in_threads(member, groups)
-        for rank in range(size):
-            assert not isinstance(results[rank], BaseException), results[rank]
-            for dtype, gathered in zip(dtypes, results[rank]):
-                want = torch.stack([tensor_of(r, dtype) if dtype != torch.bool else torch.tensor([r % 2 == 0] * 3)
-                                    for r in range(size)])
-                assert torch.equal(as_bytes(gathered), as_bytes(want)), (rank, dtype)
-            for root, got in enumerate(results[rank][len(dtypes):]):
-                assert torch.equal(as_bytes(got.contiguous()), as_bytes(tensor_of(root, torch.float32)[::2].contiguous()))
-    finally:
-        _close(groups)
+    results = _on_every_rank(size, member)
+    for rank in range(size):
+        for dtype, gathered in zip(dtypes, results[rank]):
+            want = torch.stack([tensor_of(r, dtype) if dtype != torch.bool else torch.tensor([r % 2 == 0] * 3)
+                                for r in range(size)])
+            assert torch.equal(as_bytes(gathered), as_bytes(want)), (rank, dtype)
+        for root, got in enumerate(results[rank][len(dtypes):]):
+            assert torch.equal(as_bytes(got.contiguous()), as_bytes(tensor_of(root, torch.float32)[::2].contiguous()))
 
 
 def _ipv6_loopback() -> bool:
