@@ -290,7 +290,7 @@ def round_messages(size: int) -> int:
     """Point-to-point messages of a full round's two allgathers (every rank's length, then every message
     padded to the longest) over the ranks' own connections: ``SocketAllgather``'s recursive doubling,
     whose ranks 0..P-1 send their block once per round and once more where it holds rows of ranks from P
-    on, which send their row in and get the result back (``transport/sockets.py``)."""
+    on, which send their row in and get the result back (``transport/socket_strategies.py``)."""
     power = 1 << (size.bit_length() - 1)
     messages = 2 * (size - power)  # the folded ranks' rows in, the results out
     bit = 1

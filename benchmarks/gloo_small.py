@@ -56,7 +56,7 @@ def _implementations(op: str, pg, peers, tensor, rows) -> dict:
     from torch.distributed import ReduceOp
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling
-    from hvdray.collective.transport.sockets import (
+    from hvdray.collective.transport.socket_strategies import (
         SocketAllgather, SocketBroadcast, SocketHalvingDoubling, SocketRecursiveDoubling,
     )
 

@@ -41,7 +41,8 @@ def _member(rank: int, paths: dict[int, str], queue) -> None:
     from torch.distributed import FileStore, PrefixStore, ProcessGroupGloo, ReduceOp
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling, group_options
-    from hvdray.collective.transport.sockets import PeerSockets, SocketHalvingDoubling, SocketRecursiveDoubling
+    from hvdray.collective.transport.socket_strategies import SocketHalvingDoubling, SocketRecursiveDoubling
+    from hvdray.collective.transport.sockets import PeerSockets
 
     torch.set_num_threads(1)
     results = {}

@@ -1,4 +1,5 @@
-"""The ranks' own small-message connections (``transport/sockets.py``), ranks as threads of this process:
+"""The ranks' own connections (``transport/sockets.py``) and the collectives over them
+(``socket_strategies.py``), ranks as threads of this process:
 who connects to whom, the listener closed to strangers and gone once its partners are in, a partner
 that ends or falls silent failing the op fast and naming it, and messages in both directions at once."""
 
@@ -17,13 +18,13 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.transport.gloo import recursive_doubling, recursive_doubling_messages
 from hvdray.collective.transport.communicator import as_bytes
-from hvdray.collective.transport.sockets import (
-    PeerSockets,
+from hvdray.collective.transport.socket_strategies import (
     SocketAllgather,
     SocketBroadcast,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
 )
+from hvdray.collective.transport.sockets import PeerSockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo_threads import in_threads  # noqa: E402 - shared by the unit tests that run ranks as threads

@@ -25,7 +25,7 @@ from hvdray.collective.transport.gloo import (
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
-from hvdray.collective.transport.sockets import (
+from hvdray.collective.transport.socket_strategies import (
     SOCKET_ALLREDUCE_BYTES,
     SocketAllgather,
     SocketBroadcast,

@@ -9,7 +9,7 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                    or HierarchicalAllreduce   several nodes: the segment, then this rank's part over a
                                               Gloo group across the nodes (hierarchical.py)
                 then, with peer_sockets (the default), over the ranks' own TCP connections, on the
-                engine thread (sockets.py):
+                engine thread (socket_strategies.py over sockets.py):
                 3. SocketRecursiveDoubling  messages up to 1 MiB: log2 P exchanges of the whole message
                 4. SocketHalvingDoubling    larger ones: a reduce-scatter by recursive halving, then an
                                             allgather by recursive doubling
@@ -38,7 +38,7 @@ as the Gloo one. CPU tensors never match its ``serves``, so nothing else changes
 Modules: ``communicator.py`` (the facade: groups, segment, lists), ``strategy.py`` (what a strategy
 is, and the walk of a list), ``order.py`` (the lists), ``plan.py`` (the pure decisions),
 ``reductions.py`` (how ops are named and computed), ``gloo.py``, ``hierarchical.py``, ``adasum.py``,
-``single_rank.py``, ``sockets.py`` and ``shm/`` (the strategies and what they run on).
+``single_rank.py``, ``socket_strategies.py`` (over ``sockets.py``) and ``shm/`` (the strategies and what they run on).
 """
 
 from hvdray.collective.transport.communicator import Communicator

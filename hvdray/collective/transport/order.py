@@ -27,13 +27,13 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
 )
-from hvdray.collective.transport.sockets import (
-    PeerSockets,
+from hvdray.collective.transport.socket_strategies import (
     SocketAllgather,
     SocketBroadcast,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
 )
+from hvdray.collective.transport.sockets import PeerSockets
 from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
 from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
 
