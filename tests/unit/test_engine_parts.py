@@ -179,9 +179,16 @@ def test_a_closed_step_is_learned_and_forgotten():
     step.add([1, 2], 200)
     step.learn_if_over()
     assert step.expected == frozenset()  # not closed yet
-    step.closing = True
+    step.close()
     step.learn_if_over()
     assert step.expected == {1, 2} and not step.current and not step.closing
+    step.close()  # a wait after the step was learned: the next step's first gradient must not end it
+    step.add([1], 50)
+    step.learn_if_over()
+    assert step.expected == {1, 2} and step.current == {1}
+    step.add([2], 0)
+    step.close()
+    step.learn_if_over()
     step.add([1], 50)
     assert not step.submitted_whole() and step.missing() == 1
     step.add([2], 50)

@@ -41,7 +41,24 @@ def _learn_a_step_of_six() -> list[torch.Tensor]:
     return grads
 
 
-def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine):
+@pytest.fixture
+def engine_without_idle_ticks():
+    """An idle tick (every 100 ms while nothing is waited on) is a round of its own, and a loaded machine's
+    step can last longer than that: with a long idle cycle, each round counted is one the step cost."""
+    settings = session.settings()
+    previous, settings.idle_cycle_time_ms = settings.idle_cycle_time_ms, 5000.0
+    try:
+        hvd.init()
+        torch.set_num_threads(1)
+        assert session.engine()._idle_s == 5.0
+        yield session.engine()
+        hvd.shutdown()
+    finally:
+        settings.idle_cycle_time_ms = previous
+
+
+def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine_without_idle_ticks):
+    engine = engine_without_idle_ticks
     net, opt = _model_and_optimizer()
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     per_step = []
@@ -53,6 +70,29 @@ def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine
         per_step.append((engine.stats.rounds - rounds, engine.stats.allreduce_calls - calls))
     # the first steps negotiate names and learn the step; from then on, 6 gradients go as one
     assert per_step[4:] == [(1, 1)] * 8, per_step
+
+
+def test_a_caller_slower_than_the_engine_still_gets_its_steps_learned(engine):
+    # a loaded machine (CI): every gradient is reduced before the next one arrives and before the caller
+    # waits, so no wait ever finds an op in flight. Waiting on finished ops must still end the step.
+    grads = [torch.ones(100) for _ in range(6)]
+    per_step = []
+    for _ in range(8):
+        calls = engine.stats.allreduce_calls
+        handles = []
+        for i, g in enumerate(grads):
+            handles.append(hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum))
+            if engine._step.expected:
+                time.sleep(0.003)  # a learned step: the engine holds the gradients back
+            else:  # until then, each one is reduced before the next comes
+                deadline = time.monotonic() + 2.0
+                while engine.stats.allreduce_calls == calls + i and time.monotonic() < deadline:
+                    time.sleep(0.001)
+        time.sleep(0.02)  # the rest of the backward pass, before optimizer.step() waits
+        for h in handles:
+            hvd.synchronize(h)
+        per_step.append(engine.stats.allreduce_calls - calls)
+    assert per_step[3:] == [1] * 5, per_step
 
 
 def test_a_step_that_finishes_before_anyone_waits_stays_one_round(engine):

@@ -36,9 +36,11 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The op's result (or its error raised), once it has finished."""
+        if self._on_wait is not None:
+            # the caller waits: the engine hurries the op if it is still pending, and its step ends here
+            # (also when the op already finished: an engine faster than its caller must learn steps too)
+            self._on_wait(self)
         if not self._done:
-            if self._on_wait is not None:
-                self._on_wait(self)
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
             self._latch.release()

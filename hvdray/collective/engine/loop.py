@@ -166,12 +166,17 @@ class Engine:
             self._wake_if_due()  # a busy engine looks at the queue before it sleeps again
 
     def _nudge(self, handle: Handle) -> None:
-        """A caller is about to block on an op: whatever it submitted is all that is coming for now."""
+        """A caller waits on an op: whatever it submitted is all that is coming for now."""
         with self._lock:
+            self._step.close()
             request = self._local.get(handle.name)
             if request is None or request.handle is not handle:
-                return  # already taken to run (or finished): nothing to hurry, and no step to end
-            self._step.closing = True
+                # already taken to run or finished: nothing to hurry. With nothing left in flight the step
+                # is over now (an idle engine's tick began before this wait, and would count the next
+                # step's first gradients into this one)
+                if not self._local:
+                    self._step.learn_if_over()
+                return
             if self._waited is not request:
                 self._waited = request
                 self._blocked_on.append(request)
@@ -337,11 +342,13 @@ class Engine:
             older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
             if not older:
                 step.learn_if_over()
+            arrived = started  # when this tick last found new requests
             while True:
                 if self._queue:
                     agreement.sort(self._queue)
                     self._queue = []
                     self._queued_bytes = 0
+                    arrived = time.monotonic()
                 waited = self._waited  # still in flight: a nudge from before its op finished does not count
                 if self._shutdown_requested or self._join_announce or self._finish_announce or (
                     waited is not None and self._local.get(waited.name) is waited
@@ -350,11 +357,13 @@ class Engine:
                 now = time.monotonic()
                 if step.expected and not older:
                     if step.submitted_whole():
-                        step.closing = True
+                        step.close()
                         break
                     if agreement.outbox or step.unsent_bytes and step.unsent_bytes >= fusion_bytes:
                         break
-                    limit = max(deadline, started + self._idle_s)  # the rest of the step is coming
+                    # the rest of the step is coming: wait while it keeps arriving (an idle tick in the
+                    # middle of a slow backward pass would split the step)
+                    limit = max(deadline, arrived + self._idle_s)
                     # wake for the step's missing tensors or a fusion buffer's worth (a caller that
                     # blocks on an op ticks at once through the nudge, whatever it submitted)
                     wake_count = step.missing()

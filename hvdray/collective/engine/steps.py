@@ -29,6 +29,13 @@ class LearnedStep:
         self.current.update(slots)
         self.unsent_bytes += nbytes
 
+    def close(self) -> None:
+        """The step is over once nothing is in flight: it was submitted whole, or a caller waits on it. A
+        wait after the step was learned (its ops finished, the next step not begun) closes nothing: it
+        must not end the next step at its first gradient."""
+        if self.current:
+            self.closing = True
+
     def learn_if_over(self) -> None:
         """At a tick's start with nothing older in flight: a closed step becomes the expected one."""
         if self.current and self.closing:
