@@ -1,5 +1,5 @@
 """Collective bandwidth against this machine's memory ideal: allreduce (in place and out of place),
-allgather and broadcast of hvdray and raw ``torch.distributed`` Gloo, beside one core's copy and add
+reducescatter, allgather and broadcast of hvdray and raw ``torch.distributed`` Gloo, beside one core's copy and add
 speed measured in the same round, in the same worker processes.
 
 The ideal is what a rank must at the least do with memory, at the speed its core copies and adds
@@ -7,11 +7,13 @@ The ideal is what a rank must at the least do with memory, at the speed its core
 
 - allreduce of S bytes on n ranks: add its 1/n of every peer's data once and copy every peer's reduced
   1/n once, ``(n-1)/n * S`` at add speed plus ``(n-1)/n * S`` at copy speed (n=2: S/2 + S/2);
+- reducescatter of S bytes per rank (n chunks of S/n): add every peer's copy of its chunk once,
+  ``(n-1)/n * S`` at add speed;
 - allgather of S bytes per rank: write its n*S-byte result once (its own S and every peer's),
   ``n * S`` at copy speed;
 - broadcast of S bytes: copy the root's S once, ``S`` at copy speed.
 
-Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, allgather ``(n-1) * S / t``, broadcast
+Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, reducescatter ``(n-1)/n * S / t``, allgather ``(n-1) * S / t``, broadcast
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
 speeds are operand bytes per second (an add of two S-byte tensors in S / t).
 
@@ -44,7 +46,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 IDEAL = "memory ideal"
-COLLECTIVES = ("allreduce", "allgather", "broadcast")
+COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
 
 
 def _round(size_mb: float, iterations: int) -> dict[str, float]:
@@ -66,6 +68,9 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
     }
+    scattered = torch.empty(numel // hvd.size())
+    times["reducescatter raw gloo"] = timed(lambda: dist.reduce_scatter_tensor(scattered, tensor), iterations)
+    times["reducescatter hvdray"] = timed(lambda: hvd.reducescatter(tensor, op=hvd.Sum, name="bw.rs"), iterations)
     gathered = torch.empty(hvd.size() * numel)
     times["allgather raw gloo"] = timed(lambda: dist.all_gather_single(gathered, tensor), iterations)
     times["allgather hvdray"] = timed(lambda: hvd.allgather(tensor, name="bw.ag"), iterations)
@@ -79,6 +84,8 @@ def ideal_seconds(collective: str, size_bytes: float, ranks: int, copy_s: float,
     """Per-rank seconds of the ideal (module docstring), from one core's copy and add of ``size_bytes``."""
     if collective == "allreduce":
         return (ranks - 1) / ranks * (add_s + copy_s)
+    if collective == "reducescatter":
+        return (ranks - 1) / ranks * add_s
     if collective == "allgather":
         return ranks * copy_s
     if collective == "broadcast":
@@ -90,6 +97,8 @@ def bus_bytes(collective: str, size_bytes: float, ranks: int) -> float:
     """The bytes a collective's bus bandwidth counts (module docstring)."""
     if collective == "allreduce":
         return 2 * (ranks - 1) / ranks * size_bytes
+    if collective == "reducescatter":
+        return (ranks - 1) / ranks * size_bytes
     if collective == "allgather":
         return (ranks - 1) * size_bytes
     if collective == "broadcast":

@@ -1,6 +1,6 @@
 """Gloo's own collectives against hvdray's network-path strategies, per message size, without Ray or the
 engine: why hvdray's network path (jobs across nodes, ``shm_transport=False``, process sets) runs its
-allreduces, allgathers and broadcasts as it does.
+allreduces, reducescatters, allgathers and broadcasts as it does.
 
 ``n`` fresh processes on one ``ProcessGroupGloo`` (a FileStore group, loopback TCP) alternate, round by
 round, for each message size (bytes of one rank's tensor):
@@ -12,6 +12,9 @@ round, for each message size (bytes of one rank's tensor):
   runs up to ``SOCKET_ALLREDUCE_BYTES``); and ``SocketHalvingDoubling`` (a reduce-scatter by halving
   and an allgather by doubling over the same connections: what ``peer_sockets`` runs above that). The
   first four run up to 4 MB, the halving-doubling from 256 KB.
+- ``--op reducescatter``: raw ``_reduce_scatter_base`` (a sum; one rank's tensor holds one chunk per rank)
+  and ``SocketReducescatter`` (a reduce-scatter by halving over the ranks' own connections: what
+  ``peer_sockets`` runs).
 - ``--op allgather``: raw ``allgather`` and ``SocketAllgather`` (a recursive doubling over the ranks'
   own connections, each round swapping every row a rank holds with its partner: what ``peer_sockets``
   runs).
@@ -22,6 +25,7 @@ Prints the median microseconds per call (the slowest rank's) and each one's spee
 
     python benchmarks/gloo_small.py --ranks 2 4 8 --rounds 5
     python benchmarks/gloo_small.py --ranks 2 4 --rounds 3 --sizes 1048576 4194304 16777216 67108864
+    python benchmarks/gloo_small.py --op reducescatter --ranks 2 4 8 --rounds 3 --sizes 65536 1048576 16777216
     python benchmarks/gloo_small.py --op allgather --ranks 2 4 8 --rounds 3 --sizes 65536 1048576 16777216
     python benchmarks/gloo_small.py --op broadcast --ranks 2 4 8 --rounds 3 --sizes 256 65536 1048576 16777216
 """
@@ -45,6 +49,7 @@ RANGES = {
         "socket halving-doubling": (256 << 10, 1 << 62),
     },
     "allgather": {"socket allgather": (0, 1 << 62)},
+    "reducescatter": {"socket reducescatter": (0, 1 << 62)},
     "broadcast": {"socket broadcast": (0, 1 << 62)},
 }
 
@@ -57,7 +62,7 @@ def _implementations(op: str, pg, peers, tensor, rows) -> dict:
 
     from hvdray.collective.transport.gloo import GlooRecursiveDoubling
     from hvdray.collective.transport.socket_strategies import (
-        SocketAllgather, SocketBroadcast, SocketHalvingDoubling, SocketRecursiveDoubling,
+        SocketAllgather, SocketBroadcast, SocketHalvingDoubling, SocketRecursiveDoubling, SocketReducescatter,
     )
 
     if op == "broadcast":
@@ -66,6 +71,15 @@ def _implementations(op: str, pg, peers, tensor, rows) -> dict:
         return {
             "broadcast": lambda: pg.broadcast([tensor], opts).wait(),
             "socket broadcast": lambda: tree.run(tensor, 0),
+        }
+    if op == "reducescatter":
+        scatter, opts = SocketReducescatter(peers), dist.ReduceScatterOptions()
+        opts.reduceOp = ReduceOp.SUM
+        chunk = tensor[: max(1, tensor.numel() // rows.shape[0])]
+        whole = torch.ones(rows.shape[0] * chunk.numel())  # the socket strategy overwrites it (scratch)
+        return {
+            "reducescatter": lambda: pg._reduce_scatter_base(chunk, whole, opts).wait(),
+            "socket reducescatter": lambda: scatter.run(whole, chunk, ReduceOp.SUM),
         }
     if op == "allgather":
         gathered = SocketAllgather(peers)

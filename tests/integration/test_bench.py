@@ -32,7 +32,8 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
                 for w in ("1 worker", "2 workers")}
     assert sections == {
         "one core's memory speed, 4 MB", "allreduce 4 MB bus bandwidth, 2 ranks", "allgather 4 MB bus bandwidth, 2 ranks",
-        "broadcast 4 MB bus bandwidth, 2 ranks", "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
+        "broadcast 4 MB bus bandwidth, 2 ranks", "reducescatter 4 MB bus bandwidth, 2 ranks",
+        "step of 160 x 16 KB gradients", "step of ResNet-50's 161 gradients",
         *training, "scaling efficiency 1 -> 2 workers (CNN)", "scaling efficiency 1 -> 2 workers (MLP)",
         "idle CPU (no ops submitted)", "start to first allreduce", "allreduce of 4 bytes, 2 ranks (4 MB round)",
     }
@@ -40,7 +41,7 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     assert {impl for section, impl in impls if section.startswith("allreduce ") and "bus bandwidth" in section} == {
         "memory ideal", "raw gloo", "hvdray in place", "hvdray out of place"}
     assert {impl for section, impl in impls if section.startswith("allreduce of 4 bytes")} == {"raw gloo", "hvdray"}
-    assert {impl for section, impl in impls if section.startswith(("allgather", "broadcast"))} == {
+    assert {impl for section, impl in impls if section.startswith(("allgather", "broadcast", "reducescatter"))} == {
         "memory ideal", "raw gloo", "hvdray"}
     for section in training | {"scaling efficiency 1 -> 2 workers (CNN)"}:
         assert {impl for s, impl in impls if s == section} == {"DDP (gloo)", "hvdray DistributedOptimizer"}
@@ -102,6 +103,9 @@ def test_memory_ideal_is_the_least_a_rank_must_copy_and_add(monkeypatch):
     assert ideal_seconds("allgather", 64e6, 2, copy_s, add_s) == pytest.approx(2 * copy_s)
     assert bus_bytes("allgather", 64e6, 4) == pytest.approx(3 * 64e6)
     assert ideal_seconds("broadcast", 64e6, 3, copy_s, add_s) == pytest.approx(copy_s)
+    # reducescatter: each peer's copy of the rank's chunk added once
+    assert ideal_seconds("reducescatter", 64e6, 4, copy_s, add_s) == pytest.approx(0.75 * add_s)
+    assert bus_bytes("reducescatter", 64e6, 4) == pytest.approx(0.75 * 64e6)
     with pytest.raises(ValueError, match="collective must be one of"):
         ideal_seconds("alltoall", 64e6, 2, copy_s, add_s)
     with pytest.raises(ValueError, match="collective must be one of"):

@@ -144,6 +144,35 @@ def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor
                 want = reducers[op](want, _gloo_inputs(rank, dtype, numel))
             assert got.dtype == want.dtype and torch.equal(got, want), (dtype, numel, op, got[:5], want[:5])
 
+    # reducescatters over the ranks' own connections (peer_sockets): rows that do not split evenly
+    # among the 4 (padded in a copy), one row of 1.2 MB per rank (the caller's tensor itself, in several
+    # of the halving's pieces), every dtype and op it takes; the caller's tensor stays as it was
+    from hvdray.collective.topology import reducescatter_rows
+
+    scatters = [(dtype, shape, op) for dtype in GLOO_DTYPES if dtype != "bool"
+                for shape in ((7, 3), (4, 300_001)) for op in ("sum", "min", "max")]
+
+    def scatter(scatters):
+        import torch
+
+        hvd = checks.init()
+        ops = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max}
+        results = []
+        for dtype, shape, op in scatters:
+            x = _gloo_inputs(hvd.rank(), dtype, shape[0] * shape[1]).view(shape)
+            results.append(hvd.reducescatter(x, name=f"rs.{dtype}.{shape}.{op}", op=ops[op]))
+            assert torch.equal(x, _gloo_inputs(hvd.rank(), dtype, shape[0] * shape[1]).view(shape))
+        return results
+
+    for rank, results in enumerate(ex.run(scatter, args=[scatters])):
+        for (dtype, shape, op), got in zip(scatters, results):
+            want = _gloo_inputs(0, dtype, shape[0] * shape[1])
+            for other in range(1, n):
+                want = reducers[op](want, _gloo_inputs(other, dtype, shape[0] * shape[1]))
+            rows = reducescatter_rows(shape[0], n)
+            want = want.view(shape)[sum(rows[:rank]):sum(rows[:rank + 1])]
+            assert got.dtype == want.dtype and torch.equal(got, want), (rank, dtype, shape, op)
+
 
 def test_nothing_left_in_dev_shm_after_shutdown_and_after_a_killed_worker(make_executor):
     ex = make_executor(settings=_settings(), num_workers=3, cpus_per_worker=0.5)

@@ -23,6 +23,7 @@ from hvdray.collective.transport.socket_strategies import (
     SocketBroadcast,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
+    SocketReducescatter,
 )
 from hvdray.collective.transport.sockets import PeerSockets
 
@@ -121,6 +122,44 @@ def test_halving_doubling_gives_every_rank_the_same_exact_reduction(size):
     for got, want in zip(results[0], expected):
         assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # another order of the same sums
     assert torch.equal(results[0][-1], torch.arange(12).reshape(3, 4).t() * (size * (size + 1) // 2))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
+def test_the_reducescatter_gives_each_rank_its_reduced_chunk(size):
+    """Rank r ends with chunk r reduced across every rank, for every op the strategy takes, for group
+    sizes with and without ranks folded in, for chunks of one element and of several pieces (1 MiB
+    each), in integers (exact whatever the order) and in floats; the input stays as it was."""
+    generator = torch.Generator().manual_seed(size)
+    shapes = ((1,), (3, 5), (140_000,))  # per chunk; the last in several pieces (HALVING_PIECE_BYTES)
+    ops = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+           ReduceOp.PRODUCT: torch.mul}
+    inputs = {
+        (shape, dtype): [
+            torch.randint(-3, 4, (size, *shape), generator=generator).to(dtype) for _ in range(size)
+        ]
+        for shape in shapes for dtype in (torch.int64, torch.float32)
+    }
+
+    def member(group: PeerSockets) -> list:
+        results = []
+        for (shape, _), tensors in inputs.items():
+            for op in ops:
+                out = torch.empty(shape, dtype=tensors[0].dtype)
+                SocketReducescatter(group).run(tensors[group.rank], out, op)
+                results.append(out)
+        return results
+
+    before = {key: [t.clone() for t in tensors] for key, tensors in inputs.items()}
+    results = _on_every_rank(size, member)
+    assert all(torch.equal(a, b) for key in inputs for a, b in zip(inputs[key], before[key]))
+    for rank, rank_results in enumerate(results):
+        want = iter(rank_results)
+        for tensors in inputs.values():
+            for reducer in ops.values():
+                total = tensors[0][rank].clone()
+                for other in tensors[1:]:
+                    total = reducer(total, other[rank])
+                assert torch.equal(next(want), total)  # small integers: exact in float32 too
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])

@@ -421,6 +421,31 @@ def test_allgather_and_broadcast_in_several_rounds():
     assert _run_node(3, _gather_and_broadcast, slot_bytes=4096) == [(True, [True] * 3)] * 3
 
 
+def _reducescatter_every_dtype_and_op(node, rank, size):
+    """Chunks of 1 to several slots' worth (8 KiB slots hold one piece of every chunk), every dtype and
+    op; the input stays as it was."""
+    failures = []
+    for dtype in DTYPES:
+        for op in OPS:
+            for n in (1, 3, 1000, 5003):  # elements per chunk
+                source = _inputs(rank, dtype, n * size)
+                out = torch.full((n,), 7).to(dtype)
+                node.reducescatter(source, out, op)
+                stack = np.stack([_inputs(r, dtype, n * size)[rank * n:(rank + 1) * n].double().numpy()
+                                  for r in range(size)])
+                want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+                want = torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()
+                if not np.array_equal(out.double().numpy(), want) or not torch.equal(
+                        source, _inputs(rank, dtype, n * size)):
+                    failures.append((str(dtype), str(op), n))
+    return failures
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_reducescatter_every_dtype_and_op_in_several_rounds(local_size):
+    assert _run_node(local_size, _reducescatter_every_dtype_and_op) == [[]] * local_size
+
+
 def _shared_tensors_in_place(node, rank, size):
     """Tensors in torch shared memory (views at an offset too) on every rank, then on rank 0 only."""
     data = node._data

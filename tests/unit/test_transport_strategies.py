@@ -4,10 +4,13 @@ communicator end to end."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroupGloo, ReduceOp
 
 from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.transport import Communicator
@@ -20,7 +23,9 @@ from hvdray.collective.transport.gloo import (
     GlooBroadcast,
     GlooGatherReduce,
     GlooRecursiveDoubling,
+    GlooReducescatter,
     GlooRing,
+    group_options,
 )
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
@@ -32,6 +37,9 @@ from hvdray.collective.transport.socket_strategies import (
     SocketRecursiveDoubling,
 )
 from hvdray.collective.transport.strategy import AllreduceStrategy, NoStrategyError, first_serving
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_threads import in_threads  # noqa: E402 - shared by the unit tests that run ranks as threads
 
 
 class _Group:
@@ -67,6 +75,7 @@ def test_gloo_only_lists():
         "allreduce": ["adasum", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["gloo allgather"],
         "broadcast": ["gloo broadcast"],
+        "reducescatter": ["gloo reducescatter"],
     }
     assert strategies.fused is None
 
@@ -85,6 +94,7 @@ def test_network_allreduces_take_the_ranks_own_connections():
     ]
     assert strategies.names()["allgather"] == ["socket allgather", "gloo allgather"]
     assert strategies.names()["broadcast"] == ["socket broadcast", "gloo broadcast"]
+    assert strategies.names()["reducescatter"] == ["socket reducescatter", "gloo reducescatter"]
     assert hierarchical.names()["allgather"] == ["socket allgather", "gloo allgather"]
     cross = hierarchical.allreduce[1]._cross
     assert [s.name for s in cross][:2] == ["socket recursive doubling", "socket halving-doubling"]
@@ -97,6 +107,7 @@ def test_one_node_lists_put_shared_memory_before_gloo():
         "allreduce": ["adasum", "shared memory", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["shared memory allgather", "gloo allgather"],
         "broadcast": ["shared memory broadcast", "gloo broadcast"],
+        "reducescatter": ["shared memory reducescatter", "gloo reducescatter"],
     }
     assert strategies.fused is strategies.allreduce[1] and strategies.fused.fused_message_bytes == _Node.slot_bytes
 
@@ -107,6 +118,7 @@ def test_several_nodes_reduce_hierarchically_and_gather_over_gloo():
         "allreduce": ["adasum", "hierarchical", "gloo recursive doubling", "gloo gather-reduce", "gloo ring"],
         "allgather": ["gloo allgather"],
         "broadcast": ["gloo broadcast"],
+        "reducescatter": ["gloo reducescatter"],
     }
     assert strategies.fused is strategies.allreduce[1]
 
@@ -182,7 +194,8 @@ def test_a_one_process_communicator_runs_every_op_as_the_identity():
     try:
         assert comm.transport == "gloo"
         assert comm.strategies.names() == {"allreduce": ["single rank"], "allgather": ["single rank allgather"],
-                                           "broadcast": ["single rank broadcast"]}
+                                           "broadcast": ["single rank broadcast"],
+                                           "reducescatter": ["single rank reducescatter"]}
         t = torch.arange(6.0).view(2, 3).t()  # not contiguous
         comm.allreduce(t, Reduction.SUM)
         assert torch.equal(t, torch.arange(6.0).view(2, 3).t())
@@ -198,6 +211,9 @@ def test_a_one_process_communicator_runs_every_op_as_the_identity():
         assert [p.tolist() for p in comm.allgather(torch.ones(2))] == [[1.0, 1.0]]
         assert [p.tolist() for p in comm.allgather(torch.tensor([-2, 7], dtype=torch.int16))] == [[-2, 7]]
         assert comm.allgather_bytes(b"hvdray") == [b"hvdray"]
+        scattered = torch.empty(2, 2)
+        comm.reduce_scatter(scattered, torch.arange(4.0).view(2, 2), Reduction.SUM)
+        assert scattered.tolist() == [[0.0, 1.0], [2.0, 3.0]]
         comm.broadcast(g, 0)
         assert torch.equal(g, torch.tensor([3.0, -4.0]))
         # fused lists of any size, in place or into other tensors, with the engine's finishing scale
@@ -216,7 +232,10 @@ def test_a_one_process_communicator_runs_every_op_as_the_identity():
 def test_a_communicator_without_a_fused_strategy_refuses_fused_lists():
     comm = Communicator(dist.HashStore(), 0, 1, timeout_s=5.0)
     try:
-        comm._use(Strategies((GlooRing(comm._pg),), (GlooAllgather(comm._pg),), (GlooBroadcast(comm._pg),)))
+        comm._use(Strategies(
+            (GlooRing(comm._pg),), (GlooAllgather(comm._pg),), (GlooBroadcast(comm._pg),),
+            (GlooReducescatter(comm._pg),),
+        ))
         assert comm.fused_message_bytes == 0
         g = torch.tensor([3.0, -4.0])
         comm.allreduce(g, Reduction.SUM)  # Gloo's ring over a group of one
@@ -225,3 +244,19 @@ def test_a_communicator_without_a_fused_strategy_refuses_fused_lists():
             comm.allreduce_tensors([g], [g], Reduction.SUM)
     finally:
         comm.close()
+
+
+def test_gloo_reducescatter_reads_its_input_only():
+    """The engine hands a reducescatter the caller's own tensor when its rows split evenly: Gloo's, the
+    list's last entry, must leave it as it was (the shared-memory and socket ones are tested with their
+    transports)."""
+    store = dist.HashStore()
+
+    def member(rank: int):
+        group = ProcessGroupGloo(store, rank, 2, group_options(10.0, "127.0.0.1"))
+        x = torch.arange(8.0) * (rank + 1)
+        out = torch.empty(2, 2)
+        GlooReducescatter(group).run(x.view(4, 2), out, ReduceOp.SUM)
+        return torch.equal(x, torch.arange(8.0) * (rank + 1)), out.tolist()
+
+    assert in_threads(2, member) == [(True, [[0.0, 3.0], [6.0, 9.0]]), (True, [[12.0, 15.0], [18.0, 21.0]])]

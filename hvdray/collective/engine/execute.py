@@ -200,19 +200,27 @@ class Executor:
         return output, torch.tensor(recv, dtype=torch.int32)
 
     def _reducescatter(self, request: Request, desc: OpDesc) -> torch.Tensor:
+        """The transport reduces ``size`` equal chunks: rows that split evenly go as the caller's tensor
+        (read, never written), others padded to the first ranks' count of rows (and a prescale applied)
+        in a copy; outputs come from the pool (warm pages, as an allgather's)."""
         tensor = request.tensor
         rows = reducescatter_rows(tensor.shape[0], self._size)
-        most = rows[0]
-        padded = tensor.new_zeros((most * self._size, *tensor.shape[1:]))
-        offset = 0
-        for r, n in enumerate(rows):
-            padded[r * most : r * most + n] = tensor[offset : offset + n]
-            offset += n
-        if desc.prescale != 1.0:
-            padded.mul_(desc.prescale)
-        out = tensor.new_empty((most, *tensor.shape[1:]))
-        self.comm.reduce_scatter(out, padded, desc.reduce_op)
-        out = out[: rows[self._rank]].clone()
+        most, rest, outputs = rows[0], tensor.shape[1:], self._outputs
+        if rows[-1] == most and desc.prescale == 1.0 and tensor.is_contiguous():
+            chunks = tensor
+        else:
+            chunks = outputs.empty((most * self._size, *rest), tensor.dtype)
+            offset = 0
+            for r, n in enumerate(rows):
+                chunks[r * most : r * most + n] = tensor[offset : offset + n]
+                chunks[r * most + n : (r + 1) * most] = 0
+                offset += n
+            if desc.prescale != 1.0:
+                chunks.mul_(desc.prescale)
+        out = outputs.empty((most, *rest), tensor.dtype)
+        self.comm.reduce_scatter(out, chunks, desc.reduce_op)
+        if rows[self._rank] != most:
+            out = out[: rows[self._rank]]
         postscale([out], desc, self._size)
         return out
 

@@ -20,9 +20,11 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
                 (3-5 are also the cross-node step of HierarchicalAllreduce, over its cross-node group)
     allgather   SharedMemoryAllgather (one node), SocketAllgather, GlooAllgather
     broadcast   SharedMemoryBroadcast (one node), SocketBroadcast, GlooBroadcast
-    alltoall, reducescatter: Gloo only
-    a job of one rank: SingleRankAllreduce, SingleRankAllgather and SingleRankBroadcast alone (the
-    identity, no Gloo call: single_rank.py)
+    reducescatter  SharedMemoryReducescatter (one node), SocketReducescatter (the halving alone),
+                GlooReducescatter
+    alltoall    Gloo only
+    a job of one rank: SingleRankAllreduce, SingleRankAllgather, SingleRankBroadcast and
+    SingleRankReducescatter alone (the identity, no Gloo call: single_rank.py)
 
 Which entries a rank's lists hold is fixed when the communicator is built, from the plan every rank
 agrees on (``plan.py``: a shared-memory segment per node? hierarchical allreduce?), so every rank picks

@@ -82,6 +82,7 @@ class Communicator:
         self._allreduces = strategies.allreduce
         self._allgathers = strategies.allgather
         self._broadcasts = strategies.broadcast
+        self._reducescatters = strategies.reducescatter
         self._fused = strategies.fused
 
     @property
@@ -93,7 +94,7 @@ class Communicator:
 
     def close(self) -> None:
         """Drop the process groups and leave the node's segment; pending peers fail at once."""
-        self._use(Strategies((), (), ()))
+        self._use(Strategies((), (), (), ()))
         node, self._node = self._node, None
         if node is not None:
             node.close()
@@ -249,10 +250,10 @@ class Communicator:
         self._pg.alltoall_base(output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()).wait()
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> None:
-        """``tensor`` holds ``size`` equal chunks along dim 0; rank r receives the reduced chunk r (Gloo)."""
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = GLOO_OPS[op]
-        self._pg._reduce_scatter_base(output, tensor, opts).wait()
+        """The contiguous ``tensor`` holds ``size`` equal chunks along dim 0 (read only); rank r receives the
+        reduced chunk r into the contiguous ``output``."""
+        transport_op = GLOO_OPS[op]
+        first_serving(self._reducescatters, tensor, transport_op).run(tensor, output, transport_op)
 
 
 _GLOO_DTYPE_SET = frozenset(gloo.GLOO_DTYPES)

@@ -23,6 +23,7 @@ from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
     AllreduceStrategy,
     BroadcastStrategy,
+    ReducescatterStrategy,
     on_contiguous,
 )
 
@@ -239,6 +240,23 @@ class GlooBroadcast(BroadcastStrategy):
         opts.rootRank = root
         opts.rootTensor = 0
         self._group.broadcast([tensor], opts).wait()
+
+
+class GlooReducescatter(ReducescatterStrategy):
+    """Gloo's reduce-scatter: serves every elementwise op, so it closes a list."""
+
+    name = "gloo reducescatter"
+
+    def __init__(self, group: ProcessGroupGloo) -> None:
+        self._group = group
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return True
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = op
+        self._group._reduce_scatter_base(out, tensor, opts).wait()
 
 
 def node_address() -> str:

@@ -18,6 +18,7 @@ from hvdray.collective.transport.gloo import (
     GlooBroadcast,
     GlooGatherReduce,
     GlooRecursiveDoubling,
+    GlooReducescatter,
     GlooRing,
 )
 from hvdray.collective.transport.hierarchical import HierarchicalAllreduce
@@ -26,27 +27,40 @@ from hvdray.collective.transport.shm.strategies import (
     SharedMemoryAllgather,
     SharedMemoryAllreduce,
     SharedMemoryBroadcast,
+    SharedMemoryReducescatter,
 )
 from hvdray.collective.transport.socket_strategies import (
     SocketAllgather,
     SocketBroadcast,
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
+    SocketReducescatter,
 )
 from hvdray.collective.transport.sockets import PeerSockets
-from hvdray.collective.transport.single_rank import SingleRankAllgather, SingleRankAllreduce, SingleRankBroadcast
-from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy
+from hvdray.collective.transport.single_rank import (
+    SingleRankAllgather,
+    SingleRankAllreduce,
+    SingleRankBroadcast,
+    SingleRankReducescatter,
+)
+from hvdray.collective.transport.strategy import (
+    AllgatherStrategy,
+    AllreduceStrategy,
+    BroadcastStrategy,
+    ReducescatterStrategy,
+)
 
 _Strategy = TypeVar("_Strategy")
 
 
 @dataclass(frozen=True)
 class Strategies:
-    """One ordered list per collective that has a choice (alltoall and reducescatter are Gloo's only)."""
+    """One ordered list per collective that has a choice (alltoall is Gloo's only)."""
 
     allreduce: tuple[AllreduceStrategy, ...]
     allgather: tuple[AllgatherStrategy, ...]
     broadcast: tuple[BroadcastStrategy, ...]
+    reducescatter: tuple[ReducescatterStrategy, ...]
 
     @property
     def fused(self) -> Optional[AllreduceStrategy]:
@@ -55,7 +69,10 @@ class Strategies:
 
     def names(self) -> dict[str, list[str]]:
         """Each list's entries by name, in order (for logs and tests)."""
-        return {kind: [s.name for s in getattr(self, kind)] for kind in ("allreduce", "allgather", "broadcast")}
+        return {
+            kind: [s.name for s in getattr(self, kind)]
+            for kind in ("allreduce", "allgather", "broadcast", "reducescatter")
+        }
 
 
 def ordered_strategies(
@@ -69,7 +86,9 @@ def ordered_strategies(
     ``cross`` (``peer_sockets``). A job of one rank gets the identity strategies of
     ``single_rank.py`` alone."""
     if world.size() == 1:
-        return Strategies((SingleRankAllreduce(),), (SingleRankAllgather(),), (SingleRankBroadcast(),))
+        return Strategies(
+            (SingleRankAllreduce(),), (SingleRankAllgather(),), (SingleRankBroadcast(),), (SingleRankReducescatter(),)
+        )
     one_node = node if cross is None else None
     allgather = _present(
         SharedMemoryAllgather(one_node) if one_node is not None else None,
@@ -88,7 +107,12 @@ def ordered_strategies(
         if node is not None and cross is not None else None,
         *_network_allreduces(world, peers),
     )
-    return Strategies(allreduce, allgather, broadcast)
+    reducescatter = _present(
+        SharedMemoryReducescatter(one_node) if one_node is not None else None,
+        SocketReducescatter(peers) if peers is not None else None,
+        GlooReducescatter(world),
+    )
+    return Strategies(allreduce, allgather, broadcast, reducescatter)
 
 
 def _network_allreduces(group: ProcessGroupGloo, peers: Optional[PeerSockets]) -> tuple[AllreduceStrategy, ...]:

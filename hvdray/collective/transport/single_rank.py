@@ -14,7 +14,13 @@ from typing import Optional, Sequence
 import torch
 
 from hvdray.collective.transport.reductions import TransportOp
-from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy, Finish
+from hvdray.collective.transport.strategy import (
+    AllgatherStrategy,
+    AllreduceStrategy,
+    BroadcastStrategy,
+    Finish,
+    ReducescatterStrategy,
+)
 
 
 class SingleRankAllreduce(AllreduceStrategy):
@@ -63,3 +69,15 @@ class SingleRankBroadcast(BroadcastStrategy):
 
     def run(self, tensor: torch.Tensor, root: int) -> None:
         return None
+
+
+class SingleRankReducescatter(ReducescatterStrategy):
+    """The one rank's chunk is its whole tensor, reduced with nothing."""
+
+    name = "single rank reducescatter"
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return True
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
+        out.copy_(tensor.view(out.shape))

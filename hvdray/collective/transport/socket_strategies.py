@@ -1,23 +1,30 @@
-"""Allreduces, allgathers and broadcasts of every size over the ranks' own connections
+"""Allreduces, reducescatters, allgathers and broadcasts of every size over the ranks' own connections
 (:class:`~hvdray.collective.transport.sockets.PeerSockets`), run by the engine thread itself: it sends,
 waits in ``poll`` and receives, with no other thread in between.
 
 :class:`SocketRecursiveDoubling` runs small allreduces (log2 P exchanges of the whole message);
 :class:`SocketHalvingDoubling` larger ones over the same partners: a reduce-scatter by recursive halving
 and an allgather by recursive doubling, which moves as many bytes per rank as Gloo's ring in log2 P steps
-instead of P - 1. :class:`SocketAllgather` gathers over the same partners (each round swaps every row a
+instead of P - 1; :class:`SocketReducescatter` is that reduce-scatter alone, splitting along the ranks'
+chunks. :class:`SocketAllgather` gathers over the same partners (each round swaps every row a
 rank holds), and :class:`SocketBroadcast` sends down a binomial tree over them.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.sockets import PeerSockets
-from hvdray.collective.transport.strategy import AllgatherStrategy, AllreduceStrategy, BroadcastStrategy, on_contiguous
+from hvdray.collective.transport.strategy import (
+    AllgatherStrategy,
+    AllreduceStrategy,
+    BroadcastStrategy,
+    ReducescatterStrategy,
+    on_contiguous,
+)
 
 #: the largest allreduce (bytes of one rank's tensor) the recursive doubling takes; larger ones take the
 #: halving-doubling, which does not send the whole message log2 P times. ``python benchmarks/gloo_small.py
@@ -143,21 +150,104 @@ def _halving_doubling(
 
 def _reduce_exchange(
     peers: PeerSockets, peer: int, give: torch.Tensor, keep: torch.Tensor, pieces: torch.Tensor,
-    reducer: Callable[..., torch.Tensor],
+    reducer: Callable[..., torch.Tensor], keep_from: Optional[torch.Tensor] = None,
 ) -> None:
-    """Send ``give`` to ``peer`` while receiving its copy of ``keep`` and reducing it into ``keep``, a
-    piece of ``pieces``' length at a time: each piece is reduced while it is still in the cache, and
-    while the rest of ``give`` keeps going out."""
+    """Send ``give`` to ``peer`` while receiving its copy of ``keep`` and reducing it into ``keep`` (with
+    ``keep_from``, of ``keep``'s length: reducing it and the copy into ``keep``), a piece of ``pieces``'
+    length at a time: each piece is reduced while it is still in the cache, and while the rest of
+    ``give`` keeps going out."""
     done = 0
+    mine = keep if keep_from is None else keep_from
 
     def reduce_piece(nbytes: int) -> None:
         nonlocal done
         count = nbytes // keep.element_size()
-        part = keep[done:done + count]
-        reducer(part, pieces[:count], out=part)
+        reducer(mine[done:done + count], pieces[:count], out=keep[done:done + count])
         done += count
 
     peers.transfer(peer, _bytes_of(give), _bytes_of(pieces), reduce_piece, keep.numel() * keep.element_size())
+
+
+class SocketReducescatter(ReducescatterStrategy):
+    """Reducescatters over :class:`PeerSockets`: the recursive halving of :class:`SocketHalvingDoubling`,
+    split along the ranks' chunks so that each rank ends with its own. Each rank sends and receives
+    about S (P-1)/P bytes of an S-byte tensor in log2 P exchanges, reduced piece by piece as it arrives.
+    The tensor is read only: the first exchange reduces it and the partner's data into a work buffer,
+    where the later ones go on; the buffer is kept for the next call (it grows to the largest tensor)."""
+
+    name = "socket reducescatter"
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._peers = peers
+        self._size = peers.size
+        self._scratch = torch.empty(HALVING_PIECE_BYTES, dtype=torch.uint8)
+        self._work = torch.empty(0, dtype=torch.uint8)
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return self._size > 1 and op in REDUCERS
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
+        if not out.numel():
+            return
+        peers, size = self._peers, self._size
+        chunks = tensor.view(size, -1)
+        power = 1 << (size.bit_length() - 1)
+        if peers.rank >= power:  # folded into rank - power: sends its tensor, receives its chunk
+            peers.transfer(peers.rank - power, _bytes_of(chunks), None)
+            peers.transfer(peers.rank - power, None, _bytes_of(out))
+            return
+        nbytes = chunks.numel() * chunks.element_size()
+        if self._work.numel() < nbytes:
+            self._work = torch.empty(nbytes, dtype=torch.uint8)
+        work = self._work[:nbytes].view(chunks.dtype).view(chunks.shape)
+        _halving_reducescatter(peers, chunks, work, REDUCERS[op], self._scratch)
+        out.copy_(work[peers.rank].view(out.shape))
+
+
+def _halving_reducescatter(
+    peers: PeerSockets, chunks: torch.Tensor, work: torch.Tensor, reducer: Callable[..., torch.Tensor],
+    scratch: torch.Tensor,
+) -> None:
+    """On a rank below P, the largest power of two up to the group's size: reduce row ``rank`` of
+    ``chunks`` (contiguous, one row per rank; read only) across ``peers``' group with ``reducer`` into
+    the same row of ``work`` (shaped as ``chunks``), receiving what is reduced piece by piece into
+    ``scratch``. The first exchange reduces from ``chunks`` into ``work``, the later ones in ``work``.
+
+    With P the largest power of two up to the group's size, rank ``r + P`` (where there is one) first
+    hands all its rows to rank ``r``, which reduces them into its own and hands row r + P back at the end.
+    Among ranks 0..P-1, rounds go from the highest bit down: the ranks that share their higher bits hold
+    one block of rows (a contiguous run of rows below P, and the run of those rows plus P), and each rank
+    keeps the half of that block its bit names (the upper for a set bit), sends the other half to its
+    partner differing in that bit and reduces the partner's copy of the kept half into its own. After
+    log2 P rounds rank r holds rows r and r + P, reduced across the group."""
+    rank, size = peers.rank, peers.size
+    power = 1 << (size.bit_length() - 1)
+    pieces = scratch.view(chunks.dtype)
+    folded = rank + power < size
+    source = chunks
+    if folded:
+        _reduce_exchange(peers, rank + power, chunks[:0], work.view(-1), pieces, reducer, chunks.view(-1))
+        source = work
+    lo, hi = 0, power
+    bit = power >> 1
+    while bit:
+        mid = lo + bit
+        keep, give = ((mid, hi), (lo, mid)) if rank & bit else ((lo, mid), (mid, hi))
+        peer = rank ^ bit
+        _reduce_exchange(peers, peer, _rows(source, give), _rows(work, keep), pieces, reducer, _rows(source, keep))
+        give_extra, keep_extra = _rows(source, give, power), _rows(work, keep, power)
+        if give_extra.numel() or keep_extra.numel():
+            _reduce_exchange(peers, peer, give_extra, keep_extra, pieces, reducer, _rows(source, keep, power))
+        source = work
+        lo, hi = keep
+        bit >>= 1
+    if folded:
+        peers.transfer(rank + power, _bytes_of(work[rank + power]), None)
+
+
+def _rows(chunks: torch.Tensor, bounds: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Rows ``bounds`` (shifted by ``offset``, cut at the last row) of ``chunks``, as one flat tensor."""
+    return chunks[bounds[0] + offset:bounds[1] + offset].view(-1)
 
 
 class SocketAllgather(AllgatherStrategy):
@@ -265,5 +355,5 @@ def _binomial_broadcast(peers: PeerSockets, data: memoryview, root: int) -> None
 
 __all__ = [
     "HALVING_PIECE_BYTES", "SOCKET_ALLREDUCE_BYTES", "SocketAllgather", "SocketBroadcast", "SocketHalvingDoubling",
-    "SocketRecursiveDoubling",
+    "SocketRecursiveDoubling", "SocketReducescatter",
 ]

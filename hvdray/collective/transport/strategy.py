@@ -78,7 +78,25 @@ class BroadcastStrategy:
         raise NotImplementedError
 
 
-_Strategy = TypeVar("_Strategy", "AllreduceStrategy", "AllgatherStrategy", "BroadcastStrategy")
+class ReducescatterStrategy:
+    """Reduces equal chunks across the ranks, rank r keeping the reduced chunk r."""
+
+    name: ClassVar[str] = "reducescatter"
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        """Whether this strategy runs the reducescatter of ``tensor`` with ``op``."""
+        raise NotImplementedError
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
+        """Write into the contiguous ``out`` the reduction across every rank of chunk ``rank`` of the
+        contiguous ``tensor`` (``size`` equal chunks along dim 0, each shaped as ``out``), which is read
+        only (it may be the caller's own)."""
+        raise NotImplementedError
+
+
+_Strategy = TypeVar(
+    "_Strategy", "AllreduceStrategy", "AllgatherStrategy", "BroadcastStrategy", "ReducescatterStrategy"
+)
 
 
 class NoStrategyError(RuntimeError):
@@ -87,7 +105,7 @@ class NoStrategyError(RuntimeError):
 
 def first_serving(strategies: Sequence[_Strategy], tensor: torch.Tensor, *args: Any) -> _Strategy:
     """The first of ``strategies`` whose ``serves(tensor, *args)`` answers yes (the op's other arguments:
-    an allreduce's op, a broadcast's root); a list ends with an entry that serves everything."""
+    a reduction's op, a broadcast's root); a list ends with an entry that serves everything."""
     for strategy in strategies:
         if strategy.serves(tensor, *args):
             return strategy

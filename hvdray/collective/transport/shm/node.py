@@ -1,4 +1,4 @@
-"""Allreduce, allgather and broadcast among the ranks of one node through a shared segment.
+"""Allreduce, reducescatter, allgather and broadcast among the ranks of one node through a shared segment.
 
 The data area holds two halves; each half has one slot per local rank. Every round of every op uses
 the next half, and every round has a barrier between its writes and its reads, so a rank writing in
@@ -331,6 +331,36 @@ class NodeCollectives:
             self._layouts.move_to_end(key)
         return layout
 
+
+    def reducescatter(self, chunks: torch.Tensor, out: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+        """The flat contiguous ``out`` receives chunk ``local_rank`` of the flat contiguous ``chunks``
+        (``local_size`` equal chunks) reduced across the local ranks."""
+        reducer = REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"op {op} is not supported by the shared-memory transport")
+        self._run(lambda: self._reducescatter(chunks, out, reducer))
+
+    def _reducescatter(self, chunks: torch.Tensor, out: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+        """Each round a piece of every chunk: a rank copies the pieces of the peers' chunks into its slot
+        (one after another, by chunk), then reduces its own chunk's piece from its tensor and the peers'
+        slots, in one pass per peer; only the peers' chunks are copied."""
+        me, size, isz = self.local_rank, self.local_size, chunks.element_size()
+        rows, base = chunks.view(size, -1), self._base
+        n = rows.shape[1]
+        for start, stop in self._pieces(n, isz * size):
+            half = self.next_half()
+            length = stop - start
+            own_at = base + self._slot_offset(half, me)
+            for peer in range(size):
+                if peer != me:
+                    memmove(own_at + peer * length * isz, rows[peer].data_ptr() + start * isz, length * isz)
+            self.barrier.wait()
+            slots = self.slot_views(chunks.dtype)[half]
+            theirs = [slots[peer][me * length:(me + 1) * length] for peer in range(size) if peer != me]
+            acc = out[start:stop]
+            reducer(rows[me, start:stop], theirs[0], out=acc)
+            for other in theirs[1:]:
+                reducer(acc, other, out=acc)
 
     def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""

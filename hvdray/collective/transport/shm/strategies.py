@@ -1,7 +1,7 @@
 """The shared-memory entries of the communicator's lists: every rank of the job on one node.
 
 Allreduce goes through the node's segment (:meth:`NodeCollectives.allreduce`) and takes the engine's
-fused tensor lists up to one slot; allgather and broadcast copy through the slots. The allreduce of an
+fused tensor lists up to one slot; reducescatter, allgather and broadcast copy through the slots. The allreduce of an
 empty tensor is left to the Gloo entries after it (nothing to move).
 """
 
@@ -11,13 +11,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from hvdray.collective.transport.reductions import TransportOp
+from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
     AllreduceStrategy,
     BroadcastStrategy,
     Finish,
+    ReducescatterStrategy,
     on_contiguous,
 )
 
@@ -82,3 +83,19 @@ class SharedMemoryBroadcast(BroadcastStrategy):
         if tensor.numel():
             node = self._node
             on_contiguous(tensor, lambda flat: node.broadcast(flat, root))
+
+
+class SharedMemoryReducescatter(ReducescatterStrategy):
+    """Reducescatter among the ranks of one node through its segment's slots."""
+
+    name = "shared memory reducescatter"
+
+    def __init__(self, node: NodeCollectives) -> None:
+        self._node = node
+
+    def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
+        return op in REDUCERS
+
+    def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
+        if out.numel():
+            self._node.reducescatter(tensor.view(-1), out.view(-1), op)
