@@ -167,6 +167,10 @@ class Engine:
 
     def _nudge(self, handle: Handle) -> None:
         """A caller waits on an op: whatever it submitted is all that is coming for now."""
+        if handle._done and not self._step.current:
+            # finished, and no step open to end: every wait of a step's synchronize but the first comes
+            # here, so it skips the lock (read without it, a step that opens meanwhile is ended later)
+            return
         with self._lock:
             self._step.close()
             request = self._local.get(handle.name)
