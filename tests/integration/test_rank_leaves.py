@@ -139,9 +139,8 @@ def _peer_errors_seen_by_rank0():
     if hvd.rank() == 1:
         return []
     seen = []
-    handle = hvd.allreduce_async(torch.ones(2), name="late")
-    try:
-        hvd.synchronize(handle)
+    try:  # rank 1 may have left before this is submitted (its news came first): then submitting fails
+        hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="late"))
     except PeerFinishedError as exc:
         seen.append(str(exc))
     try:  # the call is over for rank 1: a new op fails at once, it is not queued forever
@@ -163,6 +162,43 @@ def test_every_later_op_and_join_of_the_call_fails_fast_on_the_waiting_rank(ex):
     assert "'late'" in seen[0] and "'after'" in seen[1] and "join()" in seen[2], seen
     assert all("rank 1 returned from its function" in s for s in seen), seen
     assert time.monotonic() - started < BOUND_S
+    assert ex.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _rank0_lingers(seconds: float):
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        time.sleep(seconds)
+    return hvd.rank()
+
+
+def _rank0_submits_one_op():
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        return None
+    try:
+        hvd.allreduce(torch.ones(2), name="late")
+    except PeerFinishedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_still_in_the_previous_call_names_only_who_left_the_call_it_runs_next(ex):
+    """Rank 1 starts and leaves the next call while rank 0 is still in this one: rank 0's op of the next call
+    fails naming rank 1 alone (rank 0 left the earlier call, not this one)."""
+    lingering = ex.run_remote(_rank0_lingers, args=[3.0])
+    following = ex.run_remote(_rank0_submits_one_op)
+    assert ray.get(lingering) == [0, 1]
+    error, left = ray.get(following)
+    assert left is None
+    assert "'late'" in error and "rank 1 returned from its function" in error, error
+    assert "rank 0 returned" not in error, error
     assert ex.run(_sum_of_ranks) == [1.0, 1.0]
 
 

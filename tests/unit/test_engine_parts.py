@@ -8,7 +8,7 @@ import torch
 
 from hvdray.collective.autotune import TunedParams
 from hvdray.collective.engine.fusion import DIRECT_BYTES, FusionPlanner, ReadyOp
-from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage, mismatch
+from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage, leavers, mismatch
 from hvdray.collective.engine.steps import LearnedStep
 from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc
 
@@ -86,7 +86,7 @@ def test_a_rank_leaving_its_call_voids_that_calls_names_and_joins_on_every_rank_
                   RoundMessage(finished=Finished(1, "returned"))], 1.0)
     assert table.closed(1) and not table.closed(2) and not table.closed(0)
     assert not table.announced and not table.joined  # neither can ever complete: forgotten alike
-    assert table.leavers(1) == [(2, Finished(1, "returned"))] and table.leavers(2) == []
+    assert leavers(table.finished, 1) == [(2, Finished(1, "returned"))] and leavers(table.finished, 2) == []
     # call 2: the same names run again normally
     table.absorb([RoundMessage(announce=[allreduce("old")], call=2)] * 3, 2.0)
     assert [name for name, _ in table.take_ready()] == ["old"]

@@ -28,7 +28,7 @@ from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
 from hvdray.collective.engine.handle import Handle, Request
-from hvdray.collective.engine.negotiation import Finished, RoundMessage
+from hvdray.collective.engine.negotiation import Finished, RoundMessage, leavers
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
 from hvdray.collective.output_pool import OutputPool
 from hvdray.collective.protocol import GENERATED_NAME_MARK
@@ -89,7 +89,9 @@ class Engine:
         # once some rank has left the function of this rank's call, nothing submitted in it can complete
         self._call = call
         self._left_call = 0
-        self._leavers: list[tuple[int, Finished]] = []  # who left this rank's call, and how
+        # the latest call each rank has left, and how, as of the last full round (the engine thread's table
+        # changes outside the lock; a caller's error reads this copy, against the call it runs in then)
+        self._finished: dict[int, Finished] = {}
         self._finish_announce: Optional[Finished] = None
         self._finish_handle: Optional[Handle] = None
 
@@ -269,7 +271,7 @@ class Engine:
         what = f"{request.desc.kind} {request.name!r}" if request is not None else "join()"
         who = "; ".join(
             f"rank {r} {'returned from' if f.how == 'returned' else 'raised an exception in'} its function"
-            for r, f in self._leavers
+            for r, f in leavers(self._finished, self._call)
         )
         return PeerFinishedError(
             f"{what} cannot complete on rank {self.rank}: {who} without submitting it, so it never will "
@@ -418,8 +420,8 @@ class Engine:
         if any(m.finished is not None for m in messages):
             table = self._agreement.table
             with self._lock:
-                self._left_call = max(f.call for f in table.finished.values())
-                self._leavers = table.leavers(self._call)
+                self._finished = dict(table.finished)
+                self._left_call = max(f.call for f in self._finished.values())
         if messages[0].tune is not None:
             self._cycle_s = messages[0].tune.cycle_time_ms / 1000.0
         for drop in drops:  # stalled past stall_shutdown_s, or deadlocked: fail it where it was submitted
@@ -461,7 +463,6 @@ class Engine:
         with self._lock:
             if not self._local and self._join_handle is None:
                 return
-            self._leavers = self._agreement.table.leavers(self._call)
             self._step.forget()  # the step was cut short: learn it again
             pending = list(self._local.values())
             self._local.clear()

@@ -149,10 +149,6 @@ class NegotiationTable:
         """True when some rank has left the function of executor call ``call`` (never for 0, no call)."""
         return bool(call) and any(f.call >= call for f in self.finished.values())
 
-    def leavers(self, call: int) -> list[tuple[int, Finished]]:
-        """The ranks that have left the function of call ``call``, with how they left it."""
-        return sorted((r, f) for r, f in self.finished.items() if call and f.call >= call)
-
     def take_ready(self) -> list[tuple[str, RankDescs]]:
         """The names every rank has announced (a joined rank counts as having announced everything),
         removed from the table, in announcement order."""
@@ -229,3 +225,9 @@ def mismatch(name: str, descs: RankDescs) -> Optional[str]:
         if kind is OpKind.ALLTOALL and (other.splits is None) != (ref.splits is None):
             return f"mismatched splits for alltoall {name!r}: some ranks passed splits and others did not"
     return None
+
+
+def leavers(finished: dict[int, Finished], call: int) -> list[tuple[int, Finished]]:
+    """The ranks of ``finished`` (rank -> the latest call it left) that have left the function of call
+    ``call``, with how they left it, in rank order."""
+    return sorted((r, f) for r, f in finished.items() if call and f.call >= call)
