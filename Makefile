@@ -26,5 +26,6 @@ train: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(PY) examples/pytorch_digits.py --num-workers 2 --epochs 10
 
 ## The whole test suite (unit, integration, multi-node, end-to-end) and the docs built with --strict.
+## -X faulthandler: a crash of the pytest process, also while it exits, prints every thread's stack.
 test: $(STAMP)
-	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -ra --durations=15 tests
+	RAY_USAGE_STATS_ENABLED=0 $(PY) -X faulthandler -m pytest -q -ra --durations=15 tests
