@@ -214,24 +214,30 @@ def gloo_store(store: CoordinatorStore, rank: int, size: int, mode: str) -> dist
 
 
 def member_rendezvous(sim: InProcessCoordinator, epoch: int, rank: int, size: int, per_node: int,
-                      mode: str) -> None:
-    """One member's rendezvous, as its ``Communicator`` runs it (job group, node segment, cross-node group)."""
+                      mode: str, gloo: str = "lazy") -> None:
+    """One member's rendezvous, as its ``Communicator`` runs it (job group, node segment, cross-node group).
+
+    ``gloo="lazy"`` (hvdray): a job on several nodes connects its partner connections first and runs
+    its setup over them, and its Gloo groups connect only at a first alltoall (not replayed); one
+    node's job connects its Gloo group for the setup. ``"eager"``: every Gloo group connects in the
+    rendezvous, as hvdray's did before 2026-11-28 and as a job's does at its first alltoall."""
     store = CoordinatorStore(sim.client, f"e{epoch}/gen1/", TIMEOUT_S, resolve=resolve)
-    gloo_connect(gloo_store(store, rank, size, mode), rank, size)
     node, local_rank = divmod(rank, per_node)
+    nodes = size // per_node
+    if nodes > 1:  # peer_sockets: the job's partner connections
+        partner_records(store.prefixed("hvdray-tcp/"), rank, size, _socket_record(rank, size))
+    if gloo == "eager" or nodes == 1:
+        gloo_connect(gloo_store(store, rank, size, mode), rank, size)
     if per_node > 1:  # the node's shared-memory segment: local rank 0 names it, the others read the name
         key = f"hvdray-shm/{node * per_node}"
         if local_rank == 0:
             store.set(key, f"hvdray-{node}".encode())
         else:
             store.get(key)
-    nodes = size // per_node
     if per_node > 1 and nodes > 1:  # hierarchical: the group of this local rank across the nodes
-        gloo_connect(gloo_store(store.prefixed(f"hvdray-cross/{local_rank}/"), node, nodes, mode), node, nodes)
-    if nodes > 1:  # peer_sockets: the job's, and the cross-node group's, partner connections
-        partner_records(store.prefixed("hvdray-tcp/"), rank, size, _socket_record(rank, size))
-        if per_node > 1:
-            partner_records(store.prefixed(f"hvdray-tcp-cross/{local_rank}/"), node, nodes, _socket_record(node, nodes))
+        if gloo == "eager":
+            gloo_connect(gloo_store(store.prefixed(f"hvdray-cross/{local_rank}/"), node, nodes, mode), node, nodes)
+        partner_records(store.prefixed(f"hvdray-tcp-cross/{local_rank}/"), node, nodes, _socket_record(node, nodes))
 
 
 def _socket_record(rank: int, size: int) -> Optional[bytes]:
@@ -240,7 +246,7 @@ def _socket_record(rank: int, size: int) -> Optional[bytes]:
     return f"10.0.{rank // 250}.{rank % 250} 40000 {'0' * 64}".encode() if partners(rank, size)[1] else None
 
 
-def rendezvous(size: int, per_node: int, mode: str) -> dict[str, Any]:
+def rendezvous(size: int, per_node: int, mode: str, gloo: str = "lazy") -> dict[str, Any]:
     """One epoch's rank assignment and every member's rendezvous; coordinator calls counted."""
     sim = InProcessCoordinator()
     try:
@@ -251,7 +257,8 @@ def rendezvous(size: int, per_node: int, mode: str) -> dict[str, Any]:
         if [i.rank for i in infos] != list(range(size)):
             raise RuntimeError("the coordinator did not rank the slots in node order")
         with ThreadPoolExecutor(max_workers=size) as pool:
-            for done in [pool.submit(member_rendezvous, sim, epoch, r, size, per_node, mode) for r in range(size)]:
+            for done in [pool.submit(member_rendezvous, sim, epoch, r, size, per_node, mode, gloo)
+                         for r in range(size)]:
                 done.result()
         seconds = time.perf_counter() - started
         coordinator_cpu = sim.cpu_seconds() - coordinator_cpu
@@ -343,12 +350,13 @@ def negotiation(size: int, per_node: int, tensors: int, steps: int) -> list[dict
 
 
 # -- the report ----------------------------------------------------------------------------------
-def measure(sizes: list[int], per_node: int, tensors: int, steps: int, mode: str) -> list[dict[str, Any]]:
+def measure(sizes: list[int], per_node: int, tensors: int, steps: int, mode: str,
+            gloo: str = "lazy") -> list[dict[str, Any]]:
     rows = []
     for size in sizes:
         if size % per_node:
             raise ValueError(f"--sizes: {size} is not a multiple of --ranks-per-node {per_node}")
-        row = {"size": size, "rendezvous": rendezvous(size, per_node, mode),
+        row = {"size": size, "rendezvous": rendezvous(size, per_node, mode, gloo),
                "steps": negotiation(size, per_node, tensors, steps)}
         rows.append(row)
         r, last = row["rendezvous"], row["steps"][-1]
@@ -377,20 +385,28 @@ def plot(rows: list[dict[str, Any]], baseline: dict[str, list[dict[str, Any]]] |
     baseline = baseline or {}
     sizes = [r["size"] for r in rows]
     fig, (calls, volume, step) = plt.subplots(1, 3, figsize=(15, 4.2))
-    calls.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops (gathered wait)")
+    calls.loglog(sizes, [r["rendezvous"]["store_ops"] for r in rows], "o-", label="store ops")
+    if baseline.get("eager"):
+        calls.loglog(sizes, [r["rendezvous"]["store_ops"] for r in baseline["eager"]], "d-.",
+                     label="store ops (Gloo connected in the rendezvous)")
     calls.loglog(sizes, [r["rendezvous"]["coordinator_calls"] for r in rows], "s--", label="coordinator calls")
     if baseline.get("per-key"):
         calls.loglog([r["size"] for r in baseline["per-key"]], [r["rendezvous"]["store_ops"] for r in baseline["per-key"]],
-                     "x:", label="store ops (per-key waits)")
+                     "x:", label="store ops (Gloo connected, per-key waits)")
     calls.loglog(sizes, [n * math.log2(n) for n in sizes], color="grey", lw=0.8, label="N log2 N")
     calls.set_title("rendezvous of one epoch: calls")
-    volume.loglog(sizes, [r["rendezvous"]["value_bytes"] for r in rows], "o-", label="bytes read (record parts)")
+    volume.loglog(sizes, [r["rendezvous"]["value_bytes"] for r in rows], "o-", label="bytes read")
+    if baseline.get("eager"):
+        volume.loglog(sizes, [r["rendezvous"]["value_bytes"] for r in baseline["eager"]], "d-.",
+                      label="bytes read (Gloo connected, record parts)")
     if baseline.get("whole"):
         volume.loglog([r["size"] for r in baseline["whole"]], [r["rendezvous"]["value_bytes"] for r in baseline["whole"]],
-                      "+:", label="bytes read (whole records)")
+                      "+:", label="bytes read (Gloo connected, whole records)")
     scale = rows[0]["rendezvous"]["value_bytes"] / sizes[0] ** 2
     volume.loglog(sizes, [scale * n * n for n in sizes], color="grey", lw=0.8, label="N^2")
     volume.loglog(sizes, [scale * n ** 3 / sizes[0] for n in sizes], color="grey", lw=0.8, ls="--", label="N^3")
+    first = rows[0]["rendezvous"]["value_bytes"] / (sizes[0] * math.log2(sizes[0]))
+    volume.loglog(sizes, [first * n * math.log2(n) for n in sizes], color="grey", lw=0.8, ls=":", label="N log2 N")
     volume.set_title("rendezvous of one epoch: bytes through the coordinator")
     step.loglog(sizes, [r["steps"][-1]["messages"] for r in rows], "o-", label="control messages / steady step")
     step.loglog(sizes, [r["steps"][-1]["bytes_per_rank"] for r in rows], "s--", label="control bytes / rank / step")
@@ -414,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first negotiates names)")
     parser.add_argument("--rendezvous", choices=RENDEZVOUS_MODES, default="parts",
                         help="how members read the Gloo records (see above)")
+    parser.add_argument("--gloo", choices=("lazy", "eager"), default="lazy",
+                        help="lazy: Gloo groups connect at a first alltoall (hvdray); eager: in the rendezvous "
+                             "(hvdray before 2026-11-28, and a job that calls alltoall)")
     parser.add_argument("--baseline", action="store_true",
                         help="also run the rendezvous of the other --rendezvous modes (for the plot)")
     parser.add_argument("--baseline-max", type=int, default=256,
@@ -426,15 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks_per_node < 1 or args.tensors < 1 or args.steps < 2:
         parser.error("--ranks-per-node and --tensors must be at least 1, --steps at least 2")
     torch.set_num_threads(1)
-    rows = measure(args.sizes, args.ranks_per_node, args.tensors, args.steps, args.rendezvous)
+    rows = measure(args.sizes, args.ranks_per_node, args.tensors, args.steps, args.rendezvous, args.gloo)
     baseline = None
     if args.baseline:
         baseline = {}
-        for mode in RENDEZVOUS_MODES:
+        if args.gloo == "lazy":  # the same, with every Gloo group connected in the rendezvous
+            print(f"baseline (--gloo eager --rendezvous {args.rendezvous}):")
+            baseline["eager"] = measure(args.sizes, args.ranks_per_node, args.tensors, 2, args.rendezvous, "eager")
+        for mode in RENDEZVOUS_MODES:  # how the Gloo records are read matters where they are read: eager
             if mode != args.rendezvous:
-                print(f"baseline (--rendezvous {mode}):")
+                print(f"baseline (--gloo eager --rendezvous {mode}):")
                 sizes = [n for n in args.sizes if mode != "per-key" or n <= args.baseline_max]
-                baseline[mode] = measure(sizes, args.ranks_per_node, args.tensors, 2, mode)
+                baseline[mode] = measure(sizes, args.ranks_per_node, args.tensors, 2, mode, "eager")
     print(f"\ngrowth exponents (N^k): store ops {growth_exponent(rows, lambda r: r['rendezvous']['store_ops']):.2f}, "
           f"coordinator calls {growth_exponent(rows, lambda r: r['rendezvous']['coordinator_calls']):.2f}, "
           f"bytes read {growth_exponent(rows, lambda r: r['rendezvous']['value_bytes']):.2f}, "

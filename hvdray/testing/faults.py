@@ -19,7 +19,7 @@ claim), e.g. two ranks dying at the same point, or one dying while another's nod
 
 :class:`Responder` is that test side, a callback of ``executor.run``. The points, in the order an elastic worker meets them:
 ``epoch_forming`` (it was given a rank in a new epoch, before its rendezvous), ``rendezvous`` (its first
-key written), ``init`` (its ring is up, ``hvd.init()`` or the reset has not returned), ``sync`` (the
+call to the rendezvous store: a key written or read), ``init`` (its ring is up, ``hvd.init()`` or the reset has not returned), ``sync`` (the
 state sync at the start of each try), ``step`` (the test's own training step calls :func:`reached`),
 ``commit`` (the state saved, the commit's allreduce not yet done) and ``after_commit``.
 

@@ -61,7 +61,7 @@ class CoordinatorStore(RecordStore):
             raise TimeoutError(f"rendezvous key(s) {keys} did not all appear within {seconds} s")
 
     def set(self, key: str, value: Any) -> None:
-        faults.reached("rendezvous")
+        faults.reached("rendezvous")  # test-only: a fault armed for this rank's first rendezvous call fires
         self._waited.pop(key, None)
         self._resolve(self._coordinator.kv_set.remote(self._key(key), bytes(value)))
 
@@ -69,11 +69,13 @@ class CoordinatorStore(RecordStore):
         if key in self._waited:
             value = self._waited.pop(key)
             return value() if callable(value) else value
+        faults.reached("rendezvous")
         status, value = self._resolve(self._coordinator.kv_get.remote(self._key(key), self._timeout_s))
         self._raise_for(status, [key], self._timeout_s)
         return value
 
     def add(self, key: str, amount: int) -> int:
+        faults.reached("rendezvous")
         self._waited.pop(key, None)
         return self._resolve(self._coordinator.kv_add.remote(self._key(key), int(amount)))
 
@@ -89,6 +91,7 @@ class CoordinatorStore(RecordStore):
         missing = [k for k in keys if k not in self._waited]
         if not missing:
             return
+        faults.reached("rendezvous")
         seconds = self._seconds(timeout)
         status, values = self._resolve(self._coordinator.kv_read.remote([self._key(k) for k in missing], seconds, reader))
         self._raise_for(status, keys, seconds)

@@ -209,12 +209,12 @@ def test_a_missing_network_interface_ends_the_job_at_once_naming_it(ray_local, s
 def _init_behind_a_firewall():
     """Every Gloo connect fails as if the ports between the workers were blocked (a firewall cannot be
     set up on this machine, so the connect is replaced: the one stand-in of this test)."""
-    from hvdray.collective.transport import communicator
+    from hvdray.collective.transport import gloo
 
     def refused(*args, **kwargs):
         raise RuntimeError("Connection refused (this test's firewall)")
 
-    communicator.ProcessGroupGloo = refused
+    gloo.GlooGroup.connect = refused  # every Gloo group's connect (a one-node job's setup runs over Gloo)
     return _init_rank()
 
 

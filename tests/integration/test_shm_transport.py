@@ -94,6 +94,39 @@ def test_shm_transport_off_uses_gloo(make_executor):
     assert ex.run(run) == [("gloo", 3.0, [])] * 2
 
 
+def test_a_job_off_shared_memory_connects_gloo_only_for_its_first_alltoall(make_executor):
+    """Off shared memory (as across nodes) every collective but alltoall runs over the ranks' own
+    connections, the transport setup too: the Gloo group (a full mesh) connects at the first alltoall, on
+    every rank in the same op, and serves the alltoalls after it."""
+    ex = make_executor(settings=_settings(shm_transport=False), num_workers=3, cpus_per_worker=0.5)
+
+    def run():
+        import torch
+
+        from hvdray.collective import session
+
+        hvd = checks.init()
+        rank, size = hvd.rank(), hvd.size()
+        group = session.engine().comm._pg
+        sums = [hvd.allreduce(torch.full((n,), float(rank)), op=hvd.Sum, name=f"sum{n}")[0].item()
+                for n in (3, 1 << 20)]
+        gathered = hvd.allgather(torch.tensor([rank]), name="gather").tolist()
+        root = hvd.broadcast(torch.tensor([rank]), root_rank=2, name="bcast").item()
+        scattered = hvd.reducescatter(torch.ones(size, 2), op=hvd.Sum, name="scatter").tolist()
+        before = group.connected
+        # rank r sends r + 1 rows to each peer q, marked r * 10 + q
+        rows = torch.cat([torch.full((rank + 1,), float(rank * 10 + q)) for q in range(size)])
+        received = [hvd.alltoall(rows, splits=torch.tensor([rank + 1] * size), name=f"a2a{i}")[0].tolist()
+                    for i in range(2)]
+        return before, group.connected, sums, gathered, root, scattered, received
+
+    for rank, (before, after, sums, gathered, root, scattered, received) in enumerate(ex.run(run)):
+        assert (before, after) == (False, True), rank
+        assert sums == [3.0, 3.0] and gathered == [0, 1, 2] and root == 2 and scattered == [[3.0, 3.0]]
+        want = [float(q * 10 + rank) for q in range(3) for _ in range(q + 1)]
+        assert received == [want, want], rank
+
+
 GLOO_DTYPES = ["float32", "float64", "float16", "bfloat16", "uint8", "int8", "int32", "int64", "bool"]
 
 

@@ -88,26 +88,33 @@ def test_replayed_gloo_connect_is_what_real_gloo_asks_of_its_store(scale):
 
 
 def test_rendezvous_grows_at_most_n_log_n_and_per_key_waits_would_not(scale):
-    gathered = {n: scale.rendezvous(n, per_node=8, mode="parts") for n in (16, 64)}
-    per_key = {n: scale.rendezvous(n, per_node=8, mode="per-key") for n in (16, 64)}
+    lazy = {n: scale.rendezvous(n, per_node=8, mode="parts") for n in (16, 64)}
+    gathered = {n: scale.rendezvous(n, per_node=8, mode="parts", gloo="eager") for n in (16, 64)}
+    per_key = {n: scale.rendezvous(n, per_node=8, mode="per-key", gloo="eager") for n in (16, 64)}
     bound = (64 * math.log2(64)) / (16 * math.log2(16))  # N log N from 16 to 64: x6
-    gathered_growth = gathered[64]["coordinator_calls"] / gathered[16]["coordinator_calls"]
-    assert gathered_growth <= bound
+    for calls in (lazy, gathered):
+        assert calls[64]["coordinator_calls"] / calls[16]["coordinator_calls"] <= bound
     assert per_key[64]["coordinator_calls"] / per_key[16]["coordinator_calls"] > bound  # the check can fail
-    # one node's worth of ranks per node: job group (set + one gathered wait), segment name, cross group (2),
-    # and the small-message connections of the job's group and of the cross group (a record set by each
-    # rank with a partner above it, one wait by each with a partner below it)
-    assert gathered[64]["store_ops"] == 5 * 64 + _socket_store_ops(64) + 8 * _socket_store_ops(8)
-    assert gathered[64]["calls_by_method"]["assign"] == 1
+    # 8 ranks per node: the job's partner connections (a record set by each rank with a partner above it, one
+    # wait by each with a partner below it), the segment's name, the cross-node group's partner connections;
+    # with the Gloo groups connected, also the job group's record and gathered wait and the cross group's
+    sockets = _socket_store_ops(64) + 8 * _socket_store_ops(8)
+    assert lazy[64]["store_ops"] == 64 + sockets
+    assert gathered[64]["store_ops"] == 5 * 64 + sockets
+    assert lazy[64]["calls_by_method"]["assign"] == gathered[64]["calls_by_method"]["assign"] == 1
 
 
 def test_rendezvous_bytes_grow_as_n_squared_with_record_parts_and_whole_records_would_not(scale):
     """Each rank reads O(1) bytes of each peer's record (O(N^2) in all); whole records are O(N) each."""
-    parts = {n: scale.rendezvous(n, per_node=1, mode="parts")["value_bytes"] for n in (32, 128)}
-    whole = {n: scale.rendezvous(n, per_node=1, mode="whole")["value_bytes"] for n in (32, 128)}
+    parts = {n: scale.rendezvous(n, per_node=1, mode="parts", gloo="eager")["value_bytes"] for n in (32, 128)}
+    whole = {n: scale.rendezvous(n, per_node=1, mode="whole", gloo="eager")["value_bytes"] for n in (32, 128)}
     assert parts[128] / parts[32] <= 4**2 * 1.01
     assert whole[128] / whole[32] > 4**2 * 1.5  # the check can fail
     assert parts[128] < whole[128] / 5
+    # with the Gloo group unconnected (no alltoall yet), each rank reads its log2 N partners' records only
+    lazy = {n: scale.rendezvous(n, per_node=1, mode="parts")["value_bytes"] for n in (32, 128)}
+    assert lazy[128] / lazy[32] <= (128 * math.log2(128)) / (32 * math.log2(32)) * 1.01
+    assert lazy[128] < parts[128] / 20
 
 
 def _socket_store_ops(size: int) -> int:
@@ -115,12 +122,14 @@ def _socket_store_ops(size: int) -> int:
     return sum(bool(below) + bool(above) for below, above in (partners(rank, size) for rank in range(size)))
 
 
-def test_one_rank_per_node_rendezvous_is_about_four_store_calls_per_rank(scale):
-    """The Gloo group's record and gathered wait, and the small-message connections' record and wait
-    (every rank but the last has a partner above it, every rank but the first one below it)."""
-    result = scale.rendezvous(16, per_node=1, mode="parts")
+def test_one_rank_per_node_rendezvous_is_about_two_store_calls_per_rank_and_four_with_gloo_connected(scale):
+    """The small-message connections' record and wait (every rank but the last has a partner above it, every
+    rank but the first one below it); with the Gloo group connected, also its record and gathered wait."""
     assert _socket_store_ops(16) == 2 * 16 - 2
-    assert result["calls_by_method"] == {"assign": 1, "kv_set": 16 + 15, "kv_read": 16 + 15}
+    lazy = scale.rendezvous(16, per_node=1, mode="parts")
+    assert lazy["calls_by_method"] == {"assign": 1, "kv_set": 15, "kv_read": 15}
+    eager = scale.rendezvous(16, per_node=1, mode="parts", gloo="eager")
+    assert eager["calls_by_method"] == {"assign": 1, "kv_set": 16 + 15, "kv_read": 16 + 15}
 
 
 def test_steady_step_costs_one_constant_control_collective(scale):

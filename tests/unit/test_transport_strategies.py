@@ -260,3 +260,35 @@ def test_gloo_reducescatter_reads_its_input_only():
         return torch.equal(x, torch.arange(8.0) * (rank + 1)), out.tolist()
 
     assert in_threads(2, member) == [(True, [[0.0, 3.0], [6.0, 9.0]]), (True, [[12.0, 15.0], [18.0, 21.0]])]
+
+
+def test_a_gloo_group_connects_at_its_first_op_and_never_after_an_abort():
+    """``GlooGroup``: rank and size without connecting; the first op connects the whole mesh (every rank in
+    the same op) and later ops reuse it; an abort before the first op leaves nothing to connect, and an op
+    then fails at once instead of waiting for peers."""
+    from hvdray.collective.errors import HorovodInternalError
+    from hvdray.collective.transport.gloo import GlooGroup
+
+    store = dist.HashStore()
+
+    def member(rank: int):
+        group = GlooGroup(dist.PrefixStore("g/", store), rank, 2, group_options(10.0, "127.0.0.1"))
+        seen = [(group.rank(), group.size(), group.connected)]
+        t = torch.tensor([rank + 1.0])
+        GlooRing(group).run(t, ReduceOp.SUM)
+        first = group.connect()
+        GlooAllgather(group).run(t, out := torch.empty(2, 1))
+        seen.append((group.connected, group.connect() is first, t.item(), out.flatten().tolist()))
+        group.abort()
+        return seen
+
+    assert in_threads(2, member) == [[(r, 2, False), (True, True, 3.0, [3.0, 3.0])] for r in range(2)]
+    assert store.num_keys() == 2  # each rank's record of the group's device
+
+    untouched = dist.HashStore()
+
+    idle = GlooGroup(untouched, 0, 2, group_options(10.0, "127.0.0.1"))
+    idle.abort()
+    with pytest.raises(HorovodInternalError, match="closed before it connected"):
+        GlooRing(idle).run(torch.ones(1), ReduceOp.SUM)
+    assert not idle.connected and untouched.num_keys() == 0  # it never published a record

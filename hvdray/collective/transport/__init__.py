@@ -22,7 +22,8 @@ each entry answers ``serves(tensor, op)`` and ``run``\\ s it; the first entry th
     broadcast   SharedMemoryBroadcast (one node), SocketBroadcast, GlooBroadcast
     reducescatter  SharedMemoryReducescatter (one node), SocketReducescatter (the halving alone),
                 GlooReducescatter
-    alltoall    Gloo only
+    alltoall    Gloo only (the job's Gloo group connects its full mesh at the first op that needs
+                it: gloo.GlooGroup)
     a job of one rank: SingleRankAllreduce, SingleRankAllgather, SingleRankBroadcast and
     SingleRankReducescatter alone (the identity, no Gloo call: single_rank.py)
 

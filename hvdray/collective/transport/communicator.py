@@ -1,5 +1,10 @@
-"""The engine's communicator: builds this rank's private Gloo group(s) and node segment, then runs every
-collective with the first strategy of its ordered list that serves it (``order.py``).
+"""The engine's communicator: builds this rank's node segment, its own connections to its partners and its
+private Gloo group(s), then runs every collective with the first strategy of its ordered list that
+serves it (``order.py``).
+
+The Gloo groups connect at the first op that needs them (``gloo.GlooGroup``): across nodes the
+partner connections (``sockets.py``) carry the setup and every collective but alltoall, so a job
+that calls no alltoall connects log2 P partners per rank instead of Gloo's full mesh.
 
 Given the ranks' places (``rank_info``) and ``TransportOptions``, ranks that share a node move data
 through a shared-memory segment instead of loopback TCP: every primitive on a single-node job, and
@@ -19,8 +24,9 @@ from torch.distributed import ProcessGroupGloo, ReduceOp
 from hvdray.collective.protocol import ReduceOp as Reduction
 from hvdray.collective.topology import RankInfo
 from hvdray.collective.transport import gloo, shm
+from hvdray.collective.transport.gloo import GlooGroup
 from hvdray.collective.transport.hierarchical import cross_node_group
-from hvdray.collective.transport.mesh_store import FullMeshStore, prefixed
+from hvdray.collective.transport.mesh_store import prefixed
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
@@ -31,8 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class Communicator:
-    """Blocking collectives over one private ``ProcessGroupGloo`` (and the node's segment, where the plan
-    maps one); used only by the engine thread."""
+    """Blocking collectives over the node's segment (where the plan maps one), the ranks' own connections
+    (``peer_sockets``) and a private Gloo group connected when first needed; used only by the engine thread."""
 
     def __init__(
         self,
@@ -49,26 +55,35 @@ class Communicator:
         self.rank = rank
         self.size = size
         options = gloo.group_options(timeout_s, hostname, interface)
-        self._pg: Optional[ProcessGroupGloo] = ProcessGroupGloo(FullMeshStore(store, rank, size), rank, size, options)
+        # connected at the first op that needs it (gloo.GlooGroup): with the ranks' own connections and
+        # the node's segment serving every collective but alltoall, a job may never need it
+        self._pg: Optional[GlooGroup] = GlooGroup(store, rank, size, options)
         self._node: Optional[shm.NodeCollectives] = None
-        self._cross: Optional[ProcessGroupGloo] = None  # ranks with this local rank, one per node
+        self._cross: Optional[GlooGroup] = None  # ranks with this local rank, one per node
         # the ranks' own connections (sockets.py) among all ranks, and among the cross-node group's
         self._peers: Optional[PeerSockets] = None
         self._cross_peers: Optional[PeerSockets] = None
+        want_peers = peer_sockets and size > 1
+        address = (interface_address(interface) if interface else hostname or gloo.node_address()) if want_peers else ""
         try:
             self.plan = TransportPlan(False, False, "no rank placement given")
-            self._use(ordered_strategies(self._pg))  # what the setup below runs on
+            # every rank on one node with shm_transport on: the node's segment will likely serve everything
+            # (the setup below runs over Gloo); otherwise the ranks' own connections carry the setup too
+            one_segment = (rank_info is not None and transport is not None and transport.shm
+                           and rank_info.local_size == size)
+            if want_peers and not one_segment:
+                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
+            self._use(ordered_strategies(self._pg, peers=self._peers))  # what the setup below runs on
             cross_place = None
             if rank_info is not None and transport is not None and size > 1:
                 cross_place = self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
-            if peer_sockets and size > 1 and self.transport != "shm":  # one node's segment serves all
-                address = interface_address(interface) if interface else hostname or gloo.node_address()
+            if want_peers and self._peers is None and self.transport != "shm":  # one node's segment serves all
                 self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
-                if cross_place is not None:
-                    local_rank, node, nodes = cross_place
-                    self._cross_peers = PeerSockets.connect(
-                        prefixed(store, f"hvdray-tcp-cross/{local_rank}/"), node, nodes, address, timeout_s
-                    )
+            if want_peers and cross_place is not None:
+                local_rank, node, nodes = cross_place
+                self._cross_peers = PeerSockets.connect(
+                    prefixed(store, f"hvdray-tcp-cross/{local_rank}/"), node, nodes, address, timeout_s
+                )
             self._use(ordered_strategies(self._pg, self._node, self._cross, self._peers, self._cross_peers))
         except BaseException:
             self.close()
@@ -247,7 +262,9 @@ class Communicator:
         """Rank r sends ``input_splits[q]`` rows of ``tensor`` to each rank q, into ``output`` (Gloo; any dtype)."""
         if tensor.dtype not in _GLOO_DTYPE_SET:
             output, tensor = as_bytes(output), as_bytes(tensor)
-        self._pg.alltoall_base(output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()).wait()
+        self._pg.connect().alltoall_base(
+            output, tensor, list(output_splits), list(input_splits), dist.AllToAllOptions()
+        ).wait()
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> None:
         """The contiguous ``tensor`` holds ``size`` equal chunks along dim 0 (read only); rank r receives the

@@ -11,13 +11,15 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from typing import Callable, Iterator, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from hvdray.collective.errors import NetworkDeviceError
+from hvdray.collective.errors import HorovodInternalError, NetworkDeviceError
+from hvdray.collective.transport.mesh_store import FullMeshStore
 from hvdray.collective.transport.reductions import REDUCERS, TransportOp
 from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
@@ -85,7 +87,7 @@ def group_options(
     return options
 
 
-def abort(group: Optional[ProcessGroupGloo]) -> None:
+def abort(group: Union[ProcessGroupGloo, "GlooGroup", None]) -> None:
     """Abort ``group`` so that pending peers fail at once (nothing for None; a failing abort is logged)."""
     if group is None:
         return
@@ -93,6 +95,72 @@ def abort(group: Optional[ProcessGroupGloo]) -> None:
         group.abort()
     except Exception:  # noqa: BLE001 - abort may be unsupported or already done; nothing to recover
         log.debug("gloo abort failed", exc_info=True)
+
+
+class GlooGroup:
+    """A private ``ProcessGroupGloo`` of ``size`` ranks that connects its full mesh through ``store`` when
+    an op first needs it: a job whose every collective runs on shared memory or on the ranks' own
+    connections (``sockets.py``: log2 P partners per rank) never pays Gloo's connect, P - 1 peers per
+    rank and P^2 records through the rendezvous, unless it calls alltoall.
+
+    Every rank connects in the same op: ops run in the order every rank agreed on, and every rank's
+    lists pick the same strategy for an op. The whole mesh connects at once, within the group's
+    timeout, as an eager group would (torch's own lazy connect, pair by pair, waits far past the
+    timeout on a dead peer). ``rank()``, ``size()`` and :meth:`abort` answer without connecting; every
+    other ``ProcessGroupGloo`` method connects first, then runs on the group."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, options: "ProcessGroupGloo._Options") -> None:
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._options = options
+        self._group: Optional[ProcessGroupGloo] = None
+        self._aborted = False
+        self._lock = threading.Lock()  # abort may come from another thread while the engine's connects
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def connected(self) -> bool:
+        """Whether the full mesh has been connected (for tests and logs)."""
+        return self._group is not None
+
+    def connect(self) -> ProcessGroupGloo:
+        """The connected group (connecting it now, on the first call)."""
+        group = self._group
+        if group is not None:
+            return group
+        if self._aborted:
+            raise HorovodInternalError("this Gloo group was closed before it connected")
+        log.debug("rank %d connects its Gloo group of %d ranks", self._rank, self._size)
+        group = ProcessGroupGloo(FullMeshStore(self._store, self._rank, self._size), self._rank, self._size,
+                                 self._options)
+        with self._lock:
+            if self._aborted:  # closed while connecting: the new group goes too
+                abort(group)
+                raise HorovodInternalError("this Gloo group was closed while it connected")
+            self._group = group
+        return group
+
+    def abort(self) -> None:
+        """Abort the group if it has connected; never connect it afterwards."""
+        with self._lock:
+            self._aborted = True
+            group = self._group
+        abort(group)
+
+    def __getattr__(self, name: str) -> Any:  # any other ProcessGroupGloo method: on the connected group
+        if name.startswith("_") and name not in _FORWARDED_PRIVATE_OPS:  # this object's own fields among them
+            raise AttributeError(name)
+        return getattr(self.connect(), name)
+
+
+#: the private ``ProcessGroupGloo`` ops the strategies call (no other ``_`` name is forwarded)
+_FORWARDED_PRIVATE_OPS = frozenset({"_reduce_scatter_base", "_allgather_base"})
 
 
 class GlooGatherReduce(AllreduceStrategy):

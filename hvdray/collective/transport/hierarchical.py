@@ -3,7 +3,8 @@
 Each node's ranks reduce through their segment; the ranks that hold the same local rank on every node
 form a Gloo group of their own (one per local rank) and allreduce, each for its own part of the data,
 the part their node reduced; the nodes' segments then give every rank the whole result. The cross-node
-step runs over that group with the Gloo strategies (gather-reduce for small parts, else the ring).
+step runs over that group's own connections (``peer_sockets``), or with ``peer_sockets`` off over its
+Gloo group (gather-reduce for small parts, else the ring), which connects when first used.
 Needs the same number of ranks on every node (``plan.plan_transport`` decides).
 """
 
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from hvdray.collective.transport.mesh_store import FullMeshStore, prefixed
+from hvdray.collective.transport.gloo import GlooGroup
+from hvdray.collective.transport.mesh_store import prefixed
 from hvdray.collective.transport.reductions import TransportOp
 from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
 from hvdray.collective.transport.shm.strategies import SharedMemoryAllreduce
@@ -24,10 +26,10 @@ from hvdray.collective.transport.strategy import AllreduceStrategy, Finish, firs
 
 def cross_node_group(
     store: dist.Store, local_rank: int, node: int, num_nodes: int, options: "ProcessGroupGloo._Options"
-) -> ProcessGroupGloo:
-    """The Gloo group of the ranks with ``local_rank`` on every node (this rank is number ``node``)."""
-    cross_store = prefixed(store, f"hvdray-cross/{local_rank}/")
-    return ProcessGroupGloo(FullMeshStore(cross_store, node, num_nodes), node, num_nodes, options)
+) -> GlooGroup:
+    """The Gloo group of the ranks with ``local_rank`` on every node (this rank is number ``node``),
+    connected when a cross-node step first runs over it."""
+    return GlooGroup(prefixed(store, f"hvdray-cross/{local_rank}/"), node, num_nodes, options)
 
 
 class HierarchicalAllreduce(SharedMemoryAllreduce):
