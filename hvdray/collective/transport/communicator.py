@@ -64,7 +64,11 @@ class Communicator:
         self._peers: Optional[PeerSockets] = None
         self._cross_peers: Optional[PeerSockets] = None
         want_peers = peer_sockets and size > 1
-        address = (interface_address(interface) if interface else hostname or gloo.node_address()) if want_peers else ""
+
+        def connect_peers(prefix: str, rank: int, size: int) -> PeerSockets:
+            address = interface_address(interface) if interface else hostname or gloo.node_address()
+            return PeerSockets.connect(prefixed(store, prefix), rank, size, address, timeout_s)
+
         try:
             self.plan = TransportPlan(False, False, "no rank placement given")
             # every rank on one node with shm_transport on: the node's segment will likely serve everything
@@ -72,18 +76,16 @@ class Communicator:
             one_segment = (rank_info is not None and transport is not None and transport.shm
                            and rank_info.local_size == size)
             if want_peers and not one_segment:
-                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
+                self._peers = connect_peers("hvdray-tcp/", rank, size)
             self._use(ordered_strategies(self._pg, peers=self._peers))  # what the setup below runs on
             cross_place = None
             if rank_info is not None and transport is not None and size > 1:
                 cross_place = self._setup_shared_memory(store, rank_info, transport, timeout_s, options)
             if want_peers and self._peers is None and self.transport != "shm":  # one node's segment serves all
-                self._peers = PeerSockets.connect(prefixed(store, "hvdray-tcp/"), rank, size, address, timeout_s)
+                self._peers = connect_peers("hvdray-tcp/", rank, size)
             if want_peers and cross_place is not None:
                 local_rank, node, nodes = cross_place
-                self._cross_peers = PeerSockets.connect(
-                    prefixed(store, f"hvdray-tcp-cross/{local_rank}/"), node, nodes, address, timeout_s
-                )
+                self._cross_peers = connect_peers(f"hvdray-tcp-cross/{local_rank}/", node, nodes)
             self._use(ordered_strategies(self._pg, self._node, self._cross, self._peers, self._cross_peers))
         except BaseException:
             self.close()
