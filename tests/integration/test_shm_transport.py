@@ -138,11 +138,11 @@ def _gloo_inputs(rank: int, dtype: str, numel: int):
 
 
 def test_gloo_transport_reduces_every_op_and_dtype_small_and_large(make_executor):
-    """Over Gloo (jobs across nodes, shm_transport=False), among 4 ranks messages up to
-    RECURSIVE_DOUBLING_BYTES are a recursive doubling, those whose every-rank copies fit
-    GATHER_REDUCE_BYTES an allgather plus a reduction in rank order, larger ones Gloo's allreduce:
-    each side of both thresholds, every dtype and op, against torch on the driver (the engine's own
-    flag vector takes the recursive doubling on every tick)."""
+    """Off shared memory (as across nodes, shm_transport=False) over the ranks' own connections, among 4
+    ranks: every size here is at most SOCKET_ALLREDUCE_BYTES, a recursive doubling (the sizes sit on
+    each side of the thresholds of Gloo's own strategies, RECURSIVE_DOUBLING_BYTES and
+    GATHER_REDUCE_BYTES, which apply with peer_sockets off); every dtype and op, against torch on the
+    driver (the engine's own flag vector takes the recursive doubling on every tick)."""
     import torch
 
     from hvdray.collective.transport.gloo import GATHER_REDUCE_BYTES, RECURSIVE_DOUBLING_BYTES
