@@ -354,6 +354,41 @@ def test_a_partner_that_never_connects_fails_the_connect_after_the_timeout_namin
     assert time.monotonic() - started < 5
 
 
+class _EpochStore(dist.Store):
+    """An in-memory store whose reads fail, as the coordinator's do, once its epoch is over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store = dist.HashStore()
+        self.over = threading.Event()
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def get(self, key):
+        if self.over.is_set():
+            from hvdray.collective.errors import HorovodInternalError
+
+            raise HorovodInternalError("the membership epoch of rendezvous key(s) is over")
+        return self._store.get(key)
+
+    def wait(self, keys, timeout=None):
+        self._store.wait(keys)
+
+
+def test_a_rendezvous_that_ends_while_a_partner_is_awaited_fails_the_connect_at_once():
+    """A partner that dies before it connects never will: the listener asks the store now and then, and
+    gives up as soon as the rendezvous is over (an elastic epoch abandoned) instead of at timeout_s."""
+    from hvdray.collective.errors import HorovodInternalError
+
+    store = _EpochStore()
+    threading.Timer(0.5, store.over.set).start()
+    started = time.monotonic()
+    with pytest.raises(HorovodInternalError, match="epoch"):
+        PeerSockets.connect(store, 0, 2, "127.0.0.1", 60.0)  # rank 1 never starts
+    assert time.monotonic() - started < 5
+
+
 def test_a_silent_partner_fails_the_op_after_the_timeout():
     groups = _connect_all(2, dist.HashStore(), timeout_s=0.5)
     try:

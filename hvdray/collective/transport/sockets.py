@@ -37,6 +37,8 @@ from hvdray.collective.errors import NetworkDeviceError
 from hvdray.collective.transport.gloo import recursive_doubling
 
 _KEY_BYTES = 32
+#: how often a listener still waiting for its partners asks the store whether the rendezvous goes on
+_PARTNER_POLL_S = 1.0
 _HELLO = struct.Struct(f"!{_KEY_BYTES}sI")  # the listener's key, then the connecting rank
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
@@ -86,7 +88,10 @@ class PeerSockets:
                 peers[peer] = conn
                 conn.sendall(_HELLO.pack(bytes.fromhex(key_hex), rank))
             if listener is not None:
-                _accept_partners(listener, key, set(above), peers, deadline)
+                # a partner that dies before it connects never will: meanwhile the store is read now and then
+                # (this rank's own record), which fails at once when the rendezvous is over (an elastic epoch
+                # given up because a member left) instead of at timeout_s
+                _accept_partners(listener, key, set(above), peers, deadline, lambda: store.get(str(rank)))
         except BaseException:
             for conn in peers.values():
                 conn.close()
@@ -210,14 +215,20 @@ def _left(deadline: float, what: str) -> float:
 
 
 def _accept_partners(
-    listener: socket.socket, key: bytes, expected: set[int], peers: dict[int, socket.socket], deadline: float
+    listener: socket.socket, key: bytes, expected: set[int], peers: dict[int, socket.socket], deadline: float,
+    still_forming: Callable[[], object] = lambda: None,
 ) -> None:
-    """Accept a connection from each rank of ``expected`` that presents ``key``; drop any other."""
+    """Accept a connection from each rank of ``expected`` that presents ``key``; drop any other. Every
+    :data:`_PARTNER_POLL_S` without one, ``still_forming()`` runs (it raises when the rendezvous is over)."""
     while expected:
-        listener.settimeout(_left(deadline, f"hear from rank(s) {sorted(expected)}"))
+        left = _left(deadline, f"hear from rank(s) {sorted(expected)}")
+        listener.settimeout(min(left, _PARTNER_POLL_S))
         try:
             conn, _ = listener.accept()
         except TimeoutError:
+            if time.monotonic() < deadline:
+                still_forming()
+                continue
             raise TimeoutError(
                 f"rank(s) {sorted(expected)} did not connect within timeout_s (the ranks' own connections, "
                 "peer_sockets)"
