@@ -148,9 +148,9 @@ class Settings(BaseModel):
     )
     share_reduced_tensors: bool = Field(
         False, description="A private tensor of 4 MiB or more that an allreduce reduces a second time (in place, "
-        "or as an out-of-place input) moves into shared memory (torch's share_memory_(), one copy): from then on "
-        "the ranks of a node reduce straight between each other's tensors instead of copying through the shared "
-        "buffer. Only while /dev/shm has room for it and 256 MiB more. Off by default: torch crashes when a "
+        "or as an out-of-place input), or a reducescatter's input reduced a second time, moves into shared memory "
+        "(torch's share_memory_(), one copy): from then on the ranks of a node reduce straight between each "
+        "other's tensors instead of copying through the shared buffer. Only while /dev/shm has room for it and 256 MiB more. Off by default: torch crashes when a "
         "tensor in shared memory is grown (resize_ to a larger size), and an alias taken before the move "
         "(tensor.numpy()) keeps the old memory.",
     )

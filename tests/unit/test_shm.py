@@ -446,6 +446,75 @@ def test_reducescatter_every_dtype_and_op_in_several_rounds(local_size):
     assert _run_node(local_size, _reducescatter_every_dtype_and_op) == [[]] * local_size
 
 
+def _reducescatter_of_shared_inputs(node, rank, size):
+    """Reducescatters whose inputs live in shared memory on every rank (given so, or moved there at their
+    second reduction), on some ranks only, and not at all: the same results, bit for bit, and with every
+    rank's input shared the slots stay untouched."""
+    data = node._data
+
+    def mark_slots():
+        node.barrier.wait()  # every rank has read the peers' slots of the last op
+        for half in range(2):
+            at = node._slot_offset(half, rank)
+            data[at : at + node.slot_bytes] = 0xAB
+
+    def slots_untouched():
+        return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB)
+                        .all()) for h in range(2))
+
+    def reduced(chunks, n, op=ReduceOp.SUM):
+        out = torch.full((n,), 7).to(chunks.dtype)
+        node.reducescatter(chunks, out, op)
+        return out
+
+    def want(dtype, n, op):
+        stack = np.stack([_inputs(r, dtype, n * size)[rank * n:(rank + 1) * n].double().numpy() for r in range(size)])
+        expected = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+        return torch.from_numpy(np.asarray(expected)).to(dtype).double().numpy()
+
+    checks = {}
+    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                      (torch.bool, ReduceOp.SUM)]:
+        for n in (3, 5003):  # elements per chunk: one piece, several (8 KiB slots)
+            chunks = torch.zeros(n * size + 5, dtype=dtype).share_memory_()[5:]  # at an offset in its storage
+            chunks.copy_(_inputs(rank, dtype, n * size))
+            mark_slots()
+            out = reduced(chunks, n, op)
+            checks[f"{dtype} {op} {n}"] = (np.array_equal(out.double().numpy(), want(dtype, n, op))
+                                           and slots_untouched() and torch.equal(chunks, _inputs(rank, dtype, n * size)))
+    # floats: the shared way sums in the slots' order, so the results are bit-identical to theirs
+    n = 20_011
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n * size)).float()
+    through_slots = reduced(x, n)
+    x.share_memory_()
+    mark_slots()
+    direct = reduced(x, n)
+    checks["float bits as through the slots"] = torch.equal(direct, through_slots) and slots_untouched()
+    # shared on rank 0 only: every rank copies through the slots
+    mixed = _inputs(rank, torch.int32, n * size)
+    if rank == 0:
+        mixed.share_memory_()
+    checks["mixed"] = np.array_equal(reduced(mixed, n).double().numpy(), want(torch.int32, n, ReduceOp.SUM))
+    # share_reduced_tensors: a private input of ADOPT_MIN_BYTES and more moves at its second reduction
+    node.adoption.enabled = True
+    n = shared_tensors.ADOPT_MIN_BYTES // 4 // size + 1001
+    private = _inputs(rank, torch.float32, n * size)
+    first = reduced(private, n)
+    checks["first stays private"] = not private.is_shared() and node.adoption.adopted == 0
+    second = reduced(private, n)
+    checks["second moves"] = private.is_shared() and node.adoption.adopted == 1 and torch.equal(first, second)
+    mark_slots()
+    checks["third reads the peers"] = torch.equal(reduced(private, n), first) and slots_untouched()
+    checks["input kept"] = torch.equal(private, _inputs(rank, torch.float32, n * size))
+    return checks
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_a_reducescatter_of_shared_inputs_reads_the_peers_tensors(local_size):
+    for checks in _run_node(local_size, _reducescatter_of_shared_inputs):
+        assert all(checks.values()), checks
+
+
 def _shared_tensors_in_place(node, rank, size):
     """Tensors in torch shared memory (views at an offset too) on every rank, then on rank 0 only."""
     data = node._data

@@ -42,6 +42,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     SharedMemoryAdoption,
     allreduce_shared_inputs,
     allreduce_shared_tensors,
+    reducescatter_shared_inputs,
 )
 
 log = logging.getLogger(__name__)
@@ -343,24 +344,49 @@ class NodeCollectives:
     def _reducescatter(self, chunks: torch.Tensor, out: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
         """Each round a piece of every chunk: a rank copies the pieces of the peers' chunks into its slot
         (one after another, by chunk), then reduces its own chunk's piece from its tensor and the peers'
-        slots, in one pass per peer; only the peers' chunks are copied."""
+        slots, in one pass per peer; only the peers' chunks are copied. When every local rank's ``chunks``
+        lives in shared memory (or moves there, ``share_reduced_tensors``), each rank reduces its chunk
+        straight from the peers' tensors (:func:`reducescatter_shared_inputs`), in the same order."""
         me, size, isz = self.local_rank, self.local_size, chunks.element_size()
-        rows, base = chunks.view(size, -1), self._base
-        n = rows.shape[1]
-        for start, stop in self._pieces(n, isz * size):
-            half = self.next_half()
-            length = stop - start
-            own_at = base + self._slot_offset(half, me)
-            for peer in range(size):
-                if peer != me:
-                    memmove(own_at + peer * length * isz, rows[peer].data_ptr() + start * isz, length * isz)
+        rows = chunks.view(size, -1)
+        pieces = self._pieces(rows.shape[1], isz * size)
+        if not pieces:  # empty chunks on every rank alike
+            return
+        place = self.adoption.place(chunks)
+        self.segment.publish_tensor(me, place)
+        half = self.next_half()
+        if place is None:
+            self._expose_chunks(rows, pieces[0], half)
+        self.barrier.wait()
+        places = [self.segment.published_tensor(r) for r in range(size)]
+        if all(p is not None for p in places):
+            reducescatter_shared_inputs(self, rows, out, places, reducer)
+            return
+        if place is not None and any(p is None for p in places):  # shared here, not everywhere: copy too
+            self._expose_chunks(rows, pieces[0], half)
+        if any(p is not None for p in places):
             self.barrier.wait()
+        for i, (start, stop) in enumerate(pieces):
+            if i:
+                half = self.next_half()
+                self._expose_chunks(rows, (start, stop), half)
+                self.barrier.wait()
+            length = stop - start
             slots = self.slot_views(chunks.dtype)[half]
             theirs = [slots[peer][me * length:(me + 1) * length] for peer in range(size) if peer != me]
             acc = out[start:stop]
             reducer(rows[me, start:stop], theirs[0], out=acc)
             for other in theirs[1:]:
                 reducer(acc, other, out=acc)
+
+    def _expose_chunks(self, rows: torch.Tensor, piece: tuple[int, int], half: int) -> None:
+        """Copy ``piece`` of every peer's chunk (a row of ``rows``) into this rank's slot of ``half``, by chunk."""
+        start, stop = piece
+        me, isz, length = self.local_rank, rows.element_size(), stop - start
+        own_at = self._base + self._slot_offset(half, me)
+        for peer in range(self.local_size):
+            if peer != me:
+                memmove(own_at + peer * length * isz, rows[peer].data_ptr() + start * isz, length * isz)
 
     def allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (``local_size * flat.numel()`` elements) receives every local rank's ``flat`` in order."""

@@ -1,12 +1,14 @@
-"""Allreduce straight between the local ranks' tensors when every one lives in torch shared memory.
+"""Allreduce and reducescatter straight between the local ranks' tensors when every one lives in torch
+shared memory.
 
-When every local rank's tensor of a flat allreduce lives in torch shared memory (``share_memory_()``),
-the ranks say where in their control blocks (:meth:`Segment.publish_tensor`), map each other's
-tensors (through ``/proc/<pid>/fd``) and skip the slots: each rank sums its part from every rank's
-tensor and writes the sum into all of them.
+When every local rank's tensor of a flat allreduce or a reducescatter lives in torch shared memory
+(``share_memory_()``), the ranks say where in their control blocks (:meth:`Segment.publish_tensor`),
+map each other's tensors (through ``/proc/<pid>/fd``) and skip the slots: in an allreduce each rank
+sums its part from every rank's tensor and writes the sum into all of them (out of place: into its own
+output); in a reducescatter each rank sums its own chunk from every rank's tensor into its output.
 
-With ``share_reduced_tensors`` a private tensor that an allreduce reduces again and again (a gradient
-bucket, a metrics buffer) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into
+With ``share_reduced_tensors`` a private tensor that an allreduce or a reducescatter reduces again and
+again (a gradient bucket, a metrics buffer, a sharded optimizer's gradients) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into
 shared memory the second time it is reduced, so from then on it takes this path instead of three
 copies through the slots.
 """
@@ -84,6 +86,24 @@ def allreduce_shared_inputs(
         reducer(inputs[0], inputs[1], out=out)
         for other in inputs[2:]:
             reducer(out, other, out=out)
+    node.barrier.wait()
+
+
+def reducescatter_shared_inputs(
+    node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[TensorPlace],
+    reducer: Callable[..., torch.Tensor],
+) -> None:
+    """Every local rank's chunks in shared memory (``rows``: one chunk per local rank): each rank
+    reduces its own chunk straight from every rank's tensor into ``out``, its own chunk first and then
+    the peers' in local-rank order, as the slots' way does (so a tensor that moves into shared memory
+    gives bit-identical results). One read of every copy of its chunk and one write of it: the memory
+    ideal. The last barrier keeps every input unchanged until all ranks have read it."""
+    me = node.local_rank
+    inputs = _every_ranks_tensor(node, rows.view(-1), places)
+    theirs = [tensor.view(rows.shape)[me] for rank, tensor in enumerate(inputs) if rank != me]
+    reducer(rows[me], theirs[0], out=out)
+    for other in theirs[1:]:
+        reducer(out, other, out=out)
     node.barrier.wait()
 
 
@@ -165,7 +185,8 @@ class PeerTensors:
 
 class SharedMemoryAdoption:
     """Moves a private tensor that an allreduce reduces a second time (in place, or as an out-of-place
-    input) into torch shared memory, when ``share_reduced_tensors`` asks for it.
+    input), or that a reducescatter reduces a second time (its input), into torch shared memory, when
+    ``share_reduced_tensors`` asks for it.
 
     ``Tensor.share_memory_()`` copies the storage into shared memory once and keeps every tensor and
     view on it valid; from the next reduction on, the local ranks reduce straight between each other's
