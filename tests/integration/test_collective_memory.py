@@ -18,8 +18,9 @@ MB = 1 << 20
 
 
 def _memory_use(steps: int) -> dict:
-    """A training-loop shape: the same buffers reduced in place and out of place, outputs kept for a
-    while (a list of the last few) and then dropped, allgathers of a large shard."""
+    """A training-loop shape: the same buffers reduced in place and out of place, a sharded optimizer's
+    gradients reduce-scattered, outputs kept for a while (a list of the last few) and then dropped,
+    allgathers of a large shard."""
     import torch
 
     import hvdray.torch as hvd
@@ -31,6 +32,8 @@ def _memory_use(steps: int) -> dict:
     n = 2 * MB  # floats: 8 MB
     bucket = torch.full((n,), float(rank + 1))
     grads = torch.full((n,), float(rank + 1))
+    # one row per rank: rank r's rows hold r + 1 + the row's index, so each rank's shard has its own sum
+    sharded = torch.arange(size, dtype=torch.float32).repeat_interleave(n // size).view(size, -1) + rank + 1
     want = float(size * (size + 1) // 2)
     kept, wrong = [], []
     for step in range(steps):
@@ -38,6 +41,9 @@ def _memory_use(steps: int) -> dict:
         hvd.allreduce_(bucket, op=hvd.Sum, name="bucket")
         out = hvd.allreduce(grads, op=hvd.Sum, name="grads")
         gathered = hvd.allgather(torch.full((MB // 4, 4), float(step)), name="shard")
+        shard = hvd.reducescatter(sharded, op=hvd.Sum, name="sharded")
+        if shard.shape != (1, n // size) or not bool((shard == want + size * rank).all()):
+            wrong.append(("shard", step))
         kept.append((step, out, gathered))
         if len(kept) > 3:
             kept.pop(0)
@@ -54,6 +60,7 @@ def _memory_use(steps: int) -> dict:
         "bucket shared": bucket.is_shared(),
         "grads shared": grads.is_shared(),
         "grads kept": bool((grads == rank + 1).all()),
+        "sharded shared": sharded.is_shared(),
         "adopted": node.adoption.adopted if node is not None else None,
     }
 
@@ -64,6 +71,7 @@ def test_outputs_reused_and_tensors_left_private_by_default(make_executor):
         assert result["wrong"] == []
         assert result["reused"] >= 8  # from the second step on, both outputs come back warm
         assert not result["bucket shared"] and not result["grads shared"] and result["grads kept"]
+        assert not result["sharded shared"]
         assert result["adopted"] in (0, None)
 
 
@@ -75,7 +83,8 @@ def test_tensors_reduced_again_move_into_shared_memory_when_asked(make_executor)
         assert result["wrong"] == []
         assert result["reused"] >= 8
         assert result["bucket shared"] and result["grads shared"] and result["grads kept"]
-        assert result["adopted"] == 2
+        assert result["sharded shared"]
+        assert result["adopted"] == 3
 
 
 def test_the_pool_off_by_its_setting(make_executor):
@@ -84,5 +93,5 @@ def test_the_pool_off_by_its_setting(make_executor):
     for result in executor.run(_memory_use, args=[4]):
         assert result["wrong"] == []
         assert result["reused"] == 0
-        assert not result["bucket shared"] and not result["grads shared"]
+        assert not result["bucket shared"] and not result["grads shared"] and not result["sharded shared"]
         assert result["adopted"] in (0, None)
