@@ -64,11 +64,15 @@ allreduce_async, allreduce_, allreduce_async_ = surface.forms(
 )
 
 
+def _allreduce_now(tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any) -> torch.Tensor:
+    return synchronize(_c.allreduce_async(tensor, name, op, pre, post, process_set=ps))
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
         ctx.args = (op, pre, post, ps)
-        return synchronize(_c.allreduce_async(tensor, name, op, pre, post, process_set=ps))
+        return _allreduce_now(tensor, name, op, pre, post, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -92,9 +96,9 @@ def allreduce(
     """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise); differentiable."""
     _c.check_tensor(tensor, name=name)
     compressed, cctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(
-        compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set
-    )
+    args = (compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set)
+    # through autograd only when it records: a metric's or a buffer's allreduce skips the Function's cost
+    reduced = _Allreduce.apply(*args) if compressed.requires_grad and torch.is_grad_enabled() else _allreduce_now(*args)
     return compression.decompress(reduced, cctx)
 
 

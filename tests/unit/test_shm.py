@@ -446,6 +446,30 @@ def test_reducescatter_every_dtype_and_op_in_several_rounds(local_size):
     assert _run_node(local_size, _reducescatter_every_dtype_and_op) == [[]] * local_size
 
 
+def _and_bytes_rounds(node, rank, size):
+    """Byte vectors of every length up to a slot, ANDed in place across the local ranks round after round."""
+    failures = []
+    for n in (1, 2, 257, 4096, node.slot_bytes):
+        for round_ in range(3):
+            mine = [np.random.default_rng((r, n, round_)).integers(0, 256, n, dtype=np.uint8) for r in range(size)]
+            flags = torch.from_numpy(mine[rank].copy())
+            node.and_bytes(flags.data_ptr(), n)
+            if not np.array_equal(flags.numpy(), np.bitwise_and.reduce(np.stack(mine), axis=0)):
+                failures.append((n, round_))
+    try:
+        node.and_bytes(flags.data_ptr(), node.slot_bytes + 1)
+        failures.append("no error for a message larger than a slot")
+    except ValueError as exc:
+        if "do not fit" not in str(exc):
+            failures.append(str(exc))
+    return failures
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_and_bytes_combines_every_ranks_bytes_in_place(local_size):
+    assert _run_node(local_size, _and_bytes_rounds) == [[]] * local_size
+
+
 def _reducescatter_of_shared_inputs(node, rank, size):
     """Reducescatters whose inputs live in shared memory on every rank (given so, or moved there at their
     second reduction), on some ranks only, and not at all: the same results, bit for bit, and with every

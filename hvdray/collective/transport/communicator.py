@@ -205,7 +205,13 @@ class Communicator:
         return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self.allgather(mine), sizes)]
 
     def and_flags(self, flags: torch.Tensor) -> None:
-        """Bitwise-AND a uint8 flag vector across ranks, in place: the engine's control traffic."""
+        """Bitwise-AND a contiguous uint8 flag vector across ranks, in place: the engine's control traffic.
+        With one node's segment serving the whole job, as bytes through it (no torch op); otherwise as an
+        allreduce."""
+        node = self._node
+        if node is not None and self._cross is None and flags.numel() <= node.slot_bytes:
+            node.and_bytes(flags.data_ptr(), flags.numel())
+            return
         first_serving(self._allreduces, flags, ReduceOp.BAND).run(flags, ReduceOp.BAND)
 
     def allreduce(self, tensor: torch.Tensor, op: Reduction) -> None:

@@ -20,6 +20,7 @@ holds in torch shared memory (``shared_tensors.py``: reduced in place, without t
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import operator
 import os
@@ -340,6 +341,23 @@ class NodeCollectives:
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
         self._run(lambda: self._reducescatter(chunks, out, reducer))
+
+    def and_bytes(self, at: int, nbytes: int) -> None:
+        """Bitwise-AND the ``nbytes`` bytes at address ``at`` (at most a slot) across the local ranks, in
+        place: one round and one barrier, combined as Python ints. The engine's flags go this way every
+        tick, where a torch op's cost, cold between a training step's compute, is most of the round."""
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"and_bytes: {nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
+        self._run(lambda: self._and_bytes(at, nbytes))
+
+    def _and_bytes(self, at: int, nbytes: int) -> None:
+        half, base = self.next_half(), self._base
+        memmove(base + self._slot_offset(half, self.local_rank), at, nbytes)
+        self.barrier.wait()
+        combined = -1
+        for rank in range(self.local_size):
+            combined &= int.from_bytes(ctypes.string_at(base + self._slot_offset(half, rank), nbytes), "little")
+        ctypes.memmove(at, combined.to_bytes(nbytes, "little"), nbytes)
 
     def _reducescatter(self, chunks: torch.Tensor, out: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
         """Each round a piece of every chunk: a rank copies the pieces of the peers' chunks into its slot
