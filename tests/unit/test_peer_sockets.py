@@ -24,6 +24,7 @@ from hvdray.collective.transport.socket_strategies import (
     SocketHalvingDoubling,
     SocketRecursiveDoubling,
     SocketReducescatter,
+    and_bytes,
 )
 from hvdray.collective.transport.sockets import PeerSockets
 
@@ -84,6 +85,34 @@ def test_each_rank_connects_to_its_recursive_doubling_partners_only(size):
         assert totals == [[size * (size + 1) / 2] * 3] * size
     finally:
         _close(groups)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_the_bytes_and_gives_every_rank_the_and_of_every_ranks_bytes(size):
+    """The engine's flags over the connections: every rank's bytes ANDed in place, for lengths from one
+    byte to a flag vector of 1024 slots (257 bytes) and more, several rounds on the same connections."""
+    lengths = (1, 3, 257, 4096)
+    mine = {(rank, n, round_): bytes(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(
+        rank * 100_003 + n * 7 + round_), dtype=torch.uint8).tolist()) for rank in range(size) for n in lengths
+        for round_ in range(3)}
+
+    def member(group: PeerSockets) -> list[bytes]:
+        out = []
+        for n in lengths:
+            for round_ in range(3):
+                data = bytearray(mine[group.rank, n, round_])
+                and_bytes(group, memoryview(data))
+                out.append(bytes(data))
+        return out
+
+    want = []
+    for n in lengths:
+        for round_ in range(3):
+            combined = -1
+            for rank in range(size):
+                combined &= int.from_bytes(mine[rank, n, round_], "little")
+            want.append(combined.to_bytes(n, "little"))
+    assert _on_every_rank(size, member) == [want] * size
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])

@@ -30,6 +30,7 @@ from hvdray.collective.transport.mesh_store import prefixed
 from hvdray.collective.transport.order import Strategies, ordered_strategies
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, TransportPlan, plan_transport
 from hvdray.collective.transport.reductions import GLOO_OPS, TRANSPORT_OPS
+from hvdray.collective.transport.socket_strategies import SOCKET_ALLREDUCE_BYTES, and_bytes
 from hvdray.collective.transport.sockets import PeerSockets, interface_address
 from hvdray.collective.transport.strategy import Finish, first_serving
 
@@ -206,11 +207,14 @@ class Communicator:
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a contiguous uint8 flag vector across ranks, in place: the engine's control traffic.
-        With one node's segment serving the whole job, as bytes through it (no torch op); otherwise as an
-        allreduce."""
+        With one node's segment serving the whole job, as bytes through it; with the ranks' own connections
+        serving it all (no segment), as bytes over them (either way no torch op); otherwise as an allreduce."""
         node = self._node
         if node is not None and self._cross is None and flags.numel() <= node.slot_bytes:
             node.and_bytes(flags.data_ptr(), flags.numel())
+            return
+        if node is None and self._peers is not None and flags.numel() <= SOCKET_ALLREDUCE_BYTES:
+            and_bytes(self._peers, memoryview(flags.numpy()).cast("B"))
             return
         first_serving(self._allreduces, flags, ReduceOp.BAND).run(flags, ReduceOp.BAND)
 

@@ -70,7 +70,22 @@ class SocketRecursiveDoubling(AllreduceStrategy):
 def _recursive_doubling(peers: PeerSockets, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
     """Reduce the flat contiguous ``flat`` in place across ``peers``' group with ``reducer``."""
     theirs = torch.empty_like(flat)
-    mine, received = _bytes_of(flat), _bytes_of(theirs)
+    _doubling(peers, _bytes_of(flat), _bytes_of(theirs), lambda: reducer(flat, theirs, out=flat))
+
+
+def and_bytes(peers: PeerSockets, data: memoryview) -> None:
+    """Bitwise-AND the bytes of ``data`` in place across ``peers``' group: the recursive doubling, each
+    step combined as Python ints (no torch op; the engine's flags every tick)."""
+    theirs = bytearray(len(data))
+
+    def combine() -> None:
+        data[:] = (int.from_bytes(data, "little") & int.from_bytes(theirs, "little")).to_bytes(len(data), "little")
+
+    _doubling(peers, data, memoryview(theirs), combine)
+
+
+def _doubling(peers: PeerSockets, mine: memoryview, received: memoryview, combine: Callable[[], object]) -> None:
+    """The steps of ``peers``' recursive doubling on ``mine``: ``combine()`` folds ``received`` into it."""
     for kind, peer, _ in peers.steps:
         if kind == "send":
             peers.transfer(peer, mine, None)
@@ -78,7 +93,7 @@ def _recursive_doubling(peers: PeerSockets, flat: torch.Tensor, reducer: Callabl
             peers.transfer(peer, None, mine)
         else:
             peers.transfer(peer, mine if kind == "exchange" else None, received)
-            reducer(flat, theirs, out=flat)
+            combine()
 
 
 class SocketHalvingDoubling(AllreduceStrategy):
