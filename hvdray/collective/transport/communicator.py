@@ -207,13 +207,18 @@ class Communicator:
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a contiguous uint8 flag vector across ranks, in place: the engine's control traffic.
-        With one node's segment serving the whole job, as bytes through it; with the ranks' own connections
-        serving it all (no segment), as bytes over them (either way no torch op); otherwise as an allreduce."""
-        node = self._node
-        if node is not None and self._cross is None and flags.numel() <= node.slot_bytes:
-            node.and_bytes(flags.data_ptr(), flags.numel())
+        As bytes combined as Python ints, no torch op: through one node's segment when it serves the whole
+        job; over the ranks' own connections when they carry it all (no segment); hierarchically, through
+        each node's segment and then over the connections among the ranks of one local rank across nodes
+        (every local rank holds its node's AND, so each of those groups ends with everyone's). Otherwise
+        (connections off) as an allreduce."""
+        node, nbytes = self._node, flags.numel()
+        if node is not None and nbytes <= node.slot_bytes and (self._cross is None or self._cross_peers is not None):
+            node.and_bytes(flags.data_ptr(), nbytes)
+            if self._cross is not None:
+                and_bytes(self._cross_peers, memoryview(flags.numpy()).cast("B"))
             return
-        if node is None and self._peers is not None and flags.numel() <= SOCKET_ALLREDUCE_BYTES:
+        if node is None and self._peers is not None and nbytes <= SOCKET_ALLREDUCE_BYTES:
             and_bytes(self._peers, memoryview(flags.numpy()).cast("B"))
             return
         first_serving(self._allreduces, flags, ReduceOp.BAND).run(flags, ReduceOp.BAND)
