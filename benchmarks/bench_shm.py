@@ -31,6 +31,9 @@ TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
 #: every row's extra column: the network path without the ranks' own connections (Gloo carries everything)
 NO_SOCKETS = "hvdray gloo, peer_sockets off"
 SHARED_TENSOR = "hvdray shm, tensor in shared memory"
+#: an allreduce without a name: each call gets a new generated one, so every op has a full negotiation
+#: round (names, not just the cached flags), as unnamed metric allreduces in a training loop do
+UNNAMED = "hvdray shm, unnamed (a full round per op)"
 #: (column, shm_transport, peer_sockets) of each hvdray column
 CONFIGURATIONS = [*((impl, shm, True) for impl, shm in TRANSPORTS.items()), (NO_SOCKETS, False, False)]
 
@@ -50,7 +53,8 @@ def _use_transport(shm: bool, sockets: bool = True) -> str:
 
 def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     """Seconds per allreduce of ``size_mb`` float32: raw Gloo and hvdray over each transport; over shared
-    memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place);
+    memory also of a tensor that lives in torch shared memory (``share_memory_()``: reduced in place) and
+    without a name (a full negotiation round per op);
     and over the network path with ``peer_sockets`` off."""
     import torch
     import torch.distributed as dist
@@ -67,6 +71,7 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
             times[SHARED_TENSOR] = timed(
                 lambda: hvd.allreduce_(shared, op=hvd.Sum, name="shm_bench"), iterations
             )
+            times[UNNAMED] = timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum), iterations)
     return times
 
 

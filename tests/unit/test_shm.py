@@ -470,6 +470,27 @@ def test_and_bytes_combines_every_ranks_bytes_in_place(local_size):
     assert _run_node(local_size, _and_bytes_rounds) == [[]] * local_size
 
 
+def _allgather_bytes_rounds(node, rank, size):
+    """Payloads of different lengths per rank (empty, small, filling a slot), then one past a slot on one
+    rank only: every rank gets None together, and the next round works again."""
+    room = node.slot_bytes - 8
+    results = {}
+    for name, length in [("empty", lambda r: 0), ("small", lambda r: 3 + 5 * r), ("full", lambda r: room - r),
+                         ("too long on the last rank", lambda r: room + 1 if r == size - 1 else 10),
+                         ("after", lambda r: 100 + r)]:
+        payloads = [bytes([r + 1]) * length(r) for r in range(size)]
+        gathered = node.allgather_bytes(payloads[rank])
+        results[name] = gathered is None if name.startswith("too long") else gathered == payloads
+    results["a bytearray"] = node.allgather_bytes(bytearray(b"xy")) == [b"xy"] * size
+    return results
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_allgather_bytes_gives_every_rank_every_payload_or_none_together(local_size):
+    for results in _run_node(local_size, _allgather_bytes_rounds):
+        assert all(results.values()), results
+
+
 def _reducescatter_of_shared_inputs(node, rank, size):
     """Reducescatters whose inputs live in shared memory on every rank (given so, or moved there at their
     second reduction), on some ranks only, and not at all: the same results, bit for bit, and with every

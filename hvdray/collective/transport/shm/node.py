@@ -67,6 +67,9 @@ _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
 _LAYOUT_CACHE_SIZE = 16
 
+#: the length word ahead of a payload in a slot (allgather_bytes)
+_LENGTH_BYTES = 8
+
 #: a cross-node allreduce of this rank's reduced part (hierarchical allreduce), in place
 CrossReduce = Callable[[torch.Tensor], None]
 
@@ -358,6 +361,30 @@ class NodeCollectives:
         for rank in range(self.local_size):
             combined &= int.from_bytes(ctypes.string_at(base + self._slot_offset(half, rank), nbytes), "little")
         ctypes.memmove(at, combined.to_bytes(nbytes, "little"), nbytes)
+
+    def allgather_bytes(self, payload: bytes) -> Optional[list[bytes]]:
+        """Every local rank's ``payload`` (lengths may differ) in local-rank order, in one round and one
+        barrier: each rank writes its length and, if it fits its slot, its bytes. None on every rank alike
+        when some rank's payload does not fit (every rank reads every length), so that the caller takes
+        another way together. The engine's full rounds (new names, joins) go this way."""
+        gathered: list[Optional[list[bytes]]] = []
+        payload = bytes(payload)  # ctypes copies from bytes (the same object when it is already)
+        self._run(lambda: gathered.append(self._allgather_bytes(payload)))
+        return gathered[0]
+
+    def _allgather_bytes(self, payload: bytes) -> Optional[list[bytes]]:
+        half, base, room = self.next_half(), self._base, self.slot_bytes - _LENGTH_BYTES
+        own = base + self._slot_offset(half, self.local_rank)
+        ctypes.memmove(own, len(payload).to_bytes(_LENGTH_BYTES, "little"), _LENGTH_BYTES)
+        if len(payload) <= room:
+            ctypes.memmove(own + _LENGTH_BYTES, payload, len(payload))
+        self.barrier.wait()
+        slots = [base + self._slot_offset(half, rank) for rank in range(self.local_size)]
+        lengths = [int.from_bytes(ctypes.string_at(at, _LENGTH_BYTES), "little") for at in slots]
+        if max(lengths) > room:
+            return None
+        return [payload if rank == self.local_rank else ctypes.string_at(at + _LENGTH_BYTES, n)
+                for rank, (at, n) in enumerate(zip(slots, lengths))]
 
     def _reducescatter(self, chunks: torch.Tensor, out: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
         """Each round a piece of every chunk: a rank copies the pieces of the peers' chunks into its slot
