@@ -446,6 +446,21 @@ def test_reducescatter_every_dtype_and_op_in_several_rounds(local_size):
     assert _run_node(local_size, _reducescatter_every_dtype_and_op) == [[]] * local_size
 
 
+def _mark_own_slots(node, rank):
+    """Fill this rank's slots (both halves) with 0xAB, once every rank has read the peers' slots of the last
+    op: a path that must not touch the slots leaves them so (:func:`_own_slots_untouched`)."""
+    node.barrier.wait()
+    for half in range(2):
+        at = node._slot_offset(half, rank)
+        node._data[at : at + node.slot_bytes] = 0xAB
+
+
+def _own_slots_untouched(node, rank):
+    data = node._data
+    return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB).all())
+               for h in range(2))
+
+
 def _and_bytes_rounds(node, rank, size):
     """Byte vectors of every length up to a slot, ANDed in place across the local ranks round after round."""
     failures = []
@@ -495,18 +510,6 @@ def _reducescatter_of_shared_inputs(node, rank, size):
     """Reducescatters whose inputs live in shared memory on every rank (given so, or moved there at their
     second reduction), on some ranks only, and not at all: the same results, bit for bit, and with every
     rank's input shared the slots stay untouched."""
-    data = node._data
-
-    def mark_slots():
-        node.barrier.wait()  # every rank has read the peers' slots of the last op
-        for half in range(2):
-            at = node._slot_offset(half, rank)
-            data[at : at + node.slot_bytes] = 0xAB
-
-    def slots_untouched():
-        return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB)
-                        .all()) for h in range(2))
-
     def reduced(chunks, n, op=ReduceOp.SUM):
         out = torch.full((n,), 7).to(chunks.dtype)
         node.reducescatter(chunks, out, op)
@@ -523,18 +526,20 @@ def _reducescatter_of_shared_inputs(node, rank, size):
         for n in (3, 5003):  # elements per chunk: one piece, several (8 KiB slots)
             chunks = torch.zeros(n * size + 5, dtype=dtype).share_memory_()[5:]  # at an offset in its storage
             chunks.copy_(_inputs(rank, dtype, n * size))
-            mark_slots()
+            _mark_own_slots(node, rank)
             out = reduced(chunks, n, op)
-            checks[f"{dtype} {op} {n}"] = (np.array_equal(out.double().numpy(), want(dtype, n, op))
-                                           and slots_untouched() and torch.equal(chunks, _inputs(rank, dtype, n * size)))
+            checks[f"{dtype} {op} {n}"] = (
+                np.array_equal(out.double().numpy(), want(dtype, n, op)) and _own_slots_untouched(node, rank)
+                and torch.equal(chunks, _inputs(rank, dtype, n * size))
+            )
     # floats: the shared way sums in the slots' order, so the results are bit-identical to theirs
     n = 20_011
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n * size)).float()
     through_slots = reduced(x, n)
     x.share_memory_()
-    mark_slots()
+    _mark_own_slots(node, rank)
     direct = reduced(x, n)
-    checks["float bits as through the slots"] = torch.equal(direct, through_slots) and slots_untouched()
+    checks["float bits as through the slots"] = torch.equal(direct, through_slots) and _own_slots_untouched(node, rank)
     # shared on rank 0 only: every rank copies through the slots
     mixed = _inputs(rank, torch.int32, n * size)
     if rank == 0:
@@ -548,8 +553,8 @@ def _reducescatter_of_shared_inputs(node, rank, size):
     checks["first stays private"] = not private.is_shared() and node.adoption.adopted == 0
     second = reduced(private, n)
     checks["second moves"] = private.is_shared() and node.adoption.adopted == 1 and torch.equal(first, second)
-    mark_slots()
-    checks["third reads the peers"] = torch.equal(reduced(private, n), first) and slots_untouched()
+    _mark_own_slots(node, rank)
+    checks["third reads the peers"] = torch.equal(reduced(private, n), first) and _own_slots_untouched(node, rank)
     checks["input kept"] = torch.equal(private, _inputs(rank, torch.float32, n * size))
     return checks
 
@@ -562,10 +567,7 @@ def test_a_reducescatter_of_shared_inputs_reads_the_peers_tensors(local_size):
 
 def _shared_tensors_in_place(node, rank, size):
     """Tensors in torch shared memory (views at an offset too) on every rank, then on rank 0 only."""
-    data = node._data
-    for half in range(2):  # this rank's slots: the in-place path must not write them
-        at = node._slot_offset(half, rank)
-        data[at : at + node.slot_bytes] = 0xAB
+    _mark_own_slots(node, rank)  # this rank's slots: the in-place path must not write them
     failures, mapped = [], []
     for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
                       (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.uint8, ReduceOp.BAND)]:
@@ -581,10 +583,7 @@ def _shared_tensors_in_place(node, rank, size):
             if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
                 failures.append((str(dtype), str(op), n))
             mapped.append(len(node.peer_tensors))
-    slots_untouched = all(
-        bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB).all())
-        for h in range(2)
-    )
+    slots_untouched = _own_slots_untouched(node, rank)
     # floats summed in place are bit-identical on every rank
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(30_001)).float().share_memory_()
     node.allreduce(x, ReduceOp.SUM)
@@ -624,28 +623,17 @@ def _private_tensors_reduced_again(node, rank, size):
     checks["first"] = _reduce_and_check(node, rank, size, t, n) and not t.is_shared()
     t.copy_(_inputs(rank, torch.float32, n))
     checks["second"] = _reduce_and_check(node, rank, size, t, n) and t.is_shared() and node.adoption.adopted == 1
-    data = node._data
-
-    def mark_slots():
-        for half in range(2):
-            at = node._slot_offset(half, rank)
-            data[at : at + node.slot_bytes] = 0xAB
-
-    def slots_untouched():
-        return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB)
-                        .all()) for h in range(2))
-
-    mark_slots()
+    _mark_own_slots(node, rank)
     t.copy_(_inputs(rank, torch.float32, n))
-    checks["third"] = _reduce_and_check(node, rank, size, t, n) and slots_untouched()
+    checks["third"] = _reduce_and_check(node, rank, size, t, n) and _own_slots_untouched(node, rank)
     source = _inputs(rank, torch.float32, n)
     out = torch.empty(n)
     checks["oop first"] = _reduce_and_check(node, rank, size, out, n, source) and not source.is_shared()
     checks["oop second"] = (_reduce_and_check(node, rank, size, out, n, source) and source.is_shared()
                             and node.adoption.adopted == 2)
-    mark_slots()
+    _mark_own_slots(node, rank)
     out = torch.empty(n)
-    checks["oop third"] = _reduce_and_check(node, rank, size, out, n, source) and slots_untouched()
+    checks["oop third"] = _reduce_and_check(node, rank, size, out, n, source) and _own_slots_untouched(node, rank)
     checks["inputs kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
     # floats summed out of place straight from the inputs: bit-identical on every rank
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float()

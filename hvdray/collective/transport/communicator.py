@@ -197,9 +197,8 @@ class Communicator:
     def allgather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, in rank order: through one node's segment in one round when it serves
         the whole job and every payload fits a slot; otherwise two allgathers (lengths, then padded bytes)."""
-        node = self._node
-        if node is not None and self._cross is None:  # one node: local ranks are the ranks, in order
-            gathered = node.allgather_bytes(payload)
+        if self.transport == "shm":  # one node: its local ranks are the ranks, in order
+            gathered = self._node.allgather_bytes(payload)
             if gathered is not None:
                 return gathered
         sizes = [int(t.item()) for t in self.allgather(torch.tensor([len(payload)], dtype=torch.int64))]

@@ -36,7 +36,7 @@ from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, SMALL_ALLREDUCE_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError
+from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError, TensorPlace
 from hvdray.collective.transport.shm.shared_tensors import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
@@ -201,29 +201,42 @@ class NodeCollectives:
     ) -> None:
         # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes)
         place = self.adoption.place(source) if source is flat or cross is None else None
-        self.segment.publish_tensor(self.local_rank, place)
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
-        if place is None:
-            self._expose(source, pieces[0], half)
-        self.barrier.wait()
-        places = [self.segment.published_tensor(r) for r in range(self.local_size)]
-        if all(p is not None for p in places):
+        places = self._agree_on_places(place, lambda h=half: self._expose(source, pieces[0], h))
+        if places is not None:
             if source is flat:
                 allreduce_shared_tensors(self, flat, places, reducer, cross)
             else:
                 allreduce_shared_inputs(self, flat, source, places, reducer)
             return
-        if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
-            if place is not None:
-                self._expose(source, pieces[0], half)
-            self.barrier.wait()
         for i, piece in enumerate(pieces):
             if i:
                 half = self.next_half()
                 self._expose(source, piece, half)
                 self.barrier.wait()
             self._reduce_piece(flat, source, piece, half, reducer, cross)
+
+    def _agree_on_places(
+        self, place: Optional[TensorPlace], expose_first: Callable[[], None],
+    ) -> Optional[list[TensorPlace]]:
+        """The first round of an op that may go straight between tensors in shared memory: publish where
+        this rank's tensor lives (``place``; None: private) and, if private, ``expose_first()`` its first
+        piece into the slots, then wait for every rank. Returns every rank's place when all are shared
+        (the caller takes the direct path), else None once the first piece of every rank is in the slots
+        (a shared rank exposes it too, then one more barrier, when the ranks disagree)."""
+        self.segment.publish_tensor(self.local_rank, place)
+        if place is None:
+            expose_first()
+        self.barrier.wait()
+        places = [self.segment.published_tensor(r) for r in range(self.local_size)]
+        if all(p is not None for p in places):
+            return places
+        if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
+            if place is not None:
+                expose_first()
+            self.barrier.wait()
+        return None
 
     def _expose(self, flat: torch.Tensor, piece: tuple[int, int], half: int) -> None:
         """Copy the parts of ``piece`` of ``flat`` that the peers reduce into this rank's slot of ``half``."""
@@ -397,20 +410,12 @@ class NodeCollectives:
         pieces = self._pieces(rows.shape[1], isz * size)
         if not pieces:  # empty chunks on every rank alike
             return
-        place = self.adoption.place(chunks)
-        self.segment.publish_tensor(me, place)
         half = self.next_half()
-        if place is None:
-            self._expose_chunks(rows, pieces[0], half)
-        self.barrier.wait()
-        places = [self.segment.published_tensor(r) for r in range(size)]
-        if all(p is not None for p in places):
+        places = self._agree_on_places(
+            self.adoption.place(chunks), lambda h=half: self._expose_chunks(rows, pieces[0], h))
+        if places is not None:
             reducescatter_shared_inputs(self, rows, out, places, reducer)
             return
-        if place is not None and any(p is None for p in places):  # shared here, not everywhere: copy too
-            self._expose_chunks(rows, pieces[0], half)
-        if any(p is not None for p in places):
-            self.barrier.wait()
         for i, (start, stop) in enumerate(pieces):
             if i:
                 half = self.next_half()
