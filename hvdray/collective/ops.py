@@ -18,7 +18,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective.transport import GLOO_DTYPES
-from hvdray.collective.engine import Engine, Handle, Request
+from hvdray.collective.engine import CALLER_WAITS, Engine, Handle, Request
 from hvdray.collective.errors import UnsupportedReductionError
 from hvdray.collective.process_sets import ProcessSet, resolve
 from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc
@@ -65,6 +65,26 @@ def synchronize(handle: OpHandle) -> Any:
     """Wait for the op behind ``handle`` and return its result (or raise its error)."""
     _check_handle(handle)
     return handle.result()
+
+
+def call_blocking(start: Callable[..., OpHandle], *args: Any, **kwargs: Any) -> Any:
+    """``synchronize(start(*args, **kwargs))``: a blocking call of the ``*_async`` function ``start``. Its
+    submission does not wake the engine thread, since this thread waits on the op at once, and that
+    wait runs the engine's tick on this thread when the engine thread sleeps: no hand-off to the engine
+    thread and back (see ``Engine._tick_for``)."""
+    waits = CALLER_WAITS
+    waits.next = True
+    try:
+        handle = start(*args, **kwargs)
+    finally:
+        waits.next = False
+    return synchronize(handle)
+
+
+def call_async(start: Callable[..., OpHandle], *args: Any, **kwargs: Any) -> OpHandle:
+    """``start(*args, **kwargs)``: the asynchronous counterpart of :func:`call_blocking`, for a frontend
+    that builds both forms of an op from one body."""
+    return start(*args, **kwargs)
 
 
 def _check_handle(handle: Any) -> None:
@@ -495,7 +515,7 @@ def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Return once every rank (of ``process_set``) has reached this barrier."""
     engine, _ = resolve(process_set, "barrier")
     name = engine.auto_name("barrier")
-    _submit(engine, barrier_desc(name), None, None).wait()
+    engine.submit_and_wait(Request(barrier_desc(name), None, None, Handle(name)))
 
 
 def join() -> int:
@@ -543,12 +563,12 @@ def broadcast_object(
     payload, error = _try_seal(obj) if is_root else (torch.empty(0, dtype=torch.uint8), None)
     name = check_name(name, "broadcast_object", engine)
     length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
-    length = int(synchronize(broadcast_async(length, root_rank, f"{name}.len", process_set=process_set)).item())
+    length = int(call_blocking(broadcast_async, length, root_rank, f"{name}.len", process_set=process_set).item())
     if length == _UNPICKLABLE:
         detail = f": {error}" if error else ""
         raise ValueError(f"broadcast_object {name!r}: root rank {root_rank} could not pickle its object{detail}")
     buf = payload if is_root else torch.empty(length, dtype=torch.uint8)
-    buf = synchronize(broadcast_async(buf, root_rank, f"{name}.data", process_set=process_set))
+    buf = call_blocking(broadcast_async, buf, root_rank, f"{name}.data", process_set=process_set)
     return obj if is_root else _open(buf, f"broadcast_object {name!r}")
 
 
@@ -560,12 +580,12 @@ def allgather_object(
     name = check_name(name, "allgather_object", engine)
     payload, error = _try_seal(obj)
     length = torch.tensor([_UNPICKLABLE if error else payload.numel()], dtype=torch.int64)
-    sizes = synchronize(allgather_async(length, f"{name}.len", process_set)).tolist()
+    sizes = call_blocking(allgather_async, length, f"{name}.len", process_set).tolist()
     failed = [r for r, n in enumerate(sizes) if n == _UNPICKLABLE]
     if failed:
         detail = f": {error}" if error else ""
         raise ValueError(f"allgather_object {name!r}: rank(s) {failed} could not pickle their object{detail}")
-    data = synchronize(allgather_async(payload, f"{name}.data", process_set))
+    data = call_blocking(allgather_async, payload, f"{name}.data", process_set)
     out, offset = [], 0
     for n in sizes:
         out.append(_open(data[offset : offset + n], f"allgather_object {name!r}"))

@@ -131,7 +131,7 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
     mine = torch.tensor([-1] if ps is None else [len(ps.ranks), *ps.ranks], dtype=torch.int64)
     name = engine.auto_name("add_process_set")
     desc = OpDesc(name, OpKind.ALLGATHER, mine.dtype, mine.shape, generated=True)
-    gathered = engine.submit(Request(desc, mine, None, Handle(name))).wait().tolist()
+    gathered = engine.submit_and_wait(Request(desc, mine, None, Handle(name))).tolist()
     passed: list[Optional[list[int]]] = []
     offset = 0
     for _ in range(info.size):
@@ -180,7 +180,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     engine = session.engine("remove_process_set")
     # every member is here before any member's engine stops
     name = engine.auto_name("remove_process_set")
-    engine.submit(Request(barrier_desc(name), None, None, Handle(name))).wait()
+    engine.submit_and_wait(Request(barrier_desc(name), None, None, Handle(name)))
     session.stop_set_engine(set_id)
     with registry.lock:
         registry.sets.pop(set_id, None)

@@ -71,21 +71,23 @@ class State(abc.ABC):
         if not session.is_initialized():
             return
         pending = torch.tensor([session.host_updates()], dtype=torch.int64)
-        pending = _c.synchronize(_c.allreduce_async(pending, op=_c.Max, name="hvdray.elastic.host_updates"))
+        pending = _c.call_blocking(_c.allreduce_async, pending, op=_c.Max, name="hvdray.elastic.host_updates")
         if int(pending.item()) > 0:  # every rank sees the same maximum, so every rank raises here
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def sync(self) -> None:
         """Make every rank's state equal to that of the rank with the most recent commit."""
         faults.reached("sync")
-        counts = _c.synchronize(
-            _c.allgather_async(torch.tensor([self._commits], dtype=torch.int64), name="hvdray.elastic.commits")
+        counts = _c.call_blocking(
+            _c.allgather_async, torch.tensor([self._commits], dtype=torch.int64), name="hvdray.elastic.commits"
         ).tolist()
         storage = _storage()
         if max(counts) == 0 and storage is not None:  # no rank has committed: resume from storage, if it can
             loaded = self._resume_from(storage) if session.rank_info("sync()").rank == 0 else 0
-            resumed = _c.broadcast_async(torch.tensor([loaded], dtype=torch.int64), 0, name="hvdray.elastic.resumed")
-            counts[0] = int(_c.synchronize(resumed).item())
+            resumed = _c.call_blocking(
+                _c.broadcast_async, torch.tensor([loaded], dtype=torch.int64), 0, name="hvdray.elastic.resumed"
+            )
+            counts[0] = int(resumed.item())
         root = counts.index(max(counts))
         self._sync_from(root)
         self._commits = max(counts)

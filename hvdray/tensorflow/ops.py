@@ -106,7 +106,7 @@ def _differentiable(
 def _allreduce_raw(x: tf.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: ProcessSet) -> tf.Tensor:
     name = bridge.build_name(name, "allreduce")
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [to_tf(_c.synchronize(_c.allreduce_async(to_torch(xs[0]), name, op, pre, post, process_set=ps)))]
+        return [to_tf(_c.call_blocking(_c.allreduce_async, to_torch(xs[0]), name, op, pre, post, process_set=ps))]
 
     return bridge.run(kernel, [x], [x.dtype], [x.shape], "allreduce")[0]
 
@@ -192,7 +192,7 @@ def _grouped_allreduce_raw(
     name = bridge.build_name(name, "grouped_allreduce")
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
-        reduced = _c.synchronize(_c.grouped_allreduce_async([to_torch(x) for x in eager], name, op, pre, post, process_set=ps))
+        reduced = _c.call_blocking(_c.grouped_allreduce_async, [to_torch(x) for x in eager], name, op, pre, post, process_set=ps)
         return [to_tf(r) for r in reduced]
 
     return bridge.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], "grouped_allreduce")
@@ -256,8 +256,8 @@ def _allgather_raw(xs: list[tf.Tensor], name: Optional[str], ps: ProcessSet) -> 
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         if len(eager) == 1:
-            return [to_tf(_c.synchronize(_c.allgather_async(to_torch(eager[0]), name, ps)))]
-        return [to_tf(out) for out in _c.synchronize(_c.grouped_allgather_async([to_torch(x) for x in eager], name, ps))]
+            return [to_tf(_c.call_blocking(_c.allgather_async, to_torch(eager[0]), name, ps))]
+        return [to_tf(out) for out in _c.call_blocking(_c.grouped_allgather_async, [to_torch(x) for x in eager], name, ps)]
 
     what = "allgather" if len(xs) == 1 else "grouped_allgather"
     return bridge.run(kernel, xs, [x.dtype for x in xs], [_first_dim_unknown(x) for x in xs], what)
@@ -339,7 +339,7 @@ def _alltoall_raw(
 
     def kernel(xs: list[tf.Tensor]) -> list[tf.Tensor]:
         split_list = [int(s) for s in np.asarray(xs[1]).reshape(-1)] if splits is not None else None
-        output, received = _c.synchronize(_c.alltoall_async(to_torch(xs[0]), split_list, name, ps))
+        output, received = _c.call_blocking(_c.alltoall_async, to_torch(xs[0]), split_list, name, ps)
         return [to_tf(output), to_tf(received)]
 
     inputs = [x] if splits is None else [x, splits]
@@ -392,9 +392,11 @@ def _reducescatter_raw(
 
     def kernel(eager: list[tf.Tensor]) -> list[tf.Tensor]:
         if len(eager) == 1:
-            return [to_tf(_c.synchronize(_c.reducescatter_async(to_torch(eager[0]), name, op, pre, post, process_set=ps)))]
-        handle = _c.grouped_reducescatter_async([to_torch(x) for x in eager], name, op, pre, post, process_set=ps)
-        return [to_tf(out) for out in _c.synchronize(handle)]
+            return [to_tf(_c.call_blocking(_c.reducescatter_async, to_torch(eager[0]), name, op, pre, post, process_set=ps))]
+        reduced = _c.call_blocking(
+            _c.grouped_reducescatter_async, [to_torch(x) for x in eager], name, op, pre, post, process_set=ps
+        )
+        return [to_tf(out) for out in reduced]
 
     what = "reducescatter" if len(xs) == 1 else "grouped_reducescatter"
     return bridge.run(kernel, xs, [x.dtype for x in xs], [_first_dim_unknown(x) for x in xs], what)

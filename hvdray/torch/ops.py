@@ -50,11 +50,10 @@ def _allreduce_form(form: Form) -> Callable[..., Any]:
         process_set: ProcessSet = global_process_set,
     ) -> Any:
         """Reduce ``tensor`` across ranks (Average unless ``op`` says otherwise)."""
-        handle = _c.allreduce_async(
-            tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor,
+        return (_c.call_blocking if blocking else _c.call_async)(
+            _c.allreduce_async, tensor, name, _c.resolve_op(op, average), prescale_factor, postscale_factor,
             output=tensor if inplace else None, process_set=process_set,
         )
-        return synchronize(handle) if blocking else handle
 
     return allreduce
 
@@ -65,7 +64,7 @@ allreduce_async, allreduce_, allreduce_async_ = surface.forms(
 
 
 def _allreduce_now(tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any) -> torch.Tensor:
-    return synchronize(_c.allreduce_async(tensor, name, op, pre, post, process_set=ps))
+    return _c.call_blocking(_c.allreduce_async, tensor, name, op, pre, post, process_set=ps)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -79,7 +78,7 @@ class _Allreduce(torch.autograd.Function):
         op, pre, post, ps = ctx.args
         if op not in (Average, Sum):
             raise RuntimeError(f"allreduce with op={op.name.lower()} has no gradient; use Sum or Average")
-        reduced = synchronize(_c.allreduce_async(grad.contiguous(), None, op, pre, post, process_set=ps))
+        reduced = _c.call_blocking(_c.allreduce_async, grad.contiguous(), None, op, pre, post, process_set=ps)
         return reduced, None, None, None, None, None
 
 
@@ -115,11 +114,10 @@ def _grouped_allreduce_form(form: Form) -> Callable[..., Any]:
         process_set: ProcessSet = global_process_set,
     ) -> Any:
         """Reduce a list of tensors together (fused by the engine)."""
-        handle = _c.grouped_allreduce_async(
-            tensors, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, inplace=inplace,
-            process_set=process_set,
+        return (_c.call_blocking if blocking else _c.call_async)(
+            _c.grouped_allreduce_async, tensors, name, _c.resolve_op(op, average), prescale_factor,
+            postscale_factor, inplace=inplace, process_set=process_set,
         )
-        return synchronize(handle) if blocking else handle
 
     return grouped_allreduce
 
@@ -133,7 +131,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
         ctx.args = (op, pre, post, ps)
-        return tuple(synchronize(_c.grouped_allreduce_async(list(tensors), name, op, pre, post, process_set=ps)))
+        return tuple(_c.call_blocking(_c.grouped_allreduce_async, list(tensors), name, op, pre, post, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
@@ -141,7 +139,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         if op not in (Average, Sum):
             raise RuntimeError(f"grouped_allreduce with op={op.name.lower()} has no gradient; use Sum or Average")
         contiguous = [g.contiguous() for g in grads]
-        reduced = synchronize(_c.grouped_allreduce_async(contiguous, None, op, pre, post, process_set=ps))
+        reduced = _c.call_blocking(_c.grouped_allreduce_async, contiguous, None, op, pre, post, process_set=ps)
         return (None, None, None, None, None, *reduced)
 
 
@@ -172,20 +170,20 @@ allgather_async = _c.allgather_async
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], ps: Any):
-        handle = _c.allgather_async(tensor, name, ps)  # checks the argument before it is used
+        gathered = _c.call_blocking(_c.allgather_async, tensor, name, ps)  # checks the argument first
         ctx.rows, ctx.ps = tensor.shape[0], ps
-        return synchronize(handle)
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the average of the ranks' gradients, this rank's rows
         ps = ctx.ps
-        averaged = synchronize(_c.allreduce_async(grad.contiguous(), None, Average, process_set=ps))
+        averaged = _c.call_blocking(_c.allreduce_async, grad.contiguous(), None, Average, process_set=ps)
         return _own_rows([averaged], [ctx.rows], ps)[0], None, None
 
 
 def _own_rows(gathered: Sequence[torch.Tensor], rows: Sequence[int], ps: ProcessSet) -> list[torch.Tensor]:
     """This rank's slice of dim 0 of each allgathered ``gathered`` tensor, whose part here had ``rows`` rows."""
-    counts = synchronize(_c.allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=ps))
+    counts = _c.call_blocking(_c.allgather_async, torch.tensor([rows], dtype=torch.int64), process_set=ps)
     offsets = counts[: ps.rank()].sum(dim=0).tolist()
     return [g.narrow(0, int(offset), n) for g, offset, n in zip(gathered, offsets, rows)]
 
@@ -203,14 +201,14 @@ grouped_allgather_async = _c.grouped_allgather_async
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], ps: Any, *tensors: torch.Tensor):
-        handle = _c.grouped_allgather_async(list(tensors), name, ps)
+        gathered = _c.call_blocking(_c.grouped_allgather_async, list(tensors), name, ps)
         ctx.rows, ctx.ps = [t.shape[0] for t in tensors], ps
-        return tuple(synchronize(handle))
+        return tuple(gathered)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):  # as allgather's, for each tensor of the group
         contiguous = [g.contiguous() for g in grads]
-        averaged = synchronize(_c.grouped_allreduce_async(contiguous, None, Average, process_set=ctx.ps))
+        averaged = _c.call_blocking(_c.grouped_allreduce_async, contiguous, None, Average, process_set=ctx.ps)
         return (None, None, *_own_rows(averaged, ctx.rows, ctx.ps))
 
 
@@ -230,8 +228,9 @@ def _broadcast_form(form: Form) -> Callable[..., Any]:
         tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
     ) -> Any:
         """Root's ``tensor`` (``root_rank`` is a global rank) on every rank."""
-        handle = _c.broadcast_async(tensor, root_rank, name, inplace=inplace, process_set=process_set)
-        return synchronize(handle) if blocking else handle
+        return (_c.call_blocking if blocking else _c.call_async)(
+            _c.broadcast_async, tensor, root_rank, name, inplace=inplace, process_set=process_set
+        )
 
     return broadcast
 
@@ -245,11 +244,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], ps: Any):
         ctx.root_rank, ctx.ps = root_rank, ps
-        return synchronize(_c.broadcast_async(tensor, root_rank, name, process_set=ps))
+        return _c.call_blocking(_c.broadcast_async, tensor, root_rank, name, process_set=ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the ranks' average on the root, zeros elsewhere
-        averaged = synchronize(_c.allreduce_async(grad.contiguous(), None, Average, process_set=ctx.ps))
+        averaged = _c.call_blocking(_c.allreduce_async, grad.contiguous(), None, Average, process_set=ctx.ps)
         if rank() != ctx.root_rank:
             averaged.zero_()
         return averaged, None, None, None
@@ -268,14 +267,14 @@ alltoall_async = _c.alltoall_async  # result: (output, received_splits)
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str], ps: Any):
-        output, received = synchronize(_c.alltoall_async(tensor, splits, name, ps))
+        output, received = _c.call_blocking(_c.alltoall_async, tensor, splits, name, ps)
         ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _received_grad: Any):
-        back, _ = synchronize(_c.alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.ps))
+        back, _ = _c.call_blocking(_c.alltoall_async, grad.contiguous(), ctx.received, process_set=ctx.ps)
         return back, None, None, None
 
 
@@ -319,14 +318,13 @@ def grouped_reducescatter_async(
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
-        handle = _c.reducescatter_async(tensor, name, op, pre, post, process_set=ps)
         ctx.args = (op, pre, post, ps)
-        return synchronize(handle)
+        return _c.call_blocking(_c.reducescatter_async, tensor, name, op, pre, post, process_set=ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         scale = _reducescatter_grad_scale(*ctx.args)
-        gathered = synchronize(_c.allgather_async(grad.contiguous(), process_set=ctx.args[3]))
+        gathered = _c.call_blocking(_c.allgather_async, grad.contiguous(), process_set=ctx.args[3])
         return gathered * scale, None, None, None, None, None
 
 
@@ -356,15 +354,14 @@ def reducescatter(
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
-        handle = _c.grouped_reducescatter_async(list(tensors), name, op, pre, post, process_set=ps)
         ctx.args = (op, pre, post, ps)
-        return tuple(synchronize(handle))
+        return tuple(_c.call_blocking(_c.grouped_reducescatter_async, list(tensors), name, op, pre, post, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
         scale = _reducescatter_grad_scale(*ctx.args)
         contiguous = [g.contiguous() for g in grads]
-        gathered = synchronize(_c.grouped_allgather_async(contiguous, process_set=ctx.args[3]))
+        gathered = _c.call_blocking(_c.grouped_allgather_async, contiguous, process_set=ctx.args[3])
         return (None, None, None, None, None, *[g * scale for g in gathered])
 
 

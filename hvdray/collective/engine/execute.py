@@ -33,6 +33,7 @@ class EngineStats:
     allreduce_calls: int = 0
     fused_tensors: int = 0
     wakeups: int = 0  # times the engine thread woke up (notified or timed out) while waiting for work
+    caller_ticks: int = 0  # ticks a waiting caller ran on its own thread while the engine thread slept
 
 
 class Executor:
@@ -135,7 +136,7 @@ class Executor:
         self._stats.allreduce_calls += 1
         self._stats.ops += len(requests)
         for req in present:
-            req.handle._finish(result=req.output)
+            req.handle._finish(result=req.result)
 
     def _reduce(self, buf: torch.Tensor, desc: OpDesc) -> None:
         if desc.prescale != 1.0:
@@ -175,7 +176,7 @@ class Executor:
         self.comm.broadcast(buf, desc.root)
         if buf is not out:
             out.copy_(buf)
-        return out
+        return request.result
 
     def _allgather(self, request: Request, descs: RankDescs) -> torch.Tensor:
         tensor = request.tensor.contiguous()

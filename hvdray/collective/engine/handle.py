@@ -21,7 +21,8 @@ class Handle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._on_wait: Optional[Callable[["Handle"], None]] = None  # the engine's nudge: someone now waits on this op
+        # the engine's nudge: someone now waits on this op (True: blocks until it finishes; False: polls)
+        self._on_wait: Optional[Callable[["Handle", bool], None]] = None
         self._latch = _thread.allocate_lock()
         self._latch.acquire()
         self._done = False
@@ -31,7 +32,7 @@ class Handle:
     def done(self) -> bool:
         """True once the op finished; a poll also tells the engine that someone wants it now."""
         if not self._done and self._on_wait is not None:
-            self._on_wait(self)  # someone polls: they want this op now, not at the end of a batching window
+            self._on_wait(self, False)  # someone polls: they want this op now, not at the end of a batching window
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
@@ -39,7 +40,7 @@ class Handle:
         if self._on_wait is not None:
             # the caller waits: the engine hurries the op if it is still pending, and its step ends here
             # (also when the op already finished: an engine faster than its caller must learn steps too)
-            self._on_wait(self)
+            self._on_wait(self, timeout is None)
         if not self._done:
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
@@ -55,9 +56,14 @@ class Handle:
 
 
 class Request:
-    """One op submitted on this rank: its description, which every rank sees, plus the local tensors."""
+    """One op submitted on this rank: its description, which every rank sees, plus the local tensors.
 
-    __slots__ = ("desc", "name", "tensor", "output", "handle", "submitted")
+    ``output`` (what the op writes) is what the caller gave, except that a tensor made in inference mode
+    is written through an ordinary tensor over the same memory: torch refuses in-place writes to an
+    inference tensor outside inference mode, and the engine writes from its own thread (or from a tick
+    that leaves the caller's mode aside). ``result`` is the output as given, what the handle returns."""
+
+    __slots__ = ("desc", "name", "tensor", "output", "result", "handle", "submitted")
 
     def __init__(
         self, desc: OpDesc, tensor: Optional[torch.Tensor], output: Optional[torch.Tensor], handle: Handle
@@ -65,6 +71,19 @@ class Request:
         self.desc = desc
         self.name = desc.name
         self.tensor = tensor
-        self.output = output
+        self.output = self.result = output
+        if output is not None and output.is_inference():
+            self.output = writable_alias(output)
+            if tensor is output:  # in place: the engine must still see one tensor
+                self.tensor = self.output
         self.handle = handle
         self.submitted = 0.0  # time.perf_counter() at submission, taken only while a timeline records
+
+
+def writable_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """An ordinary (not inference) tensor over ``tensor``'s memory, shape and strides, which any thread
+    may write in place under ``torch.no_grad()``."""
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=tensor.dtype).set_(
+            tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+        )

@@ -14,11 +14,12 @@ The Engine composes the parts: the negotiation table (negotiation.py), the respo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -38,6 +39,21 @@ log = logging.getLogger(__name__)
 
 #: a wake-up threshold no submission reaches
 _NEVER = sys.maxsize
+#: the grad and inference modes a caller's tick keeps when the caller is not in inference mode
+_SAME_MODE = contextlib.nullcontext()
+
+
+class _CallerWaits(threading.local):
+    """Set on a thread while it submits the op of a blocking call (``hvdray.collective.ops.call_blocking``,
+    :meth:`Engine.submit_and_wait`):
+    its own wait on the op comes next, so the submission does not wake the engine thread; the wait runs
+    the tick on this thread if the engine thread sleeps, or wakes it."""
+
+    next = False
+
+
+#: per thread: whether the op being submitted is waited on at once (see :class:`_CallerWaits`)
+CALLER_WAITS = _CallerWaits()
 
 
 class Engine:
@@ -77,6 +93,12 @@ class Engine:
         self._blocked = False  # this tick: a caller waits on an op still in flight (read by the engine thread)
         self._shutdown_requested = False
         self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
+        # a caller that waits on an op runs the ticks itself while the engine thread sleeps (see _tick_for):
+        # no hand-off to the engine thread and back on a synchronous op's path
+        self._caller_ticking = False
+        self._parked = False  # the engine thread waits for a caller's tick to end (under the lock)
+        self._stopped = False  # a tick ended the engine (a shutdown round, an error): the thread returns
+        self._wait_s = cycle_time_s  # how long the next tick waits for work (doubles while every rank idles)
         # while it sleeps: how many queued requests, or queued bytes, make it worth waking the engine (a
         # step's remaining tensors, the rest of a fusion buffer), so that a backward pass submitting
         # hundreds of gradients does not wake the engine thread once per gradient
@@ -131,9 +153,22 @@ class Engine:
             self._wake_if_due()
         return request.handle
 
+    def submit_and_wait(self, request: Request) -> Any:
+        """Submit ``request`` and wait for its result (a blocking op's whole life: see :data:`CALLER_WAITS`)."""
+        waits = CALLER_WAITS
+        waits.next = True
+        try:
+            handle = self.submit(request)
+        finally:
+            waits.next = False
+        return handle.wait()
+
     def _wake_if_due(self) -> None:
-        """After queueing (under the lock): wake a sleeping engine once what is queued is worth a tick."""
-        if self._sleeping and (len(self._queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes):
+        """After queueing (under the lock): wake a sleeping engine once what is queued is worth a tick,
+        unless this thread waits on it next (its wait ticks)."""
+        if self._sleeping and not CALLER_WAITS.next and (
+            len(self._queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes
+        ):
             self._wake.notify()
 
     def _refuse_duplicate(self, request: Request) -> None:
@@ -167,8 +202,10 @@ class Engine:
             self._queue.extend(requests)
             self._wake_if_due()  # a busy engine looks at the queue before it sleeps again
 
-    def _nudge(self, handle: Handle) -> None:
-        """A caller waits on an op: whatever it submitted is all that is coming for now."""
+    def _nudge(self, handle: Handle, blocking: bool) -> None:
+        """A caller waits on an op (``blocking``: until it finishes, else it polls): whatever it submitted is
+        all that is coming for now. A blocking caller that finds the engine thread asleep runs the tick
+        itself."""
         if handle._done and not self._step.current:
             # finished, and no step open to end: every wait of a step's synchronize but the first comes
             # here, so it skips the lock (read without it, a step that opens meanwhile is ended later)
@@ -184,9 +221,39 @@ class Engine:
                     self._step.learn_if_over()
                 return
             if self._waited is not request:
-                self._waited = request
                 self._blocked_on.append(request)
+            self._waited = request
+            tick_here = blocking and self._sleeping and not self._caller_ticking and not self._stopped
+            if tick_here:
+                self._caller_ticking = True
+            else:
                 self._wake.notify()
+        if tick_here:
+            self._tick_for(request)
+
+    def _tick_for(self, request: Request) -> None:
+        """Run one tick on this (the waiting caller's) thread while the engine thread sleeps: the op is
+        negotiated and run without waking the engine thread, and the caller returns without being woken
+        by it. Whatever the tick leaves in flight (a peer had not submitted the op yet) goes back to the
+        engine thread."""
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
+            # buffers a tick makes outlive it: never as inference tensors, whatever mode the caller is in
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _SAME_MODE:
+                self.stats.caller_ticks += 1
+                self._tick(self._collect(0.0, caller=True))
+        except BaseException as exc:  # noqa: BLE001 - as in the engine thread: the ring is broken
+            self._break(exc)
+        finally:
+            torch.set_grad_enabled(grad_enabled)
+            with self._lock:
+                self._caller_ticking = False
+                if not request.handle._done and not self._stopped:
+                    self._waited = request  # the engine thread takes over at once
+                    self._wake.notify()
+                elif self._parked or self._stopped:
+                    self._wake.notify()
 
     def auto_name(self, op: str) -> str:
         """A generated name, equal on every rank that calls ops in the same order: ``allreduce.noname.3``
@@ -283,55 +350,70 @@ class Engine:
         # Ops write into the user's tensors in place (allreduce_, broadcast_ on parameters): never
         # record autograd history for them. Grad mode is per thread, so this affects this thread only.
         torch.set_grad_enabled(False)
-        wait_s = self._cycle_s
+        try:
+            while not self._stopped:
+                wants_full = self._collect(self._wait_s)
+                if wants_full is not None:  # None: a waiting caller ran the tick meanwhile
+                    self._tick(wants_full)
+        except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
+            self._break(exc)
+
+    def _tick(self, wants_full: bool) -> None:
+        """One round with every rank: AND the flags, say and hear the full round's messages if anyone
+        asked for one, then run what is ready everywhere. On the engine thread, or on a waiting caller's
+        while the engine thread sleeps (never both at once)."""
         agreement, executor = self._agreement, self._executor
         table = agreement.table
-        try:
-            while True:
-                wants_full = self._collect(wait_s)
-                self.comm.and_flags(agreement.fill_flags(wants_full, self._blocked))
-                ready_slots, pending_somewhere, full = agreement.read_flags()
-                self.stats.rounds += 1
-                busy = bool(ready_slots or pending_somewhere)
-                if full:
-                    self.stats.full_rounds += 1
-                    new_work = self._full_round()
-                    if new_work is None:
-                        return
-                    busy = new_work or busy
-                if self.rank == 0:
-                    agreement.stall.watch_cached(pending_somewhere, ready_slots, agreement.cache, table.joined)
-                timeline = self.timeline
-                ready_at = executor.start_tick(timeline, self.timeline_pid)
-                if busy and timeline is not None:
-                    timeline.cycle(self.timeline_pid, ready_at)
-                actions = agreement.ready_plan(ready_slots, self.comm.fused_message_bytes)
-                for action in actions:
-                    self._run(action)
-                if self.rank == 0:
-                    agreement.stall.watch_blocked(agreement.flags.everyone_blocked, ran=bool(actions))
-                if self._left_call >= self._call > 0:
-                    self._fail_left_behind()
-                if table.everyone_joined:
-                    self._finish_join(table.finish_join())
-                if agreement.tuner is not None and executor.tick_bytes:
-                    agreement.tuner.record(executor.tick_bytes, time.perf_counter())
-                executor.tick_bytes = 0
-                wait_s = self._cycle_s if (busy or table.announced or table.joined) else min(wait_s * 2, self._idle_s)
-        except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
-            error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
-                f"collective communication failed on rank {self.rank}: {exc}"
-            )
-            if not isinstance(exc, HvdrayError):
-                error.__cause__ = exc
-            log.debug("engine stopped: %s", error)
-            self._fail_all(error)
-            # Close at once: peers blocked on this rank then fail now instead of at their timeout.
-            self.comm.close()
+        self.comm.and_flags(agreement.fill_flags(wants_full, self._blocked))
+        ready_slots, pending_somewhere, full = agreement.read_flags()
+        self.stats.rounds += 1
+        busy = bool(ready_slots or pending_somewhere)
+        if full:
+            self.stats.full_rounds += 1
+            new_work = self._full_round()
+            if new_work is None:
+                self._stopped = True
+                return
+            busy = new_work or busy
+        if self.rank == 0:
+            agreement.stall.watch_cached(pending_somewhere, ready_slots, agreement.cache, table.joined)
+        timeline = self.timeline
+        ready_at = executor.start_tick(timeline, self.timeline_pid)
+        if busy and timeline is not None:
+            timeline.cycle(self.timeline_pid, ready_at)
+        actions = agreement.ready_plan(ready_slots, self.comm.fused_message_bytes)
+        for action in actions:
+            self._run(action)
+        if self.rank == 0:
+            agreement.stall.watch_blocked(agreement.flags.everyone_blocked, ran=bool(actions))
+        if self._left_call >= self._call > 0:
+            self._fail_left_behind()
+        if table.everyone_joined:
+            self._finish_join(table.finish_join())
+        if agreement.tuner is not None and executor.tick_bytes:
+            agreement.tuner.record(executor.tick_bytes, time.perf_counter())
+        executor.tick_bytes = 0
+        idle = not (busy or table.announced or table.joined)
+        self._wait_s = min(self._wait_s * 2, self._idle_s) if idle else self._cycle_s
 
-    def _collect(self, wait_s: float) -> bool:
+    def _break(self, exc: BaseException) -> None:
+        """A tick failed: every op fails with the error, and the engine stops."""
+        error = exc if isinstance(exc, HvdrayError) else HorovodInternalError(
+            f"collective communication failed on rank {self.rank}: {exc}"
+        )
+        if not isinstance(exc, HvdrayError):
+            error.__cause__ = exc
+        log.debug("engine stopped: %s", error)
+        self._stopped = True
+        self._fail_all(error)
+        # Close at once: peers blocked on this rank then fail now instead of at their timeout.
+        self.comm.close()
+
+    def _collect(self, wait_s: float, caller: bool = False) -> Optional[bool]:
         """Wait for this tick, sorting new requests into cached slots and the outbox as they come; True if
-        this rank needs a full (named) negotiation round.
+        this rank needs a full (named) negotiation round, None if a waiting caller ran the tick while the
+        engine thread slept (or the engine has stopped): the engine thread starts over then. A ``caller``
+        (that waits on an op, see :meth:`_tick_for`) never sleeps here.
 
         When to tick: at once on shutdown, join, or when a caller blocks on (or polls) an op; otherwise new
         work with nothing older in flight goes at once, except that once this rank's steps repeat, a step
@@ -345,6 +427,7 @@ class Engine:
         step, agreement = self._step, self._agreement
         fusion_bytes = agreement.planner.fusion_bytes
         with self._lock:
+            rounds = self.stats.rounds
             older = len(self._local) - len(self._queue)  # in flight from earlier ticks (constant here)
             if not older:
                 step.learn_if_over()
@@ -380,13 +463,19 @@ class Engine:
                     limit = deadline
                     # with older work in flight the tick waits for the cycle's end whatever arrives
                     wake_count, wake_bytes = (1, 0) if not older else (_NEVER, _NEVER)
-                if now >= limit:
+                if now >= limit or caller:
                     break
                 self._wake_count, self._wake_bytes = wake_count, wake_bytes
                 self._sleeping = True
                 self._wake.wait(limit - now)
                 self._sleeping = False
                 self.stats.wakeups += 1
+                if self._caller_ticking or self.stats.rounds != rounds or self._stopped:
+                    while self._caller_ticking:
+                        self._parked = True
+                        self._wake.wait()
+                    self._parked = False
+                    return None
             self._waited = None
             local = self._local
             self._blocked_on = [r for r in self._blocked_on if local.get(r.name) is r]

@@ -1,0 +1,135 @@
+"""A blocking op's tick runs on the thread that waits for it while the engine thread sleeps (no hand-off to
+the engine thread and back); asynchronous ops still go without a wait; several threads waiting at once,
+inference mode and a timed wait take the engine thread's way where they must."""
+
+from __future__ import annotations
+
+
+def _blocking_ops(count: int):
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    torch.set_num_threads(1)
+    stats = session.engine().stats
+    before_ticks, before_rounds = stats.caller_ticks, stats.rounds
+    size, rank = hvd.size(), hvd.rank()
+    wrong = []
+    for i in range(count):
+        t = torch.full((3,), float(rank + i))
+        if hvd.allreduce(t, name="blocking.sum", op=hvd.Sum).tolist() != [float(sum(range(size)) + size * i)] * 3:
+            wrong.append(("allreduce", i))
+        if hvd.allreduce(t, op=hvd.Sum).tolist() != [float(sum(range(size)) + size * i)] * 3:  # a generated name
+            wrong.append(("unnamed allreduce", i))
+        if hvd.broadcast(t, root_rank=1, name="blocking.bcast").tolist() != [float(1 + i)] * 3:
+            wrong.append(("broadcast", i))
+        if hvd.allgather(t[:1], name="blocking.gather").tolist() != [float(r + i) for r in range(size)]:
+            wrong.append(("allgather", i))
+    hvd.barrier()
+    return wrong, stats.caller_ticks - before_ticks, stats.rounds - before_rounds
+
+
+def test_blocking_ops_tick_on_the_waiting_thread(make_executor):
+    ex = make_executor(num_workers=2)
+    for wrong, caller_ticks, rounds in ex.run(_blocking_ops, args=[60]):
+        assert wrong == []
+        # 241 ops: most rounds ran on the caller's thread (the engine thread takes one when it wakes by itself
+        # first, or when a rank's round met the peer's idle round and the op went on on the engine thread)
+        assert rounds >= 241
+        assert caller_ticks >= 241 // 2, (caller_ticks, rounds)
+
+
+def _async_and_concurrent():
+    import threading
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    torch.set_num_threads(1)
+    stats = session.engine().stats
+    size = hvd.size()
+    out = {}
+
+    # an async op finishes without anyone waiting on it: the engine thread ticks it
+    ticks = stats.caller_ticks
+    handle = hvd.allreduce_async(torch.ones(4), name="async.alone", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not hvd.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["async done by polling"] = hvd.poll(handle) and hvd.synchronize(handle).tolist() == [float(size)] * 4
+    out["async ticks on the caller"] = stats.caller_ticks - ticks
+
+    # a wait with a timeout never runs a tick on the caller (the flag round could outlast the timeout)
+    ticks = stats.caller_ticks
+    handle = hvd.allreduce_async(torch.ones(2), name="async.timed", op=hvd.Sum)
+    out["timed wait"] = handle._parts[0].wait(timeout=30).tolist() == [float(size)] * 2
+    out["timed wait ticks on the caller"] = stats.caller_ticks - ticks
+
+    # four threads each run blocking ops at once: one at a time ticks, the others wait for the engine thread
+    errors, results = [], {}
+
+    def blocking_ops(k: int) -> None:
+        try:
+            for i in range(25):
+                value = hvd.allreduce(torch.full((2,), float(k * 100 + i)), name=f"thread{k}.{i}", op=hvd.Sum)
+                results[(k, i)] = value.tolist() == [float(size * (k * 100 + i))] * 2
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=blocking_ops, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    out["threads finished"] = not any(thread.is_alive() for thread in threads)
+    out["thread errors"] = errors
+    out["thread results"] = len(results) == 100 and all(results.values())
+
+    # grad mode and inference mode are the caller's again after a tick it ran; buffers a tick made in
+    # inference mode are ordinary tensors that later rounds on the engine thread write into
+    grads = [torch.ones(8) for _ in range(3)]
+    with torch.inference_mode():
+        first = hvd.grouped_allreduce([g * 2 for g in grads], name="modes.group", op=hvd.Sum)
+        out["inference mode kept"] = torch.is_inference_mode_enabled()
+        # tensors made in inference mode, written in place (the engine's thread is not in inference mode)
+        made_here = torch.ones(5)
+        reduced = hvd.allreduce_(made_here, name="modes.inplace", op=hvd.Sum)
+        sent = hvd.broadcast_(torch.full((2,), float(hvd.rank())), root_rank=0, name="modes.bcast")
+        handle = hvd.allreduce_async_(torch.ones(3), name="modes.async", op=hvd.Sum)
+        later = hvd.synchronize(handle)
+        out["inference results"] = (
+            reduced is made_here and made_here.tolist() == [float(size)] * 5 and sent.tolist() == [0.0, 0.0]
+            and later.tolist() == [float(size)] * 3 and all(t.is_inference() for t in (reduced, sent, later))
+        )
+    handles = [hvd.allreduce_async_(g, name=f"modes.{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+    time.sleep(0.05)  # the engine thread runs these before anyone waits
+    second = [hvd.synchronize(h) for h in handles]
+    again = hvd.grouped_allreduce([g.clone() for g in grads], name="modes.group", op=hvd.Sum)
+    out["grad mode kept"] = torch.is_grad_enabled()
+    out["modes results"] = (
+        all(t.tolist() == [2.0 * size] * 8 for t in first)
+        and all(t.tolist() == [float(size)] * 8 for t in second)
+        and all(t.tolist() == [float(size * size)] * 8 for t in again)
+    )
+    hvd.barrier()
+    return out
+
+
+def test_async_ops_threads_and_modes_around_caller_ticks(make_executor):
+    ex = make_executor(num_workers=2)
+    for out in ex.run(_async_and_concurrent):
+        assert out["async done by polling"], out
+        assert out["async ticks on the caller"] == 0, out
+        assert out["timed wait"], out
+        assert out["timed wait ticks on the caller"] == 0, out
+        assert out["threads finished"] and out["thread errors"] == [], out
+        assert out["thread results"], out
+        assert out["inference mode kept"] and out["grad mode kept"], out
+        assert out["inference results"], out
+        assert out["modes results"], out
