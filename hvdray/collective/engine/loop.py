@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 #: a wake-up threshold no submission reaches
 _NEVER = sys.maxsize
+#: the most ticks a waiting caller runs before it leaves its op to the engine thread: a round can meet a
+#: peer's idle round (the peer had not submitted the op yet), and the next one its op; an op that is still
+#: not everywhere then is left to the engine thread's pace (the cycle time), not ticked at full speed
+CALLER_TICKS = 3
 #: the grad and inference modes a caller's tick keeps when the caller is not in inference mode
 _SAME_MODE = contextlib.nullcontext()
 
@@ -232,17 +236,22 @@ class Engine:
             self._tick_for(request)
 
     def _tick_for(self, request: Request) -> None:
-        """Run one tick on this (the waiting caller's) thread while the engine thread sleeps: the op is
-        negotiated and run without waking the engine thread, and the caller returns without being woken
-        by it. Whatever the tick leaves in flight (a peer had not submitted the op yet) goes back to the
-        engine thread."""
+        """Run the ticks of ``request`` on this (the waiting caller's) thread while the engine thread
+        sleeps: the op is negotiated and run without waking the engine thread, and the caller returns
+        without being woken by it. An op still not done after :data:`CALLER_TICKS` ticks (a peer has not
+        submitted it yet) goes back to the engine thread."""
         grad_enabled = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
         try:
             # buffers a tick makes outlive it: never as inference tensors, whatever mode the caller is in
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _SAME_MODE:
-                self.stats.caller_ticks += 1
-                self._tick(self._collect(0.0, caller=True))
+                for _ in range(CALLER_TICKS):
+                    self.stats.caller_ticks += 1
+                    self._tick(self._collect(0.0, caller=True))
+                    if request.handle._done or self._stopped:
+                        break
+                    with self._lock:
+                        self._waited = request
         except BaseException as exc:  # noqa: BLE001 - as in the engine thread: the ring is broken
             self._break(exc)
         finally:
@@ -350,11 +359,20 @@ class Engine:
         # Ops write into the user's tensors in place (allreduce_, broadcast_ on parameters): never
         # record autograd history for them. Grad mode is per thread, so this affects this thread only.
         torch.set_grad_enabled(False)
+        table = self._agreement.table
+        wait_s = self._cycle_s
         try:
             while not self._stopped:
-                wants_full = self._collect(self._wait_s)
-                if wants_full is not None:  # None: a waiting caller ran the tick meanwhile
+                wants_full = self._collect(wait_s)
+                if wants_full is not None:
                     self._tick(wants_full)
+                    wait_s = self._wait_s
+                elif self._local or table.announced or table.joined:  # a waiting caller ran the tick meanwhile
+                    wait_s = self._cycle_s
+                else:
+                    # nothing in flight here: while callers keep ticking, the engine thread wakes ever less
+                    # often (each of its wake-ups takes the GIL from a caller in the middle of its round)
+                    wait_s = min(wait_s * 2, self._idle_s)
         except BaseException as exc:  # noqa: BLE001 - any failure here breaks the ring for everyone
             self._break(exc)
 
