@@ -72,12 +72,23 @@ class Request:
         self.name = desc.name
         self.tensor = tensor
         self.output = self.result = output
-        if output is not None and output.is_inference():
+        if output is not None and _is_inference(output):
             self.output = writable_alias(output)
             if tensor is output:  # in place: the engine must still see one tensor
                 self.tensor = self.output
         self.handle = handle
         self.submitted = 0.0  # time.perf_counter() at submission, taken only while a timeline records
+
+
+def _is_inference(tensor: torch.Tensor) -> bool:
+    """``tensor.is_inference()``, asked without a call that releases the GIL (as that one does: between
+    the hundreds of gradients a step submits, that lets the engine thread in before the step is whole): an
+    inference tensor has no version counter."""
+    try:
+        tensor._version
+    except RuntimeError:
+        return tensor.is_inference()
+    return False
 
 
 def writable_alias(tensor: torch.Tensor) -> torch.Tensor:

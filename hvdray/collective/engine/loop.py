@@ -97,6 +97,7 @@ class Engine:
         self._blocked = False  # this tick: a caller waits on an op still in flight (read by the engine thread)
         self._shutdown_requested = False
         self._sleeping = False  # the engine thread waits in _collect for work (under the lock)
+        self._notified = False  # it was woken and has not taken the lock back yet (a caller then leaves it be)
         # a caller that waits on an op runs the ticks itself while the engine thread sleeps (see _tick_for):
         # no hand-off to the engine thread and back on a synchronous op's path
         self._caller_ticking = False
@@ -147,7 +148,7 @@ class Engine:
             local, name = self._local, request.name
             if name in local:
                 self._refuse_duplicate(local[name])
-            request.handle._on_wait = self._nudge
+            request.handle._on_wait = self._nudge_or_tick if CALLER_WAITS.next else self._nudge
             if self.timeline is not None:
                 request.submitted = time.perf_counter()
             local[name] = request
@@ -173,7 +174,12 @@ class Engine:
         if self._sleeping and not CALLER_WAITS.next and (
             len(self._queue) >= self._wake_count or self._queued_bytes >= self._wake_bytes
         ):
-            self._wake.notify()
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wake the engine thread (under the lock)."""
+        self._notified = self._sleeping
+        self._wake.notify()
 
     def _refuse_duplicate(self, request: Request) -> None:
         raise ValueError(
@@ -194,7 +200,7 @@ class Engine:
                     self._refuse_duplicate(local.get(name) or request)
                 seen.add(name)
             submitted = time.perf_counter() if self.timeline is not None else 0.0
-            nudge = self._nudge
+            nudge = self._nudge_or_tick if CALLER_WAITS.next else self._nudge
             nbytes = self._queued_bytes
             for request in requests:
                 request.submitted = submitted
@@ -206,10 +212,17 @@ class Engine:
             self._queue.extend(requests)
             self._wake_if_due()  # a busy engine looks at the queue before it sleeps again
 
-    def _nudge(self, handle: Handle, blocking: bool) -> None:
-        """A caller waits on an op (``blocking``: until it finishes, else it polls): whatever it submitted is
-        all that is coming for now. A blocking caller that finds the engine thread asleep runs the tick
-        itself."""
+    def _nudge(self, handle: Handle, blocking: bool = False) -> None:
+        """A caller waits on (``blocking``) or polls an op submitted asynchronously: whatever it submitted
+        is all that is coming for now."""
+        self._hurry(handle, False)
+
+    def _nudge_or_tick(self, handle: Handle, blocking: bool) -> None:
+        """A caller waits on (``blocking``) or polls the op of its blocking call: as :meth:`_nudge`, and if
+        it blocks and the engine thread sleeps (and nothing has woken it), it runs the tick itself."""
+        self._hurry(handle, blocking)
+
+    def _hurry(self, handle: Handle, may_tick: bool) -> None:
         if handle._done and not self._step.current:
             # finished, and no step open to end: every wait of a step's synchronize but the first comes
             # here, so it skips the lock (read without it, a step that opens meanwhile is ended later)
@@ -224,14 +237,18 @@ class Engine:
                 if not self._local:
                     self._step.learn_if_over()
                 return
-            if self._waited is not request:
-                self._blocked_on.append(request)
-            self._waited = request
-            tick_here = blocking and self._sleeping and not self._caller_ticking and not self._stopped
+            tick_here = (
+                may_tick and self._sleeping and not self._notified and not self._caller_ticking and not self._stopped
+            )
             if tick_here:
                 self._caller_ticking = True
-            else:
-                self._wake.notify()
+                if self._waited is not request:
+                    self._blocked_on.append(request)
+                self._waited = request
+            elif self._waited is not request:
+                self._waited = request
+                self._blocked_on.append(request)
+                self._notify()
         if tick_here:
             self._tick_for(request)
 
@@ -260,9 +277,9 @@ class Engine:
                 self._caller_ticking = False
                 if not request.handle._done and not self._stopped:
                     self._waited = request  # the engine thread takes over at once
-                    self._wake.notify()
+                    self._notify()
                 elif self._parked or self._stopped:
-                    self._wake.notify()
+                    self._notify()
 
     def auto_name(self, op: str) -> str:
         """A generated name, equal on every rank that calls ops in the same order: ``allreduce.noname.3``
@@ -284,7 +301,7 @@ class Engine:
                 raise ValueError(f"rank {self.rank} has already joined")
             self._join_handle = Handle("join")
             self._join_announce = True
-            self._wake.notify()
+            self._notify()
             return self._join_handle
 
     def begin_call(self, call: int) -> None:
@@ -304,14 +321,14 @@ class Engine:
                 return None
             self._finish_announce = Finished(self._call, how)
             handle = self._finish_handle = Handle("finish")
-            self._wake.notify()
+            self._notify()
             return handle
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell every rank to stop after this round; wait for the thread, then drop the group."""
         with self._lock:
             self._shutdown_requested = True
-            self._wake.notify()
+            self._notify()
         self._thread.join(timeout_s)
         self.comm.close()
         self.outputs.close()
@@ -486,13 +503,13 @@ class Engine:
                 self._wake_count, self._wake_bytes = wake_count, wake_bytes
                 self._sleeping = True
                 self._wake.wait(limit - now)
-                self._sleeping = False
+                self._sleeping = self._notified = False
                 self.stats.wakeups += 1
                 if self._caller_ticking or self.stats.rounds != rounds or self._stopped:
                     while self._caller_ticking:
                         self._parked = True
                         self._wake.wait()
-                    self._parked = False
+                    self._parked = self._notified = False
                     return None
             self._waited = None
             local = self._local
