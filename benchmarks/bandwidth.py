@@ -15,7 +15,9 @@ The ideal is what a rank must at the least do with memory, at the speed its core
 
 Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, reducescatter ``(n-1)/n * S / t``, allgather ``(n-1) * S / t``, broadcast
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
-speeds are operand bytes per second (an add of two S-byte tensors in S / t).
+speeds are operand bytes per second (an add of two S-byte tensors in S / t). The allreduce rows also
+time an average (``hvd.Average``, the default op; raw Gloo has none, so its row is the sum and then one
+division), measured against the same ideal, which has no division in it.
 
     python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--huge-pages]
 
@@ -49,6 +51,14 @@ IDEAL = "memory ideal"
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
 
 
+def _gloo_average(tensor, size: int) -> None:
+    """An average on raw torch.distributed Gloo, which has no average op: the sum, then one division."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+    tensor.div_(size)
+
+
 def _round(size_mb: float, iterations: int) -> dict[str, float]:
     """Seconds per call of every implementation, and of one core's copy and add of ``size_mb``."""
     import torch
@@ -65,6 +75,11 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
         "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),
+        # an average: Gloo has no such op (all_reduce, then divide); hvdray divides each rank's part as it
+        # reduces it
+        "allreduce raw gloo, average": timed(lambda: _gloo_average(tensor, hvd.size()), iterations),
+        "allreduce hvdray in place, average": timed(lambda: hvd.allreduce_(tensor, op=hvd.Average, name="bw.avg"),
+                                                    iterations),
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
     }

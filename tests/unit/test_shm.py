@@ -396,6 +396,51 @@ def test_allreduce_tensors_finish_scales_the_reduced_data_once(local_size):
     assert results == [[True] * 8] * local_size
 
 
+def _flat_allreduce_finished_by_parts(node, rank, size):
+    """``finish`` on a flat allreduce: on each rank's reduced part before the peers copy it (slots, shared
+    tensors), on the whole message where every rank reduces all of it (one barrier, shared inputs)."""
+    out = {}
+    for dtype in (torch.float64, torch.int64):
+        for way, n in (("small", 17), ("slots", 5003), ("slots out of place", 5003), ("shared", 5003),
+                       ("shared inputs", 5003)):
+            seen = []
+
+            def finish(parts):
+                seen.append(sum(p.numel() for p in parts))
+                for p in parts:
+                    if p.is_floating_point():
+                        p.div_(size)
+                    else:
+                        p.div_(size, rounding_mode="trunc")
+
+            mine = _inputs(rank, dtype, n) * (rank + 1)
+            total = sum(_inputs(r, dtype, n) * (r + 1) for r in range(size))
+            want = total / size if dtype.is_floating_point else total.div(size, rounding_mode="trunc")
+            if way in ("shared", "shared inputs"):
+                mine.share_memory_()
+            if way in ("slots out of place", "shared inputs"):
+                result = torch.empty_like(mine)
+                node.allreduce(result, ReduceOp.SUM, source=mine, finish=finish)
+            else:
+                result = mine
+                node.allreduce(result, ReduceOp.SUM, finish=finish)
+            out[(str(dtype), way)] = (torch.equal(result, want), sum(seen), n)
+    return out
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_a_flat_allreduce_finishes_each_part_once_before_the_peers_copy_it(local_size):
+    results = _run_node(local_size, _flat_allreduce_finished_by_parts)
+    for key in results[0]:
+        assert all(r[key][0] for r in results), (key, [r[key] for r in results])
+        seen = [r[key][1] for r in results]
+        n = results[0][key][2]
+        if key[1] in ("slots", "slots out of place", "shared"):  # each rank its part, every part once
+            assert sum(seen) == n and max(seen) < n, (key, seen)
+        else:  # every rank reduced the whole message
+            assert seen == [n] * local_size, (key, seen)
+
+
 def test_allreduce_tensors_refuses_what_does_not_fit_and_a_closed_group():
     for (fits, too_big), errors, small in _run_node(2, _too_big_then_fine, slot_bytes=64 << 10):
         assert fits and not too_big

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -75,8 +75,7 @@ class Executor:
             if buf is not src and desc.prescale == 1.0:
                 # out of place: the transport reads the input and writes the output (no copy between them)
                 t_copied = time.perf_counter() if timeline is not None else 0.0
-                comm.allreduce_into(src, buf, desc.reduce_op)
-                postscale([buf], desc, self._size)
+                comm.allreduce_into(src, buf, desc.reduce_op, self._finish(desc))
             else:
                 if buf is not src:
                     buf.copy_(src)
@@ -91,15 +90,13 @@ class Executor:
             # joined rank takes this way too, with zeros (every rank must: the transport scales each
             # rank's reduced part before the peers copy it)
             t_copied = t_start
-            scaled = desc.reduce_op is ReduceOp.AVERAGE or desc.postscale != 1.0
             inputs = [req.tensor if req is not None else torch.zeros(d.shape, dtype=d.dtype)
                       for req, d in zip(requests, action.descs)]
             outputs = [req.output if req is not None else torch.empty_like(t) for req, t in zip(requests, inputs)]
             if action.shapes is None:  # the same every time a cached plan runs: its descriptions fixed them
                 action.shapes = tuple(t.shape for t in inputs)
             comm.allreduce_tensors(  # the scale runs on the reduced data, before it is copied out
-                inputs, outputs, desc.reduce_op,
-                (lambda reduced: postscale(reduced, desc, self._size)) if scaled else None, shapes=action.shapes,
+                inputs, outputs, desc.reduce_op, self._finish(desc), shapes=action.shapes,
             )
             t_reduced = time.perf_counter() if timeline is not None else 0.0
             self.tick_bytes += action.nbytes
@@ -141,8 +138,15 @@ class Executor:
     def _reduce(self, buf: torch.Tensor, desc: OpDesc) -> None:
         if desc.prescale != 1.0:
             buf.mul_(desc.prescale)
-        self.comm.allreduce(buf, desc.reduce_op)
-        postscale([buf], desc, self._size)
+        self.comm.allreduce(buf, desc.reduce_op, self._finish(desc))
+
+    def _finish(self, desc: OpDesc) -> Optional[Callable[[list[torch.Tensor]], None]]:
+        """Averaging's division and the postscale factor of ``desc``'s allreduce, for the transport to run
+        on the reduced data (on each rank's part before the peers copy it, where it can); None if none."""
+        if desc.reduce_op is not ReduceOp.AVERAGE and desc.postscale == 1.0:
+            return None
+        size = self._size
+        return lambda reduced: postscale(reduced, desc, size)
 
     # -- every other op ------------------------------------------------------------------------
     def run_one(self, action: Action, request: Request) -> None:

@@ -228,17 +228,34 @@ class Communicator:
             return
         first_serving(self._allreduces, flags, ReduceOp.BAND).run(flags, ReduceOp.BAND)
 
-    def allreduce(self, tensor: torch.Tensor, op: Reduction) -> None:
-        """Reduce ``tensor`` in place across all ranks with ``op`` (averaging is a sum here: the engine
-        divides afterwards; Adasum is its own strategy)."""
+    def allreduce(self, tensor: torch.Tensor, op: Reduction, finish: Optional[Finish] = None) -> None:
+        """Reduce ``tensor`` in place across all ranks with ``op`` (averaging is a sum here; Adasum is its
+        own strategy). ``finish`` (elementwise, in place, on a list of tensors: averaging's division) runs
+        on the result: on each rank's reduced part before the peers copy it where the strategy
+        :attr:`~AllreduceStrategy.folds_finish` (one pass over 1/n of the data, in cache, instead of one
+        over all of it), else on the whole tensor afterwards."""
         transport_op = TRANSPORT_OPS[op]
-        first_serving(self._allreduces, tensor, transport_op).run(tensor, transport_op)
+        strategy = first_serving(self._allreduces, tensor, transport_op)
+        if finish is not None and strategy.folds_finish:
+            strategy.run(tensor, transport_op, finish)  # type: ignore[call-arg]
+            return
+        strategy.run(tensor, transport_op)
+        if finish is not None:
+            finish([tensor])
 
-    def allreduce_into(self, source: torch.Tensor, output: torch.Tensor, op: Reduction) -> None:
+    def allreduce_into(
+        self, source: torch.Tensor, output: torch.Tensor, op: Reduction, finish: Optional[Finish] = None,
+    ) -> None:
         """Reduce ``source`` across all ranks into ``output`` (same shape and dtype, not overlapping it),
         as :meth:`allreduce`; strategies that can read ``source`` directly skip copying it into ``output``."""
         transport_op = TRANSPORT_OPS[op]
-        first_serving(self._allreduces, output, transport_op).run_into(source, output, transport_op)
+        strategy = first_serving(self._allreduces, output, transport_op)
+        if finish is not None and strategy.folds_finish:
+            strategy.run_into(source, output, transport_op, finish)
+            return
+        strategy.run_into(source, output, transport_op)
+        if finish is not None:
+            finish([output])
 
     @property
     def fused_message_bytes(self) -> int:

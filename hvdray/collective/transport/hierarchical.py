@@ -42,13 +42,15 @@ class HierarchicalAllreduce(SharedMemoryAllreduce):
         super().__init__(node)
         self._cross = tuple(cross)
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def run(self, tensor: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None) -> None:
         node, cross = self._node, self._cross_step(op)
-        on_contiguous(tensor, lambda flat: node.allreduce(flat, op, cross))
+        on_contiguous(tensor, lambda flat: node.allreduce(flat, op, cross, finish=finish))
 
-    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+    def run_into(
+        self, source: torch.Tensor, output: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None,
+    ) -> None:
         # the shared-memory parent reads ``source`` directly but has no cross-node step: copy, then run
-        AllreduceStrategy.run_into(self, source, output, op)
+        AllreduceStrategy.run_into(self, source, output, op, finish)
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,

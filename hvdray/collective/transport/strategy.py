@@ -26,6 +26,9 @@ class AllreduceStrategy:
     name: ClassVar[str] = "allreduce"
     #: the largest list of tensors (in bytes) :meth:`run_tensors` takes as one message; 0: none
     fused_message_bytes: int = 0
+    #: whether :meth:`run` and :meth:`run_into` take a ``finish`` to run on each part a rank reduced (see
+    #: ``Communicator.allreduce``); the communicator runs it on the whole result after the others
+    folds_finish: ClassVar[bool] = False
 
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         """Whether this strategy runs the allreduce of ``tensor`` with ``op``."""
@@ -35,11 +38,17 @@ class AllreduceStrategy:
         """Reduce ``tensor`` in place across every rank."""
         raise NotImplementedError
 
-    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+    def run_into(
+        self, source: torch.Tensor, output: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None,
+    ) -> None:
         """Reduce ``source`` across every rank into ``output`` (same shape and dtype, no overlap); a
-        strategy that reads its input and writes its result in separate passes overrides this copy."""
+        strategy that reads its input and writes its result in separate passes overrides this copy.
+        ``finish`` only where the strategy :attr:`folds_finish`."""
         output.copy_(source)
-        self.run(output, op)
+        if finish is None:
+            self.run(output, op)
+        else:
+            self.run(output, op, finish)  # type: ignore[call-arg]
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,

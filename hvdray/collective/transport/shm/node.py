@@ -163,12 +163,15 @@ class NodeCollectives:
     # ctypes releases the GIL for it); reductions are torch ops on views of the slots.
     def allreduce(
         self, flat: torch.Tensor, op: ReduceOp.RedOpType, cross: Optional[CrossReduce] = None,
-        source: Optional[torch.Tensor] = None,
+        source: Optional[torch.Tensor] = None, finish: Optional[Finish] = None,
     ) -> None:
         """Reduce the contiguous 1-D ``flat`` in place across the local ranks (and ``cross``, if given,
         across nodes: it is called on this rank's reduced part of every piece). With ``source`` (contiguous,
         1-D, ``flat``'s size and dtype, not overlapping it) the reduction reads this rank's data from
-        ``source`` and writes the result to ``flat``, without copying ``source`` into ``flat`` first."""
+        ``source`` and writes the result to ``flat``, without copying ``source`` into ``flat`` first.
+        ``finish`` (elementwise, in place, on a list of tensors: averaging's division) runs on each part a
+        rank reduced, after ``cross``, while it is still in the core's cache and before the peers copy it,
+        instead of on the whole result afterwards."""
         reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"op {op} is not supported by the shared-memory transport")
@@ -180,11 +183,13 @@ class NodeCollectives:
                 f"got {source.dtype} {tuple(source.shape)}"
             )
         if cross is None and flat.numel() * flat.element_size() <= min(SMALL_ALLREDUCE_BYTES, self.slot_bytes):
-            self._run(lambda: self._allreduce_small(flat, source, reducer))
+            self._run(lambda: self._allreduce_small(flat, source, reducer, finish))
         else:
-            self._run(lambda: self._allreduce(flat, source, reducer, cross))
+            self._run(lambda: self._allreduce(flat, source, reducer, cross, finish))
 
-    def _allreduce_small(self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
+    def _allreduce_small(
+        self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor], finish: Optional[Finish],
+    ) -> None:
         """One round, one barrier: every rank publishes its whole message and reduces all of them, in
         rank order (so the results are bit-identical). Cheaper than two barriers for small messages."""
         half, nbytes, n = self.next_half(), flat.numel() * flat.element_size(), flat.numel()
@@ -194,10 +199,12 @@ class NodeCollectives:
         memmove(flat.data_ptr(), self._base + self._slot_offset(half, 0), nbytes)
         for peer in range(1, self.local_size):
             reducer(flat, slots[peer][:n], out=flat)
+        if finish is not None:
+            finish([flat])
 
     def _allreduce(
         self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor],
-        cross: Optional[CrossReduce],
+        cross: Optional[CrossReduce], finish: Optional[Finish],
     ) -> None:
         # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes)
         place = self.adoption.place(source) if source is flat or cross is None else None
@@ -206,16 +213,16 @@ class NodeCollectives:
         places = self._agree_on_places(place, lambda h=half: self._expose(source, pieces[0], h))
         if places is not None:
             if source is flat:
-                allreduce_shared_tensors(self, flat, places, reducer, cross)
+                allreduce_shared_tensors(self, flat, places, reducer, cross, finish)
             else:
-                allreduce_shared_inputs(self, flat, source, places, reducer)
+                allreduce_shared_inputs(self, flat, source, places, reducer, finish)
             return
         for i, piece in enumerate(pieces):
             if i:
                 half = self.next_half()
                 self._expose(source, piece, half)
                 self.barrier.wait()
-            self._reduce_piece(flat, source, piece, half, reducer, cross)
+            self._reduce_piece(flat, source, piece, half, reducer, cross, finish)
 
     def _agree_on_places(
         self, place: Optional[TensorPlace], expose_first: Callable[[], None],
@@ -250,7 +257,7 @@ class NodeCollectives:
 
     def _reduce_piece(
         self, flat: torch.Tensor, source: torch.Tensor, piece: tuple[int, int], half: int,
-        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce],
+        reducer: Callable[..., torch.Tensor], cross: Optional[CrossReduce], finish: Optional[Finish],
     ) -> None:
         """After the peers exposed ``piece``: reduce this rank's part of ``source`` and the peers' slots
         into ``flat`` and publish it, then collect the others' parts. Without ``cross`` the part goes in
@@ -274,6 +281,8 @@ class NodeCollectives:
                 reducer(acc, peer[a:b], out=acc)
             if cross is not None:
                 cross(acc)  # the same local rank on every node holds the same part: sizes agree
+            if finish is not None:
+                finish([acc])
             memmove(own_at + a * isz, piece_at + a * isz, (b - a) * isz)
         self.barrier.wait()
         for peer in range(size):

@@ -28,6 +28,7 @@ from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPla
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
+    from hvdray.collective.transport.strategy import Finish
 
 #: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
 PEER_STORAGES_PER_RANK = 4
@@ -41,13 +42,14 @@ _RECENT_STORAGES = 16
 
 def allreduce_shared_tensors(
     node: "NodeCollectives", flat: torch.Tensor, places: list[TensorPlace], reducer: Callable[..., torch.Tensor],
-    cross: Optional["CrossReduce"],
+    cross: Optional["CrossReduce"], finish: Optional["Finish"] = None,
 ) -> None:
     """Every local rank's tensor lives in shared memory: no slots, no second barrier. Each rank
     reduces its part block by block (its own block plus that block of every peer's tensor) and
     writes the sum, still in the core's cache, into every peer's tensor; the ranks touch disjoint
     parts, so the only wait is the last barrier, after which every tensor holds the whole result.
-    With ``cross`` the part is reduced whole, handed to it, then written to the peers."""
+    With ``cross`` the part is reduced whole, handed to it, then written to the peers. ``finish`` runs
+    on each reduced block (after ``cross``) before it is written to the peers."""
     me, size, isz = node.local_rank, node.local_size, flat.element_size()
     views = _every_ranks_tensor(node, flat, places)
     peers = [view for rank, view in enumerate(views) if rank != me]
@@ -61,10 +63,14 @@ def allreduce_shared_tensors(
         for other in others:
             reducer(block, other[a : a + step], out=block)
         if cross is None:
+            if finish is not None:
+                finish([block])
             for other in others:
                 memmove(other.data_ptr() + a * isz, block.data_ptr(), block.numel() * isz)
     if cross is not None and hi > lo:
         cross(acc)
+        if finish is not None:
+            finish([acc])
         for other in others:
             memmove(other.data_ptr(), acc.data_ptr(), (hi - lo) * isz)
     node.barrier.wait()
@@ -72,7 +78,7 @@ def allreduce_shared_tensors(
 
 def allreduce_shared_inputs(
     node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
-    reducer: Callable[..., torch.Tensor],
+    reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
 ) -> None:
     """Out of place, every local rank's input in shared memory: each rank reduces the whole message
     straight from every rank's input into its own output, in local-rank order (so every rank's result
@@ -86,6 +92,8 @@ def allreduce_shared_inputs(
         reducer(inputs[0], inputs[1], out=out)
         for other in inputs[2:]:
             reducer(out, other, out=out)
+    if finish is not None:
+        finish([out])
     node.barrier.wait()
 
 

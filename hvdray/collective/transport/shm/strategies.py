@@ -35,15 +35,19 @@ class SharedMemoryAllreduce(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return tensor.numel() > 0
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
-        node = self._node
-        on_contiguous(tensor, lambda flat: node.allreduce(flat, op))
+    folds_finish = True
 
-    def run_into(self, source: torch.Tensor, output: torch.Tensor, op: TransportOp) -> None:
+    def run(self, tensor: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None) -> None:
+        node = self._node
+        on_contiguous(tensor, lambda flat: node.allreduce(flat, op, finish=finish))
+
+    def run_into(
+        self, source: torch.Tensor, output: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None,
+    ) -> None:
         if source.is_contiguous() and output.is_contiguous():  # no copy of source into output first
-            self._node.allreduce(output.view(-1), op, source=source.view(-1))
+            self._node.allreduce(output.view(-1), op, source=source.view(-1), finish=finish)
         else:
-            super().run_into(source, output, op)
+            super().run_into(source, output, op, finish)
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,
