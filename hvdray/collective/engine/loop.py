@@ -49,9 +49,8 @@ _SAME_MODE = contextlib.nullcontext()
 
 class _CallerWaits(threading.local):
     """Set on a thread while it submits the op of a blocking call (``hvdray.collective.ops.call_blocking``,
-    :meth:`Engine.submit_and_wait`):
-    its own wait on the op comes next, so the submission does not wake the engine thread; the wait runs
-    the tick on this thread if the engine thread sleeps, or wakes it."""
+    :meth:`Engine.submit_and_wait`): its own wait on the op comes next, so the submission does not wake
+    the engine thread; the wait runs the tick on this thread if the engine thread sleeps, or wakes it."""
 
     next = False
 
