@@ -18,7 +18,7 @@ import torch
 
 from hvdray.collective import session
 from hvdray.collective.transport import GLOO_DTYPES
-from hvdray.collective.engine import CALLER_WAITS, Engine, Handle, Request
+from hvdray.collective.engine import Engine, Handle, Request, submit_to_wait
 from hvdray.collective.errors import UnsupportedReductionError
 from hvdray.collective.process_sets import ProcessSet, resolve
 from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc
@@ -72,13 +72,7 @@ def call_blocking(start: Callable[..., OpHandle], *args: Any, **kwargs: Any) -> 
     submission does not wake the engine thread, since this thread waits on the op at once, and that
     wait runs the engine's tick on this thread when the engine thread sleeps: no hand-off to the engine
     thread and back (see ``Engine._tick_for``)."""
-    waits = CALLER_WAITS
-    waits.next = True
-    try:
-        handle = start(*args, **kwargs)
-    finally:
-        waits.next = False
-    return synchronize(handle)
+    return synchronize(submit_to_wait(start, *args, **kwargs))
 
 
 def call_async(start: Callable[..., OpHandle], *args: Any, **kwargs: Any) -> OpHandle:

@@ -3,7 +3,7 @@ and runs ops. :mod:`.loop` holds the :class:`Engine`; the other modules are its 
 
 from hvdray.collective.engine.execute import EngineStats
 from hvdray.collective.engine.handle import Handle, Request
-from hvdray.collective.engine.loop import CALLER_WAITS, Engine
+from hvdray.collective.engine.loop import Engine, submit_to_wait
 from hvdray.collective.protocol import GENERATED_NAME_MARK
 
-__all__ = ["CALLER_WAITS", "Engine", "EngineStats", "GENERATED_NAME_MARK", "Handle", "Request"]
+__all__ = ["Engine", "EngineStats", "GENERATED_NAME_MARK", "Handle", "Request", "submit_to_wait"]

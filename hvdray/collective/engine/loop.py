@@ -19,7 +19,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -57,6 +57,19 @@ class _CallerWaits(threading.local):
 
 #: per thread: whether the op being submitted is waited on at once (see :class:`_CallerWaits`)
 CALLER_WAITS = _CallerWaits()
+
+_T = TypeVar("_T")
+
+
+def submit_to_wait(submit: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``submit(*args, **kwargs)`` (whatever submits a blocking call's op: ``Engine.submit``, an
+    ``*_async`` function) with :data:`CALLER_WAITS` set: the caller waits on what it returns at once."""
+    waits = CALLER_WAITS
+    waits.next = True
+    try:
+        return submit(*args, **kwargs)
+    finally:
+        waits.next = False
 
 
 class Engine:
@@ -159,13 +172,7 @@ class Engine:
 
     def submit_and_wait(self, request: Request) -> Any:
         """Submit ``request`` and wait for its result (a blocking op's whole life: see :data:`CALLER_WAITS`)."""
-        waits = CALLER_WAITS
-        waits.next = True
-        try:
-            handle = self.submit(request)
-        finally:
-            waits.next = False
-        return handle.wait()
+        return submit_to_wait(self.submit, request).wait()
 
     def _wake_if_due(self) -> None:
         """After queueing (under the lock): wake a sleeping engine once what is queued is worth a tick,
