@@ -130,7 +130,7 @@ class _Recording(AllreduceStrategy):
     def serves(self, tensor, op):
         return tensor.numel() in self._numels
 
-    def run(self, tensor, op):
+    def reduce(self, tensor, op):
         self._ran.append(self.name)
 
 

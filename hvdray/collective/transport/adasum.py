@@ -66,7 +66,7 @@ class AdasumAllreduce(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return op is _ADASUM
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         gathered = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
         first_serving(self._allgather, tensor).run(tensor, gathered)
         tensor.copy_(adasum_tree(list(gathered.unbind(0))))

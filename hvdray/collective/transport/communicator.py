@@ -231,17 +231,11 @@ class Communicator:
     def allreduce(self, tensor: torch.Tensor, op: Reduction, finish: Optional[Finish] = None) -> None:
         """Reduce ``tensor`` in place across all ranks with ``op`` (averaging is a sum here; Adasum is its
         own strategy). ``finish`` (elementwise, in place, on a list of tensors: averaging's division) runs
-        on the result: on each rank's reduced part before the peers copy it where the strategy
-        :attr:`~AllreduceStrategy.folds_finish` (one pass over 1/n of the data, in cache, instead of one
-        over all of it), else on the whole tensor afterwards."""
+        on the result: the shared-memory strategies run it on each rank's reduced part before the peers
+        copy it (one pass over 1/n of the data, in cache), the others on the whole tensor afterwards
+        (:meth:`AllreduceStrategy.run`)."""
         transport_op = TRANSPORT_OPS[op]
-        strategy = first_serving(self._allreduces, tensor, transport_op)
-        if finish is not None and strategy.folds_finish:
-            strategy.run(tensor, transport_op, finish)  # type: ignore[call-arg]
-            return
-        strategy.run(tensor, transport_op)
-        if finish is not None:
-            finish([tensor])
+        first_serving(self._allreduces, tensor, transport_op).run(tensor, transport_op, finish)
 
     def allreduce_into(
         self, source: torch.Tensor, output: torch.Tensor, op: Reduction, finish: Optional[Finish] = None,
@@ -249,13 +243,7 @@ class Communicator:
         """Reduce ``source`` across all ranks into ``output`` (same shape and dtype, not overlapping it),
         as :meth:`allreduce`; strategies that can read ``source`` directly skip copying it into ``output``."""
         transport_op = TRANSPORT_OPS[op]
-        strategy = first_serving(self._allreduces, output, transport_op)
-        if finish is not None and strategy.folds_finish:
-            strategy.run_into(source, output, transport_op, finish)
-            return
-        strategy.run_into(source, output, transport_op)
-        if finish is not None:
-            finish([output])
+        first_serving(self._allreduces, output, transport_op).run_into(source, output, transport_op, finish)
 
     @property
     def fused_message_bytes(self) -> int:

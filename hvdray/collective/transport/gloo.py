@@ -179,7 +179,7 @@ class GlooGatherReduce(AllreduceStrategy):
             and op in REDUCERS
         )
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         if tensor.numel():
             reducer = REDUCERS[op]
             on_contiguous(tensor, lambda flat: self._gather_reduce(flat, reducer))
@@ -239,7 +239,7 @@ class GlooRecursiveDoubling(AllreduceStrategy):
             and tensor.numel() * tensor.element_size() <= RECURSIVE_DOUBLING_BYTES
         )
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         if tensor.numel():
             reducer = REDUCERS[op]
             on_contiguous(tensor, lambda flat: self._run(flat, reducer))
@@ -270,7 +270,7 @@ class GlooRing(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return True
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         self._group.allreduce([tensor], opts).wait()

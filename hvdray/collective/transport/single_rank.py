@@ -33,7 +33,7 @@ class SingleRankAllreduce(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return True
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         return None
 
     def run_tensors(

@@ -61,7 +61,7 @@ class SocketRecursiveDoubling(AllreduceStrategy):
             and tensor.numel() * tensor.element_size() <= SOCKET_ALLREDUCE_BYTES
         )
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         if tensor.numel():
             reducer = REDUCERS[op]
             on_contiguous(tensor, lambda flat: _recursive_doubling(self._peers, flat, reducer))
@@ -113,7 +113,7 @@ class SocketHalvingDoubling(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return self._size > 1 and op in REDUCERS
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
         if tensor.numel():
             reducer = REDUCERS[op]
             on_contiguous(tensor, lambda flat: _halving_doubling(self._peers, flat, reducer, self._scratch))

@@ -26,29 +26,32 @@ class AllreduceStrategy:
     name: ClassVar[str] = "allreduce"
     #: the largest list of tensors (in bytes) :meth:`run_tensors` takes as one message; 0: none
     fused_message_bytes: int = 0
-    #: whether :meth:`run` and :meth:`run_into` take a ``finish`` to run on each part a rank reduced (see
-    #: ``Communicator.allreduce``); the communicator runs it on the whole result after the others
-    folds_finish: ClassVar[bool] = False
 
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         """Whether this strategy runs the allreduce of ``tensor`` with ``op``."""
         raise NotImplementedError
 
-    def run(self, tensor: torch.Tensor, op: TransportOp) -> None:
-        """Reduce ``tensor`` in place across every rank."""
+    def reduce(self, tensor: torch.Tensor, op: TransportOp) -> None:
+        """Reduce ``tensor`` in place across every rank (what :meth:`run` does before its ``finish``; a
+        strategy that overrides :meth:`run` needs none)."""
         raise NotImplementedError
+
+    def run(self, tensor: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None) -> None:
+        """Reduce ``tensor`` in place across every rank, then run ``finish`` (elementwise, in place, on a
+        list of tensors: averaging's division) on the result. A strategy that can finish each rank's
+        reduced part while it is in the core's cache, before the peers copy it, overrides this."""
+        self.reduce(tensor, op)
+        if finish is not None:
+            finish([tensor])
 
     def run_into(
         self, source: torch.Tensor, output: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None,
     ) -> None:
-        """Reduce ``source`` across every rank into ``output`` (same shape and dtype, no overlap); a
-        strategy that reads its input and writes its result in separate passes overrides this copy.
-        ``finish`` only where the strategy :attr:`folds_finish`."""
+        """Reduce ``source`` across every rank into ``output`` (same shape and dtype, no overlap), then
+        ``finish`` it as :meth:`run` does; a strategy that reads its input and writes its result in
+        separate passes overrides this copy."""
         output.copy_(source)
-        if finish is None:
-            self.run(output, op)
-        else:
-            self.run(output, op, finish)  # type: ignore[call-arg]
+        self.run(output, op, finish)
 
     def run_tensors(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: TransportOp,

@@ -35,8 +35,6 @@ class SharedMemoryAllreduce(AllreduceStrategy):
     def serves(self, tensor: torch.Tensor, op: TransportOp) -> bool:
         return tensor.numel() > 0
 
-    folds_finish = True
-
     def run(self, tensor: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None) -> None:
         node = self._node
         on_contiguous(tensor, lambda flat: node.allreduce(flat, op, finish=finish))
