@@ -11,7 +11,8 @@ give (``bandwidth.py``), the bus bandwidth of allreduce (in place and out of pla
 broadcast, hvdray and raw Gloo, (b) one step's gradient reduction for
 160 x 16 KB tensors and for ResNet-50's 161 parameter shapes, (c) training throughput of a small CNN
 and an MLP on scikit-learn's digits with ``DistributedOptimizer`` vs DDP, with 1 and ``--workers``
-workers (alternating round by round), and the scaling efficiency between them, and (d) the
+workers (alternating round by round), and the scaling efficiency between them, beside the ceiling: each
+worker training alone with a plain optimizer, exchanging nothing, and (d) the
 time from starting workers to the first finished allreduce (hvdray's ``RayExecutor`` vs plain Ray
 actors with ``init_process_group``), and (e) the CPU an idle engine thread uses. Horovod itself is not measured: its Gloo controller needs its own
 launcher and cannot join workers that hvdray started (``meta.horovod`` says whether it is installed).

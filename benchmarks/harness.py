@@ -62,9 +62,14 @@ def timed(fn: Callable[[], Any], iterations: int) -> float:
 MODELS = ("cnn", "mlp")
 
 
+#: the training rows' ceiling: every worker trains its own copy and exchanges nothing (what any
+#: data-parallel implementation reaches at best with these workers on this machine)
+NO_EXCHANGE = "no gradient exchange (ceiling)"
+
+
 def training_round(steps: int, batch: int, model_name: str = "cnn") -> dict[str, float]:
-    """Samples per second of ``model_name`` (:data:`MODELS`) on scikit-learn's digits, with DDP and with
-    DistributedOptimizer."""
+    """Samples per second of ``model_name`` (:data:`MODELS`) on scikit-learn's digits, with DDP, with
+    DistributedOptimizer, and with a plain optimizer that exchanges nothing (:data:`NO_EXCHANGE`)."""
     import torch
     from sklearn.datasets import load_digits
     from torch.nn.parallel import DistributedDataParallel
@@ -100,6 +105,8 @@ def training_round(steps: int, batch: int, model_name: str = "cnn") -> dict[str,
     hvd_opt = hvd.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), named_parameters=net.named_parameters()
     )
+    alone = model()
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=0.05, momentum=0.9)
 
     def step(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
         position = [0]
@@ -116,6 +123,7 @@ def training_round(steps: int, batch: int, model_name: str = "cnn") -> dict[str,
     return {
         "DDP (gloo)": batch * hvd.size() / timed(step(ddp, ddp_opt), steps),
         "hvdray DistributedOptimizer": batch * hvd.size() / timed(step(net, hvd_opt), steps),
+        NO_EXCHANGE: batch * hvd.size() / timed(step(alone, alone_opt), steps),
     }
 
 
