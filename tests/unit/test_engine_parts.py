@@ -195,3 +195,28 @@ def test_a_closed_step_is_learned_and_forgotten():
     assert step.submitted_whole()
     step.forget()
     assert step.expected == frozenset() and step.missing() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [2, 3, 4, 6, 8, 1024])
+def test_a_float_average_is_the_sums_quotient_for_every_size(dtype, size):
+    """``postscale`` multiplies by 1/size where the size is a power of two (exact, and faster) and divides
+    otherwise: either way every element is exactly what dividing the sum by the size gives, subnormal
+    quotients, signed zeros and infinities included."""
+    from hvdray.collective.engine.execute import postscale
+
+    g = torch.Generator().manual_seed(size)
+    info = torch.finfo(dtype)
+    sums = torch.cat([
+        torch.randn(4096, generator=g, dtype=torch.float64) * 1e3,
+        torch.rand(4096, generator=g, dtype=torch.float64) * info.tiny * 8,  # quotients below the normal range
+        torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_normal / 3, float("inf")],
+                     dtype=torch.float64),
+    ]).to(dtype)
+    bufs = [sums[:5000].clone(), sums[5000:].clone()]
+    postscale(bufs, allreduce("avg", sums.shape, dtype, ReduceOp.AVERAGE), size)
+    averaged = torch.cat(bufs)
+    assert torch.equal(averaged, sums / size)
+    assert torch.equal(torch.signbit(averaged), torch.signbit(sums / size))
+    if size & (size - 1) == 0:  # the exact quotient, rounded once
+        assert torch.equal(averaged, (sums.double() / size).to(dtype))

@@ -249,14 +249,19 @@ def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
     and converts back, which truncates too). A float average without a postscale factor divides by the
     size: the correctly rounded quotient, as Horovod's scaling by 1/size in double gives, where multiplying
     by 1/size in the tensor's own precision is one ulp off for about a third of the elements when the
-    size is not a power of two."""
+    size is not a power of two. When it is, 1/size is exact in every float dtype and the product is that
+    same quotient, at about twice a division's speed (a division is the slowest part of a fused step's
+    reduction while its data is in the cache)."""
     average = desc.reduce_op is ReduceOp.AVERAGE
     if average and not bufs[0].is_floating_point():
         if size != 1:
             for buf in bufs:
                 buf.div_(size, rounding_mode="trunc")
     elif average and desc.postscale == 1.0:
-        if size != 1:
+        if size & (size - 1) == 0:  # a power of two (1 included: nothing to scale)
+            if size != 1:
+                torch._foreach_mul_(bufs, 1.0 / size)
+        else:
             torch._foreach_div_(bufs, float(size))
     elif average or desc.postscale != 1.0:
         factor = desc.postscale / size if average else desc.postscale
