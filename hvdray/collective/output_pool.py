@@ -16,6 +16,11 @@ allocator first.
 
 What differs from ``torch.empty``: such an output's storage cannot be resized (``resize_`` to a larger
 size raises; ``share_memory_`` and everything else work).
+
+Where the job's ranks on a node share memory (``shared=True``), blocks live in torch shared memory
+(:class:`~hvdray.collective.transport.shm.shared_tensors.SharedBlocks`), as long as ``/dev/shm`` has
+room: an out-of-place allreduce then writes each rank's reduced part straight into its output, and the
+peers copy it from there, one copy fewer than through the node's slots.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
+
+from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS
 
 #: outputs smaller than this come from torch.empty (glibc keeps small blocks warm by itself)
 MIN_BYTES = 1 << 20
@@ -38,8 +45,9 @@ ALIGNMENT = 64
 class OutputPool:
     """Collective outputs of :data:`MIN_BYTES` and more, on blocks used again once their tensors die."""
 
-    def __init__(self, idle_limit_bytes: int) -> None:
+    def __init__(self, idle_limit_bytes: int, shared: bool = False) -> None:
         self.idle_limit_bytes = idle_limit_bytes
+        self.shared = shared  # blocks in shared memory where there is room (see the module's notes)
         self._lock = threading.RLock()  # a lease may end (and give its block back) inside empty()
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
@@ -58,6 +66,8 @@ class OutputPool:
                     del self._idle[nbytes]
                 self._idle_bytes -= nbytes
                 self.reused += 1
+        if block is None and self.shared:
+            block = SHARED_BLOCKS.allocate(nbytes)  # page-aligned
         if block is None:
             raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
             start = -raw.ctypes.data % ALIGNMENT
@@ -74,16 +84,19 @@ class OutputPool:
         nbytes = block.nbytes
         with self._lock:
             if nbytes > self.idle_limit_bytes:
+                SHARED_BLOCKS.release(block)
                 return
             blocks = self._idle.pop(nbytes, [])
             self._idle[nbytes] = blocks  # the most recently freed size last
             if len(blocks) >= IDLE_BLOCKS_PER_SIZE:
+                SHARED_BLOCKS.release(block)
                 return
             blocks.append(block)
             self._idle_bytes += nbytes
             while self._idle_bytes > self.idle_limit_bytes:  # the sizes freed longest ago go first
                 oldest = next(iter(self._idle))
                 dropped = self._idle[oldest].pop(0)
+                SHARED_BLOCKS.release(dropped)
                 self._idle_bytes -= dropped.nbytes
                 if not self._idle[oldest]:
                     del self._idle[oldest]
@@ -98,5 +111,8 @@ class OutputPool:
         are not affected; their blocks go back to the allocator when they die)."""
         with self._lock:
             self.idle_limit_bytes = 0
+            for blocks in self._idle.values():
+                for block in blocks:
+                    SHARED_BLOCKS.release(block)
             self._idle.clear()
             self._idle_bytes = 0

@@ -81,6 +81,36 @@ def test_reinit_maps_a_fresh_segment_and_drops_the_old_one(node_ex):
             assert len(first) == len(second) == 1 and first != second
 
 
+def test_out_of_place_results_live_in_shared_memory_and_are_reduced_there(node_ex):
+    """An out-of-place allreduce's result comes from the output pool, which on a node of several ranks
+    places it in shared memory: every rank writes its reduced part straight into its own result and the
+    peers copy it from there (sums and averages, larger than the 1 MiB segment, again on the pool's warm
+    block); a result still held keeps its block, and a job of one rank keeps private memory."""
+
+    def run():
+        import torch
+
+        from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS, shared_place
+
+        hvd = checks.init()
+        n, r = hvd.size(), hvd.rank()
+        values = (torch.arange(3 << 20) % 4096).float()  # 12 MiB; every sum exact in float32
+        x, want = values * (r + 1), values * (n * (n + 1) // 2)
+        ok = []
+        for _ in range(2):  # the second on the block the first one's result gave back
+            total = hvd.allreduce(x, name="sum", op=hvd.Sum)
+            average = hvd.allreduce(x, name="average")
+            ok.append(torch.equal(total, want) and torch.equal(average, want / n) and torch.equal(x, values * (r + 1)))
+            shared = [shared_place(total) is not None, shared_place(average) is not None]
+            del total, average
+        return checks.transport(), ok, shared, len(SHARED_BLOCKS)
+
+    n = node_ex.num_workers
+    for transport, ok, shared, blocks in node_ex.run(run):
+        assert ok == [True, True]
+        assert shared == [n > 1, n > 1] and (blocks > 0) == (n > 1)
+
+
 def test_shm_transport_off_uses_gloo(make_executor):
     ex = make_executor(settings=_settings(shm_transport=False), num_workers=2, cpus_per_worker=0.5)
 

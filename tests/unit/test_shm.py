@@ -402,7 +402,7 @@ def _flat_allreduce_finished_by_parts(node, rank, size):
     out = {}
     for dtype in (torch.float64, torch.int64):
         for way, n in (("small", 17), ("slots", 5003), ("slots out of place", 5003), ("shared", 5003),
-                       ("shared inputs", 5003)):
+                       ("shared inputs", 5003), ("shared outputs", 5003)):
             seen = []
 
             def finish(parts):
@@ -418,8 +418,10 @@ def _flat_allreduce_finished_by_parts(node, rank, size):
             want = total / size if dtype.is_floating_point else total.div(size, rounding_mode="trunc")
             if way in ("shared", "shared inputs"):
                 mine.share_memory_()
-            if way in ("slots out of place", "shared inputs"):
+            if way in ("slots out of place", "shared inputs", "shared outputs"):
                 result = torch.empty_like(mine)
+                if way == "shared outputs":
+                    result.share_memory_()
                 node.allreduce(result, ReduceOp.SUM, source=mine, finish=finish)
             else:
                 result = mine
@@ -435,7 +437,7 @@ def test_a_flat_allreduce_finishes_each_part_once_before_the_peers_copy_it(local
         assert all(r[key][0] for r in results), (key, [r[key] for r in results])
         seen = [r[key][1] for r in results]
         n = results[0][key][2]
-        if key[1] in ("slots", "slots out of place", "shared"):  # each rank its part, every part once
+        if key[1] in ("slots", "slots out of place", "shared", "shared outputs"):  # each its part, each part once
             assert sum(seen) == n and max(seen) < n, (key, seen)
         else:  # every rank reduced the whole message
             assert seen == [n] * local_size, (key, seen)
@@ -650,6 +652,64 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
         assert most_mapped == local_size - 1  # each op shared a fresh tensor: the freed ones were unmapped
         assert mixed_ok
     assert len({r[3] for r in results}) == 1
+
+
+def _shared_outputs(node, rank, size):
+    """Out of place into outputs in shared memory (torch's, and blocks of SHARED_BLOCKS as the output pool
+    makes them) from private inputs: every rank reduces its part straight into its output, none through
+    the slots' publishing copy (``_reduce_piece`` never runs), with the copying way's results bit for bit;
+    where the ranks disagree (some outputs private, or some inputs shared instead) every rank copies."""
+    from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS
+
+    copying_pieces = []
+    original = node._reduce_piece
+    node._reduce_piece = lambda *a, **k: (copying_pieces.append(1), original(*a, **k))
+    failures = []
+    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                      (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]:
+        for n in (9001, 40_000):  # several 8 KiB slots' worth: several pieces
+            source = _inputs(rank, dtype, n)
+            out = torch.empty(n, dtype=dtype).share_memory_()
+            node.allreduce(out, op, source=source)
+            stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+            want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+            if not np.array_equal(out.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+                failures.append((str(dtype), str(op), n))
+    direct_pieces = len(copying_pieces)
+    # floats: bit-identical with the copying way, into a registered block as the output pool hands out
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(30_001)).float()
+    block = SHARED_BLOCKS.allocate(x.numel() * 4)
+    pooled = torch.from_numpy(block[:]).view(torch.float32)
+    node.allreduce(pooled, ReduceOp.SUM, source=x)
+    copied = torch.empty_like(x)
+    node.allreduce(copied, ReduceOp.SUM, source=x)
+    same_as_copying = torch.equal(pooled, copied)
+    del pooled
+    SHARED_BLOCKS.release(block)
+    # disagreements: rank 0's output alone shared; rank 0's input shared, the others' outputs
+    before = len(copying_pieces)
+    lone = torch.empty(20_000, dtype=torch.int32)
+    if rank == 0:
+        lone.share_memory_()
+    node.allreduce(lone, ReduceOp.SUM, source=_inputs(rank, torch.int32, 20_000))
+    crossed_in = _inputs(rank, torch.int32, 20_000)
+    crossed_out = torch.empty(20_000, dtype=torch.int32)
+    (crossed_in if rank == 0 else crossed_out).share_memory_()
+    node.allreduce(crossed_out, ReduceOp.SUM, source=crossed_in)
+    total = sum(_inputs(r, torch.int32, 20_000) for r in range(size))
+    disagreements_ok = torch.equal(lone, total) and torch.equal(crossed_out, total) and len(copying_pieces) > before
+    return failures, direct_pieces, same_as_copying, disagreements_ok, len(SHARED_BLOCKS)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_outputs_in_shared_memory_receive_the_reduced_parts_without_the_publishing_copy(local_size):
+    for failures, direct_pieces, same_as_copying, disagreements_ok, blocks_left in _run_node(
+        local_size, _shared_outputs
+    ):
+        assert failures == []
+        assert direct_pieces == 0  # every op above took the direct way
+        assert same_as_copying and disagreements_ok
+        assert blocks_left == 0
 
 
 def _reduce_and_check(node, rank, size, tensor, n, source=None):

@@ -139,8 +139,9 @@ class Engine:
             self.rank, self.size, fusion_threshold_bytes, stall_warning_s, stall_shutdown_s, cache_capacity, tuner
         )
         self._step = self._agreement.step
-        #: the memory of the tensors collectives return (out of place), used again once dropped
-        self.outputs = OutputPool(output_pool_bytes)
+        #: the memory of the tensors collectives return (out of place), used again once dropped; in shared
+        #: memory where the ranks are one node's, so that the peers read each other's outputs
+        self.outputs = OutputPool(output_pool_bytes, shared=comm.transport == "shm")
         self._executor = Executor(comm, self._agreement.planner, self.stats, self.outputs)
 
         # set from other threads (start/stop_timeline); the engine thread reads it once per tick

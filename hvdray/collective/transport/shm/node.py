@@ -36,14 +36,23 @@ from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, SMALL_ALLREDUCE_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import Segment, SharedMemoryError, TensorPlace
+from hvdray.collective.transport.shm.segment import (
+    PRIVATE,
+    SHARED_INPUT,
+    SHARED_OUTPUT,
+    Segment,
+    SharedMemoryError,
+    TensorPlace,
+)
 from hvdray.collective.transport.shm.shared_tensors import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
     SharedMemoryAdoption,
     allreduce_shared_inputs,
+    allreduce_shared_outputs,
     allreduce_shared_tensors,
     reducescatter_shared_inputs,
+    shared_place,
 )
 
 log = logging.getLogger(__name__)
@@ -206,13 +215,20 @@ class NodeCollectives:
         self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor],
         cross: Optional[CrossReduce], finish: Optional[Finish],
     ) -> None:
-        # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes)
+        # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes), else
+        # the output (the output pool's are, where the node's ranks share memory)
         place = self.adoption.place(source) if source is flat or cross is None else None
+        out_place = shared_place(flat) if place is None and source is not flat and cross is None else None
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
-        places = self._agree_on_places(place, lambda h=half: self._expose(source, pieces[0], h))
-        if places is not None:
-            if source is flat:
+        agreed = self._agree_on_places(place, lambda h=half: self._expose(source, pieces[0], h), out_place)
+        if agreed is not None:
+            what, places = agreed
+            if what == SHARED_OUTPUT:
+                allreduce_shared_outputs(
+                    self, flat, source, places, pieces, half, lambda p, h: self._expose(source, p, h), reducer,
+                    finish)
+            elif source is flat:
                 allreduce_shared_tensors(self, flat, places, reducer, cross, finish)
             else:
                 allreduce_shared_inputs(self, flat, source, places, reducer, finish)
@@ -225,22 +241,25 @@ class NodeCollectives:
             self._reduce_piece(flat, source, piece, half, reducer, cross, finish)
 
     def _agree_on_places(
-        self, place: Optional[TensorPlace], expose_first: Callable[[], None],
-    ) -> Optional[list[TensorPlace]]:
+        self, place: Optional[TensorPlace], expose_first: Callable[[], None], out_place: Optional[TensorPlace] = None,
+    ) -> Optional[tuple[int, list[TensorPlace]]]:
         """The first round of an op that may go straight between tensors in shared memory: publish where
-        this rank's tensor lives (``place``; None: private) and, if private, ``expose_first()`` its first
-        piece into the slots, then wait for every rank. Returns every rank's place when all are shared
-        (the caller takes the direct path), else None once the first piece of every rank is in the slots
-        (a shared rank exposes it too, then one more barrier, when the ranks disagree)."""
-        self.segment.publish_tensor(self.local_rank, place)
-        if place is None:
+        this rank's input lives (``place``; None: private) or else its output (``out_place``), and unless
+        the input is shared, ``expose_first()`` its first piece into the slots, then wait for every rank.
+        Returns what every rank published and where, when all published the same (the caller takes that
+        direct path: :data:`SHARED_INPUT` or :data:`SHARED_OUTPUT`), else None once the first piece of
+        every rank is in the slots (a rank with a shared input exposes it too, then one more barrier)."""
+        what = SHARED_INPUT if place is not None else SHARED_OUTPUT if out_place is not None else PRIVATE
+        self.segment.publish_tensor(self.local_rank, place or out_place, what)
+        if what != SHARED_INPUT:
             expose_first()
         self.barrier.wait()
-        places = [self.segment.published_tensor(r) for r in range(self.local_size)]
-        if all(p is not None for p in places):
-            return places
-        if any(p is not None for p in places):  # some ranks' tensors are shared, not all: copy them in too
-            if place is not None:
+        published = [self.segment.published_tensor(r) for r in range(self.local_size)]
+        kinds = {kind for kind, _ in published}
+        if kinds == {SHARED_INPUT} or kinds == {SHARED_OUTPUT}:
+            return what, [p for _, p in published]  # type: ignore[misc]
+        if SHARED_INPUT in kinds:  # some ranks' inputs are shared, not all: copy them in too
+            if what == SHARED_INPUT:
                 expose_first()
             self.barrier.wait()
         return None
@@ -420,10 +439,10 @@ class NodeCollectives:
         if not pieces:  # empty chunks on every rank alike
             return
         half = self.next_half()
-        places = self._agree_on_places(
+        agreed = self._agree_on_places(
             self.adoption.place(chunks), lambda h=half: self._expose_chunks(rows, pieces[0], h))
-        if places is not None:
-            reducescatter_shared_inputs(self, rows, out, places, reducer)
+        if agreed is not None:
+            reducescatter_shared_inputs(self, rows, out, agreed[1], reducer)
             return
         for i, (start, stop) in enumerate(pieces):
             if i:

@@ -38,6 +38,9 @@ CONTROL_STRIDE_BYTES = 64
 #: how long another job's segment whose creator is gone must lie untouched before a sweep deletes it
 OTHER_JOBS_STALE_S = 3600.0
 HEADER_BYTES = 4096
+#: what a rank publishes for its op (:meth:`Segment.publish_tensor`): nothing in shared memory, its input
+#: there, or only its output there
+PRIVATE, SHARED_INPUT, SHARED_OUTPUT = 0, 1, 2
 _MAGIC = 0x68766472  # "hvdr"
 #: syscall numbers of futex(2); the counters' memory ordering also relies on x86-64's total store order
 SYS_FUTEX = {"x86_64": 202, "amd64": 202}
@@ -188,22 +191,24 @@ class Segment:
             except FileNotFoundError:
                 pass
 
-    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"]) -> None:
-        """Say in ``local_rank``'s control block where its next op's tensor lives (None: private memory).
+    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"], what: int = SHARED_INPUT) -> None:
+        """Say in ``local_rank``'s control block where its next op's tensor lives: ``place`` is its input
+        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory; None: both private.
         Peers read it after the op's first barrier (:meth:`published_tensor`)."""
         at = _token_qword(local_rank)
         if place is None:
-            self._qwords[at] = 0
+            self._qwords[at] = PRIVATE
         else:
             self._qwords[at + 1 : at + 6] = array.array("Q", place)
-            self._qwords[at] = 1
+            self._qwords[at] = what
 
-    def published_tensor(self, local_rank: int) -> Optional["TensorPlace"]:
-        """What ``local_rank`` last published with :meth:`publish_tensor`."""
+    def published_tensor(self, local_rank: int) -> tuple[int, Optional["TensorPlace"]]:
+        """What ``local_rank`` last published with :meth:`publish_tensor`: which tensor, and where."""
         at = _token_qword(local_rank)
-        if not self._qwords[at]:
-            return None
-        return TensorPlace(*self._qwords[at + 1 : at + 6])
+        what = self._qwords[at]
+        if what == PRIVATE:
+            return PRIVATE, None
+        return what, TensorPlace(*self._qwords[at + 1 : at + 6])
 
     def buffer(self) -> memoryview:
         """The data area (after the header), for tensors that view the shared memory."""

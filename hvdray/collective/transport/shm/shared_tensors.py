@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
 import torch
 import torch.multiprocessing
 
@@ -94,6 +96,45 @@ def allreduce_shared_inputs(
             reducer(out, other, out=out)
     if finish is not None:
         finish([out])
+    node.barrier.wait()
+
+
+def allreduce_shared_outputs(
+    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
+    pieces: list[tuple[int, int]], half: int, expose: Callable[[tuple[int, int], int], None],
+    reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
+) -> None:
+    """Out of place, the inputs private but every local rank's output in shared memory (the output pool's
+    outputs, when the node's ranks share memory). The inputs go through the slots as on the copying way
+    (``expose(piece, half)``: the parts the peers reduce; the first piece's is in the slots already, in
+    ``half``), but each rank reduces its part straight into its own output, block by block (``finish`` on
+    each while in the core's cache), and the peers copy it from there: no copy into the slot to publish
+    it. The reduction order is the copying way's, so the results are the same bit for bit. A last barrier
+    keeps every output unchanged until every rank has copied from it."""
+    me, size, isz = node.local_rank, node.local_size, out.element_size()
+    outputs = _every_ranks_tensor(node, out, places)
+    step = max(1, REDUCE_BLOCK_BYTES // isz)
+    for i, (start, stop) in enumerate(pieces):
+        if i:
+            half = node.next_half()
+            expose((start, stop), half)
+            node.barrier.wait()
+        slots = node.slot_views(out.dtype)[half]
+        peers = [slots[peer] for peer in range(size) if peer != me]
+        bounds = part_bounds(stop - start, size, isz)
+        for a in range(bounds[me], bounds[me + 1], step):  # in the piece; the slots hold pieces
+            b = min(a + step, bounds[me + 1])
+            acc = out[start + a : start + b]
+            reducer(source[start + a : start + b], peers[0][a:b], out=acc)
+            for peer in peers[1:]:
+                reducer(acc, peer[a:b], out=acc)
+            if finish is not None:
+                finish([acc])
+        node.barrier.wait()
+        for peer in range(size):
+            if peer != me:
+                at = (start + bounds[peer]) * isz
+                memmove(out.data_ptr() + at, outputs[peer].data_ptr() + at, (bounds[peer + 1] - bounds[peer]) * isz)
     node.barrier.wait()
 
 
@@ -246,11 +287,7 @@ class SharedMemoryAdoption:
         return False
 
     def _room_for(self, nbytes: int) -> bool:
-        try:
-            fs = os.statvfs(self._shm_dir)
-        except OSError:
-            return False
-        return fs.f_bavail * fs.f_frsize >= nbytes + SHM_HEADROOM_BYTES
+        return room_in_shared_memory(nbytes, self._shm_dir)
 
     def _can_open_peers(self) -> bool:
         if self._peers_open is None:
@@ -266,13 +303,76 @@ class SharedMemoryAdoption:
         return self._peers_open
 
 
+def room_in_shared_memory(nbytes: int, shm_dir: str = "/dev/shm") -> bool:
+    """Whether ``shm_dir`` keeps room for ``nbytes`` more and :data:`SHM_HEADROOM_BYTES` beside them."""
+    try:
+        fs = os.statvfs(shm_dir)
+    except OSError:
+        return False
+    return fs.f_bavail * fs.f_frsize >= nbytes + SHM_HEADROOM_BYTES
+
+
+class SharedBlocks:
+    """Blocks of torch shared memory that this process hands out as ordinary tensors (the output pool's
+    outputs, over numpy arrays), by address: :func:`shared_place` finds a tensor that starts at one, so
+    that the node's ranks read each other's outputs directly although torch does not count those
+    tensors' storages as shared. Any thread may allocate and release."""
+
+    def __init__(self) -> None:
+        self._places: dict[int, TensorPlace] = {}
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int, shm_dir: str = "/dev/shm") -> Optional[np.ndarray]:
+        """A new block of ``nbytes`` in torch shared memory, as a byte array that keeps it alive, and
+        registered until :meth:`release`; None under the ``file_system`` sharing strategy, or while
+        ``shm_dir`` lacks room for it and :data:`SHM_HEADROOM_BYTES` more."""
+        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor" or not room_in_shared_memory(
+            nbytes, shm_dir
+        ):
+            return None
+        try:
+            tensor = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+        except RuntimeError:  # /dev/shm filled up meanwhile, or no descriptor left
+            return None
+        place = shared_place(tensor)
+        if place is None:
+            return None
+        block = tensor.numpy()  # holds the tensor, and so the storage and its descriptor
+        with self._lock:
+            self._places[block.ctypes.data] = place
+        return block
+
+    def release(self, block: np.ndarray) -> None:
+        """Forget ``block`` (before it is freed): its memory may come back as anything."""
+        with self._lock:
+            self._places.pop(block.ctypes.data, None)
+
+    def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
+        """Where ``flat`` lives, when it starts at a registered block and lies inside it."""
+        place = self._places.get(flat.data_ptr())
+        nbytes = flat.numel() * flat.element_size()
+        if place is None or nbytes > place.nbytes:
+            return None
+        return place._replace(nbytes=nbytes)
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+
+#: this process's registered blocks (one address space, one registry)
+SHARED_BLOCKS = SharedBlocks()
+
+
 def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
     """Where ``flat`` lives when its storage is in torch's shared memory (``share_memory_()``, torch's
-    default ``file_descriptor`` sharing strategy), else None. Under the ``file_system`` strategy asking
-    for a descriptor would make torch move the storage, so those tensors take the copies."""
-    storage = flat.untyped_storage()
-    if not flat.numel() or not storage.is_shared():
+    default ``file_descriptor`` sharing strategy) or it starts a block of :data:`SHARED_BLOCKS`, else
+    None. Under the ``file_system`` strategy asking for a descriptor would make torch move the storage,
+    so those tensors take the copies."""
+    if not flat.numel():
         return None
+    storage = flat.untyped_storage()
+    if not storage.is_shared():
+        return SHARED_BLOCKS.place(flat) if SHARED_BLOCKS else None
     if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return None
     try:
