@@ -108,11 +108,12 @@ def allreduce_shared_outputs(
     outputs, when the node's ranks share memory). The inputs go through the slots as on the copying way
     (``expose(piece, half)``: the parts the peers reduce; the first piece's is in the slots already, in
     ``half``), but each rank reduces its part straight into its own output, block by block (``finish`` on
-    each while in the core's cache), and the peers copy it from there: no copy into the slot to publish
-    it. The reduction order is the copying way's, so the results are the same bit for bit. A last barrier
-    keeps every output unchanged until every rank has copied from it."""
+    each while in the core's cache), and writes each block into the peers' outputs from there: no copy
+    into the slot to publish it, nothing to collect afterwards, and one barrier per piece (the next
+    piece's exposing barrier is the last one's end) plus the last. The reduction order is the copying
+    way's, so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
-    outputs = _every_ranks_tensor(node, out, places)
+    others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, out, places)) if rank != me]
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     for i, (start, stop) in enumerate(pieces):
         if i:
@@ -122,7 +123,7 @@ def allreduce_shared_outputs(
         slots = node.slot_views(out.dtype)[half]
         peers = [slots[peer] for peer in range(size) if peer != me]
         bounds = part_bounds(stop - start, size, isz)
-        for a in range(bounds[me], bounds[me + 1], step):  # in the piece; the slots hold pieces
+        for a in range(bounds[me], bounds[me + 1], step):  # in the piece: the slots hold pieces
             b = min(a + step, bounds[me + 1])
             acc = out[start + a : start + b]
             reducer(source[start + a : start + b], peers[0][a:b], out=acc)
@@ -130,11 +131,8 @@ def allreduce_shared_outputs(
                 reducer(acc, peer[a:b], out=acc)
             if finish is not None:
                 finish([acc])
-        node.barrier.wait()
-        for peer in range(size):
-            if peer != me:
-                at = (start + bounds[peer]) * isz
-                memmove(out.data_ptr() + at, outputs[peer].data_ptr() + at, (bounds[peer + 1] - bounds[peer]) * isz)
+            for other in others:
+                memmove(other.data_ptr() + (start + a) * isz, acc.data_ptr(), (b - a) * isz)
     node.barrier.wait()
 
 
