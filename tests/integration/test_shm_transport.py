@@ -82,10 +82,10 @@ def test_reinit_maps_a_fresh_segment_and_drops_the_old_one(node_ex):
 
 
 def test_out_of_place_results_live_in_shared_memory_and_are_reduced_there(node_ex):
-    """An out-of-place allreduce's result comes from the output pool, which on a node of several ranks
-    places it in shared memory: every rank writes its reduced part straight into its own result and the
-    peers copy it from there (sums and averages, larger than the 1 MiB segment, again on the pool's warm
-    block); a result still held keeps its block, and a job of one rank keeps private memory."""
+    """An out-of-place allreduce's or an allgather's result comes from the output pool, which on a node of
+    several ranks places it in shared memory: every rank writes its reduced part (its tensor) straight
+    into every rank's result (sums and averages, larger than the 1 MiB segment, again on the pool's warm
+    blocks); a job of one rank keeps private memory."""
 
     def run():
         import torch
@@ -100,15 +100,17 @@ def test_out_of_place_results_live_in_shared_memory_and_are_reduced_there(node_e
         for _ in range(2):  # the second on the block the first one's result gave back
             total = hvd.allreduce(x, name="sum", op=hvd.Sum)
             average = hvd.allreduce(x, name="average")
-            ok.append(torch.equal(total, want) and torch.equal(average, want / n) and torch.equal(x, values * (r + 1)))
-            shared = [shared_place(total) is not None, shared_place(average) is not None]
-            del total, average
+            gathered = hvd.allgather(x[: 1 << 20].view(-1, 1024), name="gather")  # 4 MiB from each rank
+            ok.append(torch.equal(total, want) and torch.equal(average, want / n) and torch.equal(x, values * (r + 1))
+                      and torch.equal(gathered.view(n, -1), torch.stack([values[: 1 << 20] * (k + 1) for k in range(n)])))
+            shared = [shared_place(t) is not None for t in (total, average, gathered)]
+            del total, average, gathered
         return checks.transport(), ok, shared, len(SHARED_BLOCKS)
 
     n = node_ex.num_workers
     for transport, ok, shared, blocks in node_ex.run(run):
         assert ok == [True, True]
-        assert shared == [n > 1, n > 1] and (blocks > 0) == (n > 1)
+        assert shared == [n > 1] * 3 and (blocks > 0) == (n > 1)
 
 
 def test_shm_transport_off_uses_gloo(make_executor):

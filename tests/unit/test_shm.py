@@ -712,6 +712,32 @@ def test_outputs_in_shared_memory_receive_the_reduced_parts_without_the_publishi
         assert blocks_left == 0
 
 
+def _allgather_into_shared_outputs(node, rank, size):
+    """Allgather outputs in shared memory on every rank: each rank writes its tensor into every output,
+    without the slots; then only rank 0's output shared, and a private one on rank 0 only: the slots, in
+    several pieces, with the same results."""
+    def gathered(n, shared_on):
+        flat = torch.arange(n, dtype=torch.float64) + 10000 * rank
+        out = torch.empty(size * n, dtype=torch.float64)
+        if rank in shared_on:
+            out.share_memory_()
+        node.allgather(flat, out)
+        return bool(torch.equal(out, torch.cat([torch.arange(n, dtype=torch.float64) + 10000 * r for r in range(size)])))
+
+    _mark_own_slots(node, rank)
+    direct = [gathered(n, range(size)) for n in (1, 3001, 20_000)]
+    slots_untouched = _own_slots_untouched(node, rank)
+    disagreeing = [gathered(20_000, {0}), gathered(20_000, set(range(1, size)))]
+    return direct, slots_untouched, disagreeing, _own_slots_untouched(node, rank)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_allgather_into_outputs_in_shared_memory_skips_the_slots(local_size):
+    for direct, slots_untouched, disagreeing, untouched_after in _run_node(local_size, _allgather_into_shared_outputs):
+        assert direct == [True] * 3 and slots_untouched
+        assert disagreeing == [True, True] and not untouched_after  # these went through the slots
+
+
 def _reduce_and_check(node, rank, size, tensor, n, source=None):
     """Allreduce (out of place with ``source``) and compare with the sum of every rank's inputs."""
     node.allreduce(tensor, ReduceOp.SUM, source=source)

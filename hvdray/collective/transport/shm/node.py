@@ -48,6 +48,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
     SharedMemoryAdoption,
+    allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
     allreduce_shared_tensors,
@@ -242,24 +243,30 @@ class NodeCollectives:
 
     def _agree_on_places(
         self, place: Optional[TensorPlace], expose_first: Callable[[], None], out_place: Optional[TensorPlace] = None,
+        direct_output_reads_slots: bool = True,
     ) -> Optional[tuple[int, list[TensorPlace]]]:
         """The first round of an op that may go straight between tensors in shared memory: publish where
         this rank's input lives (``place``; None: private) or else its output (``out_place``), and unless
-        the input is shared, ``expose_first()`` its first piece into the slots, then wait for every rank.
-        Returns what every rank published and where, when all published the same (the caller takes that
-        direct path: :data:`SHARED_INPUT` or :data:`SHARED_OUTPUT`), else None once the first piece of
-        every rank is in the slots (a rank with a shared input exposes it too, then one more barrier)."""
+        its direct path needs no slots (a shared input; a shared output where not
+        ``direct_output_reads_slots``), ``expose_first()`` its first piece into the slots, then wait for
+        every rank. Returns what every rank published and where, when all published the same (the caller
+        takes that direct path: :data:`SHARED_INPUT` or :data:`SHARED_OUTPUT`), else None once the first
+        piece of every rank is in the slots (ranks that skipped it expose it now, then one more barrier)."""
         what = SHARED_INPUT if place is not None else SHARED_OUTPUT if out_place is not None else PRIVATE
+
+        def skips(kind: int) -> bool:
+            return kind == SHARED_INPUT or (kind == SHARED_OUTPUT and not direct_output_reads_slots)
+
         self.segment.publish_tensor(self.local_rank, place or out_place, what)
-        if what != SHARED_INPUT:
+        if not skips(what):
             expose_first()
         self.barrier.wait()
         published = [self.segment.published_tensor(r) for r in range(self.local_size)]
         kinds = {kind for kind, _ in published}
         if kinds == {SHARED_INPUT} or kinds == {SHARED_OUTPUT}:
             return what, [p for _, p in published]  # type: ignore[misc]
-        if SHARED_INPUT in kinds:  # some ranks' inputs are shared, not all: copy them in too
-            if what == SHARED_INPUT:
+        if any(skips(kind) for kind in kinds):  # the ranks disagree, and some did not expose: they do now
+            if skips(what):
                 expose_first()
             self.barrier.wait()
         return None
@@ -471,14 +478,28 @@ class NodeCollectives:
         self._run(lambda: self._allgather(flat, out))
 
     def _allgather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Through the slots a piece at a time; when every rank's ``out`` lives in shared memory (the output
+        pool's, where the node's ranks share memory), each rank writes its ``flat`` straight into every
+        rank's output instead (:func:`allgather_shared_outputs`)."""
         me, isz, nbytes = self.local_rank, flat.element_size(), flat.numel() * flat.element_size()
         src, dst = flat.data_ptr(), out.data_ptr()
         memmove(dst + me * nbytes, src, nbytes)
-        for start, stop in self._pieces(flat.numel(), isz):
-            half = self.next_half()
+        pieces = self._pieces(flat.numel(), isz)
+        half = self.next_half()
+
+        def expose(piece: tuple[int, int], half: int) -> None:
+            memmove(self._base + self._slot_offset(half, me), src + piece[0] * isz, (piece[1] - piece[0]) * isz)
+
+        agreed = self._agree_on_places(None, lambda: expose(pieces[0], half), shared_place(out), False)
+        if agreed is not None:
+            allgather_shared_outputs(self, flat, out, agreed[1])
+            return
+        for i, (start, stop) in enumerate(pieces):
             length = (stop - start) * isz
-            memmove(self._base + self._slot_offset(half, me), src + start * isz, length)
-            self.barrier.wait()
+            if i:
+                half = self.next_half()
+                expose((start, stop), half)
+                self.barrier.wait()
             for peer in range(self.local_size):
                 if peer != me:
                     memmove(dst + peer * nbytes + start * isz, self._base + self._slot_offset(half, peer), length)

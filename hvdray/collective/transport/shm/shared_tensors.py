@@ -136,6 +136,19 @@ def allreduce_shared_outputs(
     node.barrier.wait()
 
 
+def allgather_shared_outputs(
+    node: "NodeCollectives", flat: torch.Tensor, out: torch.Tensor, places: list[TensorPlace],
+) -> None:
+    """Every local rank's allgather output in shared memory: each rank writes its ``flat`` (already in
+    its own ``out``) straight into every peer's output, the one write of the result the memory ideal
+    counts, with no slots; the last barrier: every output is whole."""
+    me, nbytes = node.local_rank, flat.numel() * flat.element_size()
+    for rank, other in enumerate(_every_ranks_tensor(node, out, places)):
+        if rank != me:
+            memmove(other.data_ptr() + me * nbytes, flat.data_ptr(), nbytes)
+    node.barrier.wait()
+
+
 def reducescatter_shared_inputs(
     node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[TensorPlace],
     reducer: Callable[..., torch.Tensor],
