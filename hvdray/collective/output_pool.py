@@ -17,7 +17,8 @@ allocator first.
 What differs from ``torch.empty``: such an output's storage cannot be resized (``resize_`` to a larger
 size raises; ``share_memory_`` and everything else work).
 
-Where the job's ranks on a node share memory (``shared=True``), blocks live in torch shared memory
+Where the job's ranks on a node share memory (``shared=True``), blocks of :data:`SHARED_MIN_BYTES` and
+more live in torch shared memory
 (:class:`~hvdray.collective.transport.shm.shared_tensors.SharedBlocks`), as long as ``/dev/shm`` has
 room: an out-of-place allreduce then writes each rank's reduced part straight into its output, and the
 peers copy it from there, one copy fewer than through the node's slots.
@@ -40,6 +41,9 @@ MIN_BYTES = 1 << 20
 IDLE_BLOCKS_PER_SIZE = 2
 #: the outputs' alignment (torch's own CPU allocator aligns to 64 bytes)
 ALIGNMENT = 64
+#: outputs of this size and more go in shared memory in a shared pool: each such block holds a file
+#: descriptor, so that a peer can map it, and 4 MiB blocks keep a full pool to ~128 of them
+SHARED_MIN_BYTES = 4 << 20
 
 
 class OutputPool:
@@ -66,7 +70,7 @@ class OutputPool:
                     del self._idle[nbytes]
                 self._idle_bytes -= nbytes
                 self.reused += 1
-        if block is None and self.shared:
+        if block is None and self.shared and nbytes >= SHARED_MIN_BYTES:
             block = SHARED_BLOCKS.allocate(nbytes)  # page-aligned
         if block is None:
             raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)

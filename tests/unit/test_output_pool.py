@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
 import torch
 
-from hvdray.collective.output_pool import IDLE_BLOCKS_PER_SIZE, MIN_BYTES, OutputPool
+from hvdray.collective.output_pool import IDLE_BLOCKS_PER_SIZE, MIN_BYTES, SHARED_MIN_BYTES, OutputPool
 
 MB = 1 << 20
 
@@ -126,25 +127,28 @@ def test_a_size_whose_blocks_are_all_out_does_not_stop_the_oldest_first_dropping
 
 
 def test_a_shared_pool_hands_out_shared_memory_registered_while_it_lives(monkeypatch):
-    """With ``shared=True`` (the node's ranks share memory) an output lies in torch shared memory that the
-    transport finds (``shared_place``) and the node's peers can map; its block stays registered while the
-    output or the pool holds it and is forgotten when dropped for good or when the pool closes. Without
-    room in /dev/shm, or with ``shared=False``, outputs are private."""
+    """With ``shared=True`` (the node's ranks share memory) an output of SHARED_MIN_BYTES or more lies in
+    torch shared memory that the transport finds (``shared_place``) and the node's peers can map; its
+    block stays registered while the output or the pool holds it and is forgotten when dropped for good
+    or when the pool closes. Smaller outputs, outputs while /dev/shm has no room, and a pool with
+    ``shared=False`` are private."""
     from hvdray.collective.transport.shm import shared_tensors
     from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS, shared_place
 
-    pool = OutputPool(4 * MIN_BYTES, shared=True)
-    out = pool.empty((MIN_BYTES // 4,), torch.float32)
+    size = SHARED_MIN_BYTES
+    pool = OutputPool(4 * size, shared=True)
+    assert shared_place(pool.empty((size // 8,), torch.float32)) is None  # below SHARED_MIN_BYTES
+    out = pool.empty((size // 4,), torch.float32)
     place = shared_place(out)
-    assert place is not None and place.nbytes == MIN_BYTES and len(SHARED_BLOCKS) == 1
+    assert place is not None and place.nbytes == size and len(SHARED_BLOCKS) == 1
     assert shared_place(out[1:]) is None  # only a tensor that starts the block
-    assert open(f"/proc/{place.pid}/fd/{place.fd}", "rb").read(4) is not None  # a descriptor a peer can open
+    assert os.path.exists(f"/proc/{place.pid}/fd/{place.fd}")  # a descriptor a peer can open
     address = out.data_ptr()
     del out
     gc.collect()
-    again = pool.empty((MIN_BYTES // 8,), torch.float64)  # the same block, warm, still registered
+    again = pool.empty((size // 8,), torch.float64)  # the same block, warm, still registered
     assert again.data_ptr() == address and shared_place(again) is not None
-    others = [pool.empty((MIN_BYTES,), torch.uint8) for _ in range(IDLE_BLOCKS_PER_SIZE + 1)]
+    others = [pool.empty((size,), torch.uint8) for _ in range(IDLE_BLOCKS_PER_SIZE + 1)]
     assert len(SHARED_BLOCKS) == IDLE_BLOCKS_PER_SIZE + 2
     del others, again
     gc.collect()
@@ -153,6 +157,6 @@ def test_a_shared_pool_hands_out_shared_memory_registered_while_it_lives(monkeyp
     assert len(SHARED_BLOCKS) == 0
 
     monkeypatch.setattr(shared_tensors, "SHM_HEADROOM_BYTES", 1 << 60)  # no room left in /dev/shm
-    full = OutputPool(4 * MIN_BYTES, shared=True).empty((MIN_BYTES,), torch.uint8)
-    private = OutputPool(4 * MIN_BYTES).empty((MIN_BYTES,), torch.uint8)
+    full = OutputPool(4 * size, shared=True).empty((size,), torch.uint8)
+    private = OutputPool(4 * size).empty((size,), torch.uint8)
     assert shared_place(full) is None and shared_place(private) is None and len(SHARED_BLOCKS) == 0
