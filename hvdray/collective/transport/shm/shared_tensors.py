@@ -11,6 +11,11 @@ With ``share_reduced_tensors`` a private tensor that an allreduce or a reducesca
 again (a gradient bucket, a metrics buffer, a sharded optimizer's gradients) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into
 shared memory the second time it is reduced, so from then on it takes this path instead of three
 copies through the slots.
+
+Outputs in shared memory help too, whatever the inputs: the output pool places the results of
+out-of-place collectives in blocks of shared memory (:class:`SharedBlocks`), so that an out-of-place
+allreduce writes each reduced part straight into every rank's output (:func:`allreduce_shared_outputs`)
+and an allgather each rank's tensor (:func:`allgather_shared_outputs`).
 """
 
 from __future__ import annotations
