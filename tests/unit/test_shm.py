@@ -3,6 +3,7 @@ failure modes, the node collectives against numpy in real processes, the transpo
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import resource
@@ -841,21 +842,53 @@ def test_a_peer_tensor_that_cannot_be_mapped_fails_every_rank_fast():
         assert elapsed < 5  # told by the failing rank, not by the 20 s timeout
 
 
-def _allreduce_forever(node, rank, size):
-    t = torch.ones(100_000)
-    started = time.monotonic()
-    try:
-        while True:
+def _reduce_until_killed(way, node, rank, size):
+    """Run one path of the node collectives in a loop until a peer's death ends it: through the slots,
+    or straight between tensors in shared memory (in place; outputs of an out-of-place allreduce; outputs
+    of an allgather), where the ranks write into each other's tensors."""
+    n = 1 << 18  # 1 MiB of float32: several pieces through the 64 KiB slots, several blocks on the direct ways
+    source = torch.ones(n)
+    if way == "slots":
+        t = torch.ones(n)
+
+        def op():
             node.allreduce(t, ReduceOp.SUM)
             t.fill_(1)
+    elif way == "shared tensors":
+        t = torch.ones(n).share_memory_()
+
+        def op():
+            node.allreduce(t, ReduceOp.SUM)
+            t.fill_(1)
+    elif way == "shared outputs":
+        out = torch.empty(n).share_memory_()
+
+        def op():
+            node.allreduce(out, ReduceOp.SUM, source=source)
+    else:
+        gathered = torch.empty(size * n).share_memory_()
+
+        def op():
+            node.allgather(source, gathered)
+    started = time.monotonic()
+    ops = 0
+    try:
+        while True:
+            op()
+            ops += 1
     except shm.SharedMemoryError as exc:
-        return str(exc), time.monotonic() - started
+        return str(exc), time.monotonic() - started, ops
 
 
-def test_a_killed_peer_is_an_error_not_a_hang():
-    results = _run_node(3, _allreduce_forever, slot_bytes=65536, kill=1.0)
-    for message, _ in results[:2]:
+@pytest.mark.parametrize("way", ["slots", "shared tensors", "shared outputs", "allgather into shared outputs"])
+def test_a_killed_peer_is_an_error_not_a_hang(way):
+    """Local rank 2 is killed a second into a loop of ops: the others fail with an error that names it,
+    told by the barrier's check of the peer (about 50 ms), not by the 20 s timeout, whichever path the ops
+    take, also the ones that write into the dead rank's tensors."""
+    results = _run_node(3, functools.partial(_reduce_until_killed, way), slot_bytes=65536, kill=1.0)
+    for message, took, ops in results[:2]:
         assert "local rank 2" in message and ("died" in message or "left" in message), message
+        assert ops > 0 and took < 10.0, (took, ops)
 
 
 def _wait_for_a_peer_that_never_comes(node, rank, size):

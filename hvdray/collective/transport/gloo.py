@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroupGloo
 
 from hvdray.collective.errors import HorovodInternalError, NetworkDeviceError
 from hvdray.collective.transport.mesh_store import FullMeshStore
-from hvdray.collective.transport.reductions import REDUCERS, TransportOp
+from hvdray.collective.transport.reductions import REDUCERS, TransportOp, reduce_in_order
 from hvdray.collective.transport.strategy import (
     AllgatherStrategy,
     AllreduceStrategy,
@@ -187,9 +187,7 @@ class GlooGatherReduce(AllreduceStrategy):
     def _gather_reduce(self, flat: torch.Tensor, reducer: Callable[..., torch.Tensor]) -> None:
         rows = torch.empty((self._size, flat.numel()), dtype=flat.dtype)
         self._group.allgather([list(rows.unbind(0))], [flat]).wait()
-        reducer(rows[0], rows[1], out=flat)
-        for row in rows[2:]:
-            reducer(flat, row, out=flat)
+        reduce_in_order(reducer, rows[0], list(rows[1:]), flat)
 
 
 def recursive_doubling(rank: int, size: int) -> Iterator[tuple[str, int, int]]:

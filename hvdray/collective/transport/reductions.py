@@ -9,7 +9,7 @@ for each Gloo reduction (:data:`REDUCERS`).
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -47,3 +47,18 @@ FOREACH_REDUCERS: dict[ReduceOp.RedOpType, Callable[..., None]] = {
     ReduceOp.MIN: torch._foreach_minimum_,
     ReduceOp.MAX: torch._foreach_maximum_,
 }
+
+
+def reduce_in_order(
+    reducer: Callable[..., torch.Tensor], first: torch.Tensor, others: Sequence[torch.Tensor], out: torch.Tensor,
+) -> torch.Tensor:
+    """``out`` = ``first`` reduced with each of ``others`` in turn, left to right (``first`` may be ``out``;
+    with no ``others``, a copy of ``first``). Every rank that reduces the same operands in the same order
+    gets the same bits, whichever rank computed them: the strategies that reduce in this process keep to
+    one order (local rank order) for that reason."""
+    if not others:
+        return out if first is out else out.copy_(first)
+    reducer(first, others[0], out=out)
+    for other in others[1:]:
+        reducer(out, other, out=out)
+    return out

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from hvdray.collective.transport.reductions import reduce_in_order
 from hvdray.collective.transport.shm.parts import SMALL_ALLREDUCE_BYTES, part_bounds
 from hvdray.collective.transport.strategy import Finish
 
@@ -49,9 +50,7 @@ def allreduce_copying(
     torch._foreach_copy_(layout.inputs[half], list(inputs))
     node.barrier.wait()
     # reduce my part in place in my slot: nobody else reads it until the next barrier
-    acc, peers = layout.own_part[half], layout.peer_parts[half]
-    for peer in peers:
-        reducer(acc, peer, out=acc)
+    acc = reduce_in_order(reducer, layout.own_part[half], layout.peer_parts[half], layout.own_part[half])
     if cross is not None and acc.numel():
         cross(acc)
     if finish is not None and acc.numel():
@@ -69,9 +68,7 @@ def allreduce_small(
     torch._foreach_copy_(layout.inputs[half], list(inputs))
     node.barrier.wait()
     slots, acc = layout.whole[half], layout.scratch
-    acc.copy_(slots[0])
-    for slot in slots[1:]:
-        reducer(acc, slot, out=acc)
+    reduce_in_order(reducer, slots[0], slots[1:], acc)
     if finish is not None:
         finish([acc])
     torch._foreach_copy_(list(outputs), layout.scratch_views)

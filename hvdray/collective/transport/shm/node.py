@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS
+from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS, reduce_in_order
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
@@ -206,9 +206,7 @@ class NodeCollectives:
         slots = self.slot_views(flat.dtype)[half]
         memmove(self._base + self._slot_offset(half, self.local_rank), source.data_ptr(), nbytes)
         self.barrier.wait()
-        memmove(flat.data_ptr(), self._base + self._slot_offset(half, 0), nbytes)
-        for peer in range(1, self.local_size):
-            reducer(flat, slots[peer][:n], out=flat)
+        reduce_in_order(reducer, slots[0][:n], [slot[:n] for slot in slots[1:]], flat)
         if finish is not None:
             finish([flat])
 
@@ -298,13 +296,8 @@ class NodeCollectives:
         step = max(1, hi - lo if cross is not None else REDUCE_BLOCK_BYTES // isz)  # an empty part: no block
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            acc = flat[start + a : start + b]
-            if peers:
-                reducer(source[start + a : start + b], peers[0][a:b], out=acc)
-            elif source is not flat:
-                acc.copy_(source[start + a : start + b])
-            for peer in peers[1:]:
-                reducer(acc, peer[a:b], out=acc)
+            acc = reduce_in_order(reducer, source[start + a : start + b], [peer[a:b] for peer in peers],
+                                  flat[start + a : start + b])
             if cross is not None:
                 cross(acc)  # the same local rank on every node holds the same part: sizes agree
             if finish is not None:
@@ -459,10 +452,7 @@ class NodeCollectives:
             length = stop - start
             slots = self.slot_views(chunks.dtype)[half]
             theirs = [slots[peer][me * length:(me + 1) * length] for peer in range(size) if peer != me]
-            acc = out[start:stop]
-            reducer(rows[me, start:stop], theirs[0], out=acc)
-            for other in theirs[1:]:
-                reducer(acc, other, out=acc)
+            reduce_in_order(reducer, rows[me, start:stop], theirs, out[start:stop])
 
     def _expose_chunks(self, rows: torch.Tensor, piece: tuple[int, int], half: int) -> None:
         """Copy ``piece`` of every peer's chunk (a row of ``rows``) into this rank's slot of ``half``, by chunk."""

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
+from hvdray.collective.transport.reductions import reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
 
@@ -67,8 +68,7 @@ def allreduce_shared_tensors(
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     for a in range(0, hi - lo, step):
         block = acc[a : a + step]
-        for other in others:
-            reducer(block, other[a : a + step], out=block)
+        reduce_in_order(reducer, block, [other[a : a + step] for other in others], block)
         if cross is None:
             if finish is not None:
                 finish([block])
@@ -93,12 +93,7 @@ def allreduce_shared_inputs(
     what the memory ideal costs when copy and add run at one speed; the last barrier keeps every input
     unchanged until all ranks have read it."""
     inputs = _every_ranks_tensor(node, source, places)
-    if len(inputs) == 1:
-        out.copy_(inputs[0])
-    else:
-        reducer(inputs[0], inputs[1], out=out)
-        for other in inputs[2:]:
-            reducer(out, other, out=out)
+    reduce_in_order(reducer, inputs[0], inputs[1:], out)
     if finish is not None:
         finish([out])
     node.barrier.wait()
@@ -130,10 +125,8 @@ def allreduce_shared_outputs(
         bounds = part_bounds(stop - start, size, isz)
         for a in range(bounds[me], bounds[me + 1], step):  # in the piece: the slots hold pieces
             b = min(a + step, bounds[me + 1])
-            acc = out[start + a : start + b]
-            reducer(source[start + a : start + b], peers[0][a:b], out=acc)
-            for peer in peers[1:]:
-                reducer(acc, peer[a:b], out=acc)
+            acc = reduce_in_order(reducer, source[start + a : start + b], [peer[a:b] for peer in peers],
+                                  out[start + a : start + b])
             if finish is not None:
                 finish([acc])
             for other in others:
@@ -166,9 +159,7 @@ def reducescatter_shared_inputs(
     me = node.local_rank
     inputs = _every_ranks_tensor(node, rows.view(-1), places)
     theirs = [tensor.view(rows.shape)[me] for rank, tensor in enumerate(inputs) if rank != me]
-    reducer(rows[me], theirs[0], out=out)
-    for other in theirs[1:]:
-        reducer(out, other, out=out)
+    reduce_in_order(reducer, rows[me], theirs, out)
     node.barrier.wait()
 
 
