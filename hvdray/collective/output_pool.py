@@ -19,7 +19,7 @@ size raises; ``share_memory_`` and everything else work).
 
 Where the job's ranks on a node share memory (``shared=True``), blocks of :data:`SHARED_MIN_BYTES` and
 more live in torch shared memory
-(:class:`~hvdray.collective.transport.shm.shared_tensors.SharedBlocks`), as long as ``/dev/shm`` has
+(:class:`~hvdray.collective.transport.shm.shared_storage.SharedBlocks`), as long as ``/dev/shm`` has
 room: an out-of-place allreduce then writes each rank's reduced part straight into its output, and the
 peers copy it from there, one copy fewer than through the node's slots.
 """
@@ -33,7 +33,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS
+from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
 #: outputs smaller than this come from torch.empty (glibc keeps small blocks warm by itself)
 MIN_BYTES = 1 << 20

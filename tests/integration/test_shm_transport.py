@@ -90,7 +90,7 @@ def test_out_of_place_results_live_in_shared_memory_and_are_reduced_there(node_e
     def run():
         import torch
 
-        from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS, shared_place
+        from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS, shared_place
 
         hvd = checks.init()
         n, r = hvd.size(), hvd.rank()

@@ -132,8 +132,8 @@ def test_a_shared_pool_hands_out_shared_memory_registered_while_it_lives(monkeyp
     block stays registered while the output or the pool holds it and is forgotten when dropped for good
     or when the pool closes. Smaller outputs, outputs while /dev/shm has no room, and a pool with
     ``shared=False`` are private."""
-    from hvdray.collective.transport.shm import shared_tensors
-    from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS, shared_place
+    from hvdray.collective.transport.shm import shared_storage
+    from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS, shared_place
 
     size = SHARED_MIN_BYTES
     pool = OutputPool(4 * size, shared=True)
@@ -156,7 +156,7 @@ def test_a_shared_pool_hands_out_shared_memory_registered_while_it_lives(monkeyp
     pool.close()
     assert len(SHARED_BLOCKS) == 0
 
-    monkeypatch.setattr(shared_tensors, "SHM_HEADROOM_BYTES", 1 << 60)  # no room left in /dev/shm
+    monkeypatch.setattr(shared_storage, "SHM_HEADROOM_BYTES", 1 << 60)  # no room left in /dev/shm
     full = OutputPool(4 * size, shared=True).empty((size,), torch.uint8)
     private = OutputPool(4 * size).empty((size,), torch.uint8)
     assert shared_place(full) is None and shared_place(private) is None and len(SHARED_BLOCKS) == 0

@@ -21,7 +21,7 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.transport import shm
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_transport
-from hvdray.collective.transport.shm import barrier, segment, shared_tensors
+from hvdray.collective.transport.shm import barrier, segment, shared_storage
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
 from hvdray.settings import make_settings
@@ -595,7 +595,7 @@ def _reducescatter_of_shared_inputs(node, rank, size):
     checks["mixed"] = np.array_equal(reduced(mixed, n).double().numpy(), want(torch.int32, n, ReduceOp.SUM))
     # share_reduced_tensors: a private input of ADOPT_MIN_BYTES and more moves at its second reduction
     node.adoption.enabled = True
-    n = shared_tensors.ADOPT_MIN_BYTES // 4 // size + 1001
+    n = shared_storage.ADOPT_MIN_BYTES // 4 // size + 1001
     private = _inputs(rank, torch.float32, n * size)
     first = reduced(private, n)
     checks["first stays private"] = not private.is_shared() and node.adoption.adopted == 0
@@ -660,7 +660,7 @@ def _shared_outputs(node, rank, size):
     makes them) from private inputs: every rank reduces its part straight into its output, none through
     the slots' publishing copy (``_reduce_piece`` never runs), with the copying way's results bit for bit;
     where the ranks disagree (some outputs private, or some inputs shared instead) every rank copies."""
-    from hvdray.collective.transport.shm.shared_tensors import SHARED_BLOCKS
+    from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
     copying_pieces = []
     original = node._reduce_piece
@@ -748,7 +748,7 @@ def _reduce_and_check(node, rank, size, tensor, n, source=None):
 def _private_tensors_reduced_again(node, rank, size):
     """Private tensors of ADOPT_MIN_BYTES and more: in place and as an out-of-place input, the second
     reduction moves them into shared memory, the third reads the peers' tensors (slots untouched)."""
-    n = shared_tensors.ADOPT_MIN_BYTES // 4 + 1001
+    n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001
     checks = {"off by default": not node.adoption.enabled}
     node.adoption.enabled = True  # share_reduced_tensors=True
     t = _inputs(rank, torch.float32, n)
@@ -801,13 +801,13 @@ def test_private_tensors_reduced_again_move_into_shared_memory(local_size):
 
 def _adoption_declined(node, rank, size):
     """No move without room in /dev/shm for the tensor and the headroom, nor with the setting off."""
-    n = shared_tensors.ADOPT_MIN_BYTES // 4
+    n = shared_storage.ADOPT_MIN_BYTES // 4
     node.adoption.enabled = True
-    shared_tensors.SHM_HEADROOM_BYTES = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    shared_storage.SHM_HEADROOM_BYTES = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
     t = _inputs(rank, torch.float32, n)
     no_room = all(_reduce_and_check(node, rank, size, t.copy_(_inputs(rank, torch.float32, n)), n)
                   for _ in range(3)) and not t.is_shared()
-    shared_tensors.SHM_HEADROOM_BYTES = 0
+    shared_storage.SHM_HEADROOM_BYTES = 0
     node.adoption.enabled = False
     u = _inputs(rank, torch.float32, n)
     off = all(_reduce_and_check(node, rank, size, u.copy_(_inputs(rank, torch.float32, n)), n)
@@ -819,12 +819,40 @@ def test_private_tensors_stay_private_without_room_or_when_turned_off():
     assert _run_node(2, _adoption_declined, slot_bytes=1 << 20) == [(True, True, 0)] * 2
 
 
+def _peers_free_their_outputs(node, rank, size):
+    """Every rank's output in shared memory, reduced into once (each rank maps its peers'), then freed by
+    its owner: the mappings go within about RELEASE_CHECK_S of the owners' frees, while the ranks run
+    nothing but the engine's tiny rounds (and_bytes), and a mapping whose owner still holds it stays."""
+    n = 1 << 18
+    kept = torch.empty(n).share_memory_()
+    node.allreduce(kept, ReduceOp.SUM, source=torch.ones(n))
+    out = torch.empty(n).share_memory_()
+    node.allreduce(out, ReduceOp.SUM, source=torch.ones(n))
+    mapped = len(node.peer_tensors)
+    right = bool(torch.all(out == size)) and bool(torch.all(kept == size))
+    del out  # torch closes the storage's descriptor: only the peers' mappings keep its memory now
+    flags = torch.ones(8, dtype=torch.uint8)
+    started = time.monotonic()
+    while time.monotonic() - started < shared_storage.RELEASE_CHECK_S + 0.5:
+        node.and_bytes(flags.data_ptr(), flags.numel())
+        time.sleep(0.01)
+    return right, mapped, len(node.peer_tensors)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_mappings_of_storages_their_peers_freed_are_dropped_between_ops(local_size):
+    for right, mapped, left in _run_node(local_size, _peers_free_their_outputs, slot_bytes=65536):
+        assert right
+        assert mapped == 2 * (local_size - 1)  # both outputs of every peer
+        assert left == local_size - 1  # each peer's kept output only
+
+
 def _peer_tensor_unreadable_on_rank_1(node, rank, size):
     if rank == 1:  # as when /proc/<pid>/fd cannot be opened (another user, a restricted /proc)
         def refuse(place):
             raise shm.SharedMemoryError(f"cannot open a local peer's shared tensor (/proc/{place.pid}/fd/{place.fd})")
 
-        shared_tensors.map_peer_storage = refuse
+        shared_storage.map_peer_storage = refuse
     t = torch.ones(50_000).share_memory_()
     started = time.monotonic()
     try:

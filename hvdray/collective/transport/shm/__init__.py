@@ -3,8 +3,9 @@
 ``segment.py`` (the file in ``/dev/shm``: naming, creation, mapping, cleanup), ``barrier.py`` (how the
 local ranks wait for each other on it), ``parts.py`` (how messages divide between them),
 ``node.py`` (allreduce, allgather and broadcast through the segment's slots), ``fused.py`` (the
-engine's fused tensor lists), ``shared_tensors.py`` (tensors that live in torch shared memory, reduced
-in place) and ``strategies.py`` (their entries in the communicator's lists).
+engine's fused tensor lists), ``shared_tensors.py`` (collectives straight between tensors that live in
+torch shared memory), ``shared_storage.py`` (where those tensors live, and how a rank maps its peers')
+and ``strategies.py`` (their entries in the communicator's lists).
 """
 
 from hvdray.collective.transport.shm.node import NodeCollectives

@@ -44,16 +44,18 @@ from hvdray.collective.transport.shm.segment import (
     SharedMemoryError,
     TensorPlace,
 )
-from hvdray.collective.transport.shm.shared_tensors import (
+from hvdray.collective.transport.shm.shared_storage import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
     SharedMemoryAdoption,
+    shared_place,
+)
+from hvdray.collective.transport.shm.shared_tensors import (
     allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
     allreduce_shared_tensors,
     reducescatter_shared_inputs,
-    shared_place,
 )
 
 log = logging.getLogger(__name__)
@@ -102,9 +104,9 @@ class NodeCollectives:
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
-        self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped by shared_tensors.py
+        self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped for shared_tensors.py
             PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
-        #: moves tensors an allreduce reduces again into shared memory, if asked (shared_tensors.py)
+        #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
@@ -142,6 +144,8 @@ class NodeCollectives:
                 self._failed = exc
                 self.barrier.leave()
                 raise
+            if self.peer_tensors:
+                self.peer_tensors.drop_released_now_and_then()
 
     def slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""

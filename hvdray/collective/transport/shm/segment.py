@@ -191,7 +191,7 @@ class Segment:
             except FileNotFoundError:
                 pass
 
-    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"], what: int = SHARED_INPUT) -> None:
+    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"], what: int) -> None:
         """Say in ``local_rank``'s control block where its next op's tensor lives: ``place`` is its input
         (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory; None: both private.
         Peers read it after the op's first barrier (:meth:`published_tensor`)."""

@@ -1,5 +1,5 @@
-"""Allreduce and reducescatter straight between the local ranks' tensors when every one lives in torch
-shared memory.
+"""Allreduce, reducescatter and allgather straight between the local ranks' tensors when every one
+lives in torch shared memory.
 
 When every local rank's tensor of a flat allreduce or a reducescatter lives in torch shared memory
 (``share_memory_()``), the ranks say where in their control blocks (:meth:`Segment.publish_tensor`),
@@ -8,44 +8,32 @@ sums its part from every rank's tensor and writes the sum into all of them (out 
 output); in a reducescatter each rank sums its own chunk from every rank's tensor into its output.
 
 With ``share_reduced_tensors`` a private tensor that an allreduce or a reducescatter reduces again and
-again (a gradient bucket, a metrics buffer, a sharded optimizer's gradients) gets there by itself: :class:`SharedMemoryAdoption` moves its storage into
-shared memory the second time it is reduced, so from then on it takes this path instead of three
+again (a gradient bucket, a metrics buffer, a sharded optimizer's gradients) gets there by itself
+(:class:`~hvdray.collective.transport.shm.shared_storage.SharedMemoryAdoption` moves its storage into
+shared memory the second time it is reduced), so from then on it takes this path instead of three
 copies through the slots.
 
 Outputs in shared memory help too, whatever the inputs: the output pool places the results of
-out-of-place collectives in blocks of shared memory (:class:`SharedBlocks`), so that an out-of-place
+out-of-place collectives in blocks of shared memory
+(:class:`~hvdray.collective.transport.shm.shared_storage.SharedBlocks`), so that an out-of-place
 allreduce writes each reduced part straight into every rank's output (:func:`allreduce_shared_outputs`)
-and an allgather each rank's tensor (:func:`allgather_shared_outputs`).
+and an allgather each rank's tensor (:func:`allgather_shared_outputs`). Where tensors live, and how a
+rank maps its peers', is ``shared_storage.py``'s.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
-import numpy as np
 import torch
-import torch.multiprocessing
 
 from hvdray.collective.transport.reductions import reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
+from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
     from hvdray.collective.transport.strategy import Finish
-
-#: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
-PEER_STORAGES_PER_RANK = 4
-#: a tensor of this many bytes or more moves into shared memory when reduced again (share_reduced_tensors)
-ADOPT_MIN_BYTES = 4 << 20
-#: /dev/shm must keep this much free beside a tensor moved into it
-SHM_HEADROOM_BYTES = 256 << 20
-#: how many recently reduced storages are remembered to notice the second reduction of one
-_RECENT_STORAGES = 16
 
 
 def allreduce_shared_tensors(
@@ -175,218 +163,3 @@ def _every_ranks_tensor(node: "NodeCollectives", mine: torch.Tensor, places: lis
             )
         tensors.append(mine if rank == me else node.peer_tensors.view(place, mine.dtype))
     return tensors
-
-
-def map_peer_storage(place: TensorPlace) -> mmap.mmap:
-    """Map the shared-memory storage a local peer described with ``place`` (through its descriptor in
-    ``/proc/<pid>/fd``, which the kernel opens only for the same user). The mapping keeps the memory
-    alive after the peer frees it; the caller drops it when the peer moves to another storage."""
-    path = f"/proc/{place.pid}/fd/{place.fd}"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SharedMemoryError(
-            f"cannot open a local peer's shared tensor ({path}: {exc.strerror}); tensors in shared memory "
-            "need every local rank to run as the same user with /proc readable"
-        ) from exc
-    try:
-        info = os.fstat(fd)
-        if info.st_ino != place.inode or info.st_size < place.offset + place.nbytes:
-            raise SharedMemoryError(f"local peer pid {place.pid} replaced its shared tensor during the op")
-        return map_file(fd, info.st_size)
-    finally:
-        os.close(fd)
-
-
-
-class PeerTensors:
-    """The local peers' shared tensor storages this rank has mapped, by (pid, inode), least recently
-    used first. A mapping keeps its memory alive after the peer frees the tensor, so entries whose
-    peer no longer holds that storage are dropped whenever a new one is mapped, and at most
-    ``capacity`` stay."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._maps: OrderedDict[tuple[int, int], tuple[TensorPlace, torch.Tensor]] = OrderedDict()
-
-    def view(self, place: TensorPlace, dtype: torch.dtype) -> torch.Tensor:
-        """The peer's tensor described by ``place``, as a 1-D tensor of ``dtype`` on the mapped memory."""
-        key = (place.pid, place.inode)
-        entry = self._maps.get(key)
-        if entry is None:
-            self._drop_released()
-            storage = torch.frombuffer(map_peer_storage(place), dtype=torch.uint8)
-            entry = self._maps[key] = (place, storage)
-            while len(self._maps) > self.capacity:
-                self._maps.popitem(last=False)
-        else:
-            self._maps.move_to_end(key)
-        return entry[1][place.offset : place.offset + place.nbytes].view(dtype)
-
-    def _drop_released(self) -> None:
-        for key, (place, _) in list(self._maps.items()):
-            try:
-                held = os.stat(f"/proc/{place.pid}/fd/{place.fd}").st_ino == place.inode
-            except OSError:
-                held = False
-            if not held:
-                del self._maps[key]
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-    def clear(self) -> None:
-        self._maps.clear()
-
-
-class SharedMemoryAdoption:
-    """Moves a private tensor that an allreduce reduces a second time (in place, or as an out-of-place
-    input), or that a reducescatter reduces a second time (its input), into torch shared memory, when
-    ``share_reduced_tensors`` asks for it.
-
-    ``Tensor.share_memory_()`` copies the storage into shared memory once and keeps every tensor and
-    view on it valid; from the next reduction on, the local ranks reduce straight between each other's
-    tensors (:func:`allreduce_shared_tensors`). Only a tensor that is its whole storage, allocated by
-    torch (not memory that numpy, DLPack or a buffer also sees), of :data:`ADOPT_MIN_BYTES` or more,
-    under torch's ``file_descriptor`` sharing strategy, while ``/dev/shm`` has room for it and
-    :data:`SHM_HEADROOM_BYTES` more, and where this rank can open its local peers' descriptors. Each
-    rank decides for itself; an op where some ranks' tensors are shared and some not takes the copies,
-    as before. As when torch.multiprocessing sends a tensor, a raw alias taken before the move (an
-    array from ``tensor.numpy()``, a ``data_ptr()``) keeps the old memory, and torch 2.x crashes when a
-    tensor in shared memory is grown (``resize_``): hence the ``share_reduced_tensors`` setting, off by
-    default."""
-
-    def __init__(self, enabled: bool, peer_pids: Callable[[], list[int]], shm_dir: str = "/dev/shm") -> None:
-        self.enabled = enabled
-        self.adopted = 0  # tensors moved into shared memory (for tests and benchmarks)
-        self._peer_pids = peer_pids
-        self._shm_dir = shm_dir
-        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._peers_open: Optional[bool] = None
-
-    def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
-        """Where ``flat`` lives in shared memory, after moving it there if it is worth it; None if private."""
-        place = shared_place(flat)
-        if place is not None or not self.enabled or not self._second_reduction(flat):
-            return place
-        if not self._room_for(flat.numel() * flat.element_size()) or not self._can_open_peers():
-            return None
-        flat.share_memory_()
-        self.adopted += 1
-        return shared_place(flat)
-
-    def _second_reduction(self, flat: torch.Tensor) -> bool:
-        nbytes = flat.numel() * flat.element_size()
-        storage = flat.untyped_storage()
-        if nbytes < ADOPT_MIN_BYTES or storage.nbytes() != nbytes or storage.data_ptr() != flat.data_ptr():
-            return False
-        if not storage.resizable():  # memory torch did not allocate (numpy, DLPack, a buffer): aliased elsewhere
-            return False
-        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
-            return False
-        key = (flat.data_ptr(), nbytes)
-        if key in self._recent:
-            del self._recent[key]
-            return True
-        self._recent[key] = None
-        while len(self._recent) > _RECENT_STORAGES:
-            self._recent.popitem(last=False)
-        return False
-
-    def _room_for(self, nbytes: int) -> bool:
-        return room_in_shared_memory(nbytes, self._shm_dir)
-
-    def _can_open_peers(self) -> bool:
-        if self._peers_open is None:
-            pids = self._peer_pids()
-            if not all(pids):  # a peer that has not joined yet: ask again at the next reduction
-                return False
-            try:
-                for pid in pids:
-                    os.listdir(f"/proc/{pid}/fd")
-                self._peers_open = True
-            except OSError:
-                self._peers_open = False
-        return self._peers_open
-
-
-def room_in_shared_memory(nbytes: int, shm_dir: str = "/dev/shm") -> bool:
-    """Whether ``shm_dir`` keeps room for ``nbytes`` more and :data:`SHM_HEADROOM_BYTES` beside them."""
-    try:
-        fs = os.statvfs(shm_dir)
-    except OSError:
-        return False
-    return fs.f_bavail * fs.f_frsize >= nbytes + SHM_HEADROOM_BYTES
-
-
-class SharedBlocks:
-    """Blocks of torch shared memory that this process hands out as ordinary tensors (the output pool's
-    outputs, over numpy arrays), by address: :func:`shared_place` finds a tensor that starts at one, so
-    that the node's ranks read each other's outputs directly although torch does not count those
-    tensors' storages as shared. Any thread may allocate and release."""
-
-    def __init__(self) -> None:
-        self._places: dict[int, TensorPlace] = {}
-        self._lock = threading.Lock()
-
-    def allocate(self, nbytes: int, shm_dir: str = "/dev/shm") -> Optional[np.ndarray]:
-        """A new block of ``nbytes`` in torch shared memory, as a byte array that keeps it alive, and
-        registered until :meth:`release`; None under the ``file_system`` sharing strategy, or while
-        ``shm_dir`` lacks room for it and :data:`SHM_HEADROOM_BYTES` more."""
-        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor" or not room_in_shared_memory(
-            nbytes, shm_dir
-        ):
-            return None
-        try:
-            tensor = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-        except RuntimeError:  # /dev/shm filled up meanwhile, or no descriptor left
-            return None
-        place = shared_place(tensor)
-        if place is None:
-            return None
-        block = tensor.numpy()  # holds the tensor, and so the storage and its descriptor
-        with self._lock:
-            self._places[block.ctypes.data] = place
-        return block
-
-    def release(self, block: np.ndarray) -> None:
-        """Forget ``block`` (before it is freed): its memory may come back as anything."""
-        with self._lock:
-            self._places.pop(block.ctypes.data, None)
-
-    def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
-        """Where ``flat`` lives, when it starts at a registered block and lies inside it."""
-        place = self._places.get(flat.data_ptr())
-        nbytes = flat.numel() * flat.element_size()
-        if place is None or nbytes > place.nbytes:
-            return None
-        return place._replace(nbytes=nbytes)
-
-    def __len__(self) -> int:
-        return len(self._places)
-
-
-#: this process's registered blocks (one address space, one registry)
-SHARED_BLOCKS = SharedBlocks()
-
-
-def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
-    """Where ``flat`` lives when its storage is in torch's shared memory (``share_memory_()``, torch's
-    default ``file_descriptor`` sharing strategy) or it starts a block of :data:`SHARED_BLOCKS`, else
-    None. Under the ``file_system`` strategy asking for a descriptor would make torch move the storage,
-    so those tensors take the copies."""
-    if not flat.numel():
-        return None
-    storage = flat.untyped_storage()
-    if not storage.is_shared():
-        return SHARED_BLOCKS.place(flat) if SHARED_BLOCKS else None
-    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
-        return None
-    try:
-        fd, _ = storage._share_fd_cpu_()
-        inode = os.fstat(fd).st_ino
-    except (RuntimeError, OSError):
-        return None
-    return TensorPlace(os.getpid(), fd, inode, flat.data_ptr() - storage.data_ptr(), flat.numel() * flat.element_size())
-
-
