@@ -138,6 +138,15 @@ class Settings(BaseModel):
         "nodes, shared memory again. None (\"auto\"): on when the job spans several nodes with the same number "
         "(> 1) of ranks each and shm_transport is on.",
     )
+    steps_on_waiting_thread: Optional[bool] = Field(
+        None, description="Which thread runs the collectives of a step that repeats (a DistributedOptimizer's "
+        "gradients, once the engine has learned the step): True, the thread that waits for them, once it waits "
+        "(no wake-up of the engine thread and no hand-off back, and no second busy thread per rank while the "
+        "backward pass ends); False, the engine thread, woken when the step's last tensor is submitted (the "
+        "reduction overlaps whatever the caller does before it waits). None (\"auto\"): True where the node's "
+        "ranks cannot each have a core for their engine thread beside their own (twice the local ranks exceed "
+        "the cores this process may run on), else False.",
+    )
     payload_warning_mb: float = Field(
         100.0, ge=0, description="Warn (once per executor and argument) when a function, argument or "
         "executable argument sent to every worker pickles to more than this many MiB; 0 turns it off.",
@@ -166,7 +175,7 @@ class Settings(BaseModel):
         "less, which glibc otherwise hands out again warm, get slower; up to 2 MiB of memory more per tensor.",
     )
 
-    @field_validator("hierarchical_allreduce", mode="before")
+    @field_validator("hierarchical_allreduce", "steps_on_waiting_thread", mode="before")
     @classmethod
     def _auto_is_none(cls, value: Any) -> Any:
         return None if isinstance(value, str) and value.strip().lower() in ("auto", "") else value

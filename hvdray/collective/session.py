@@ -26,7 +26,7 @@ from hvdray.collective.engine import Engine
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, NetworkDeviceError, NotInitializedError
 from hvdray.collective.job import JobConfig, JobSettings, Membership, single_process_job  # noqa: F401 - also read as session.*
 from hvdray.collective.timeline import Timeline
-from hvdray.collective.topology import RankInfo
+from hvdray.collective.topology import RankInfo, engine_threads_have_cores
 from hvdray.collective.transport import Communicator, TransportOptions, shm
 from hvdray.testing import faults
 
@@ -202,6 +202,14 @@ class Session:
         """Rendezvous keys of this init: the membership epoch, then a generation counted within it."""
         return f"e{self.current_job().epoch}/gen{self.generation}/"
 
+    def _steps_on_waiting_thread(self, setting: Optional[bool]) -> bool:
+        """``steps_on_waiting_thread``, its "auto" (None) decided by the job's ranks on this node (all of them,
+        whatever process set: they share the cores)."""
+        if setting is not None:
+            return setting
+        placement = self.current_job().rank_info
+        return not engine_threads_have_cores(placement.local_size if placement is not None else 1)
+
     def _start_engine(
         self, store_prefix: str, rank: int, size: int, tuner: Optional[Autotuner] = None,
         placement: Optional[RankInfo] = None,
@@ -249,6 +257,7 @@ class Session:
             tuner=tuner,
             call=self.call,
             output_pool_bytes=int(settings.output_pool_mb * 1024 * 1024),
+            steps_on_waiting_thread=self._steps_on_waiting_thread(settings.steps_on_waiting_thread),
         )
         started.timeline = self.timeline
         return started

@@ -1,7 +1,9 @@
-"""Pure rank maths: Horovod's rank, local and cross ranks from where each worker runs."""
+"""Rank maths: Horovod's rank, local and cross ranks from where each worker runs; and the cores a
+worker may run on, which its node's ranks share."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -88,3 +90,16 @@ def visible_devices(slots: Sequence[WorkerSlot]) -> list[tuple[str, ...]]:
 
 def _gpu_sort_key(gpu_id: str) -> tuple[int, str]:
     return (int(gpu_id), gpu_id) if gpu_id.isdigit() else (1 << 30, gpu_id)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def engine_threads_have_cores(local_size: int) -> bool:
+    """Whether each of a node's ``local_size`` ranks can have a core for its engine thread beside the one
+    its own thread computes on (``Settings.steps_on_waiting_thread``'s "auto")."""
+    return 2 * local_size <= usable_cores()

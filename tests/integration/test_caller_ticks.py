@@ -133,3 +133,90 @@ def test_async_ops_threads_and_modes_around_caller_ticks(make_executor):
         assert out["inference mode kept"] and out["grad mode kept"], out
         assert out["inference results"], out
         assert out["modes results"], out
+
+
+def _training_steps(steps: int):
+    """A DistributedOptimizer's steps, and after them a learned step of async ops that nobody waits for (it
+    must still run), one that is only polled, and one where rank 1 waits a while before it synchronizes."""
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    torch.set_num_threads(1)
+    engine = session.engine()
+    stats = engine.stats
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(hvd.rank()))
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(10 + hvd.rank()))
+    ticks = []
+    for _ in range(steps):
+        before = stats.caller_ticks
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        ticks.append(stats.caller_ticks - before)
+    weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    same = hvd.allgather(weights.unsqueeze(0), name="weights")
+    out = {
+        "mode": engine._steps_on_waiting_thread,
+        "late caller ticks": ticks[steps // 2:],
+        "replicas agree": bool(torch.equal(same[0], same[-1])),
+    }
+
+    grads = [torch.ones(64) for _ in range(4)]
+
+    def step(wait) -> list:
+        handles = [hvd.allreduce_async_(g.fill_(1.0), name=f"async.{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        wait(handles)
+        return [hvd.synchronize(h).tolist() == [float(hvd.size())] * 64 for h in handles]
+
+    for _ in range(4):  # the engine learns this step of four
+        step(lambda handles: None)
+    unwaited = time.monotonic()
+
+    def nobody_waits(handles):
+        while not all(h._parts[0]._done for h in handles):  # read without a poll or a wait: no nudge
+            time.sleep(0.005)
+
+    out["unwaited step done"] = all(step(nobody_waits))
+    out["unwaited step took"] = time.monotonic() - unwaited
+    before = stats.caller_ticks
+
+    def polls(handles):
+        while not all(hvd.poll(h) for h in handles):
+            time.sleep(0.001)
+
+    out["polled step done"] = all(step(polls))
+    out["polled caller ticks"] = stats.caller_ticks - before
+    out["late waiter done"] = all(step(lambda handles: time.sleep(0.3 if hvd.rank() == 1 else 0.0)))
+    hvd.barrier()
+    return out
+
+
+def test_a_learned_step_runs_on_the_thread_that_waits_for_it_or_on_the_engine_thread(make_executor):
+    from hvdray import RayExecutor
+    from hvdray.collective.topology import engine_threads_have_cores
+
+    for setting in (True, False, None):
+        settings = RayExecutor.create_settings(
+            timeout_s=20, placement_group_timeout_s=20, steps_on_waiting_thread=setting, idle_cycle_time_ms=200)
+        ex = make_executor(num_workers=2, settings=settings)
+        for out in ex.run(_training_steps, args=[12]):
+            # auto: True where 2 ranks leave no core to spare for their engine threads (this 2-core machine)
+            assert out["mode"] is (setting if setting is not None else not engine_threads_have_cores(2))
+            assert out["replicas agree"], out
+            if out["mode"]:  # the steps ran on the waiting thread (but for one the engine thread woke up for)
+                assert sum(t >= 1 for t in out["late caller ticks"]) >= 5, out
+            else:
+                assert out["late caller ticks"] == [0] * 6, out
+            assert out["unwaited step done"] and out["unwaited step took"] < 5.0, out
+            assert out["polled step done"] and out["polled caller ticks"] == 0, out
+            assert out["late waiter done"], out
+        ex.shutdown()

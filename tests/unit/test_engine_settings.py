@@ -9,6 +9,7 @@ from hvdray.settings import Settings, make_settings
 ENGINE_FIELDS = [
     "timeline_filename", "timeline_mark_cycles", "autotune", "autotune_log_file", "autotune_warmup_samples",
     "autotune_steps_per_sample", "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise",
+    "steps_on_waiting_thread",
 ]
 
 
@@ -40,8 +41,31 @@ def test_environment_overrides(monkeypatch):
         ({"autotune_gaussian_process_noise": 2}, "autotune_gaussian_process_noise"),
         ({"autotune": "maybe"}, "autotune"),
         ({"timeline_mark_cycles": "often"}, "timeline_mark_cycles"),
+        ({"steps_on_waiting_thread": "sometimes"}, "steps_on_waiting_thread"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_settings(**kwargs)
+
+
+def test_steps_on_the_waiting_thread_auto_true_false(monkeypatch):
+    assert make_settings().steps_on_waiting_thread is None  # auto
+    monkeypatch.setenv("HVDRAY_STEPS_ON_WAITING_THREAD", "auto")
+    assert make_settings().steps_on_waiting_thread is None
+    monkeypatch.setenv("HVDRAY_STEPS_ON_WAITING_THREAD", "false")
+    assert make_settings().steps_on_waiting_thread is False
+    assert make_settings(steps_on_waiting_thread=True).steps_on_waiting_thread is True
+
+
+@pytest.mark.parametrize("cores,local_ranks,spare", [(2, 1, True), (2, 2, False), (4, 2, True), (8, 5, False),
+                                                     (96, 8, True), (1, 1, False)])
+def test_auto_takes_the_waiting_thread_where_engine_threads_have_no_core_to_spare(monkeypatch, cores, local_ranks,
+                                                                                   spare):
+    import os
+
+    from hvdray.collective import topology
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert topology.usable_cores() == cores
+    assert topology.engine_threads_have_cores(local_ranks) is spare

@@ -72,6 +72,63 @@ def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine
     assert per_step[4:] == [(1, 1)] * 8, per_step
 
 
+@pytest.fixture
+def engine_with_steps_on_the_waiting_thread():
+    """``steps_on_waiting_thread=True`` (what "auto" picks where the node's ranks leave no core to spare, as
+    2 ranks on a 2-core machine), in a size-1 job; a long idle cycle, as above."""
+    settings = session.settings()
+    previous = settings.steps_on_waiting_thread, settings.idle_cycle_time_ms
+    settings.steps_on_waiting_thread, settings.idle_cycle_time_ms = True, 5000.0
+    try:
+        hvd.init()
+        torch.set_num_threads(1)
+        assert session.engine()._steps_on_waiting_thread
+        yield session.engine()
+        hvd.shutdown()
+    finally:
+        settings.steps_on_waiting_thread, settings.idle_cycle_time_ms = previous
+
+
+def test_a_learned_step_runs_on_the_thread_that_waits_for_it(engine_with_steps_on_the_waiting_thread):
+    engine = engine_with_steps_on_the_waiting_thread
+    net, opt = _model_and_optimizer()
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    per_step = []
+    for _ in range(12):
+        stats = engine.stats
+        before = stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        per_step.append(tuple(now - then for now, then in zip(
+            (stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups), before)))
+    # one round and one fused reduction a step, run by optimizer.step()'s wait: the engine thread slept on
+    assert per_step[4:] == [(1, 1, 1, 0)] * 8, per_step
+
+
+def test_a_learned_step_nobody_waits_for_still_runs(engine_with_steps_on_the_waiting_thread):
+    engine = engine_with_steps_on_the_waiting_thread
+    settings = session.settings()
+    hvd.shutdown()
+    settings.idle_cycle_time_ms = 100.0  # the default: how long a whole step waits for a caller
+    hvd.init()
+    engine = session.engine()
+    grads = _learn_a_step_of_six()
+    lags = []
+    for _ in range(3):
+        calls = engine.stats.allreduce_calls
+        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        submitted = time.monotonic()
+        while engine.stats.allreduce_calls == calls and time.monotonic() - submitted < 5.0:
+            time.sleep(0.001)  # nobody waits or polls (done() would hurry the step along)
+        lags.append(time.monotonic() - submitted)
+        for h in handles:
+            hvd.synchronize(h)
+    # the engine thread runs it when its wait for the rest of the step ends (the idle cycle), not never
+    assert max(lags) < 2.0, lags
+    assert all(g.tolist() == [1.0] * 100 for g in grads)
+
+
 def test_a_caller_slower_than_the_engine_still_gets_its_steps_learned(engine):
     # a loaded machine (CI): every gradient is reduced before the next one arrives and before the caller
     # waits, so no wait ever finds an op in flight. Waiting on finished ops must still end the step.

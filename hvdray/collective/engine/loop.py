@@ -87,6 +87,7 @@ class Engine:
         tuner: Optional[Autotuner] = None,
         call: int = 0,
         output_pool_bytes: int = 0,
+        steps_on_waiting_thread: bool = False,
     ) -> None:
         self.comm = comm
         self.rank = comm.rank
@@ -113,6 +114,9 @@ class Engine:
         # a caller that waits on an op runs the ticks itself while the engine thread sleeps (see _tick_for):
         # no hand-off to the engine thread and back on a synchronous op's path
         self._caller_ticking = False
+        # a learned step, once whole, waits for a caller that blocks on one of its ops and runs on that
+        # thread (as a blocking op does), instead of waking the engine thread (settings.steps_on_waiting_thread)
+        self._steps_on_waiting_thread = steps_on_waiting_thread
         self._parked = False  # the engine thread waits for a caller's tick to end (under the lock)
         self._stopped = False  # a tick ended the engine (a shutdown round, an error): the thread returns
         self._wait_s = cycle_time_s  # how long the next tick waits for work (doubles while every rank idles)
@@ -161,7 +165,9 @@ class Engine:
             local, name = self._local, request.name
             if name in local:
                 self._refuse_duplicate(local[name])
-            request.handle._on_wait = self._nudge_or_tick if CALLER_WAITS.next else self._nudge
+            request.handle._on_wait = (
+                self._nudge_or_tick if CALLER_WAITS.next or self._steps_on_waiting_thread else self._nudge
+            )
             if self.timeline is not None:
                 request.submitted = time.perf_counter()
             local[name] = request
@@ -207,7 +213,7 @@ class Engine:
                     self._refuse_duplicate(local.get(name) or request)
                 seen.add(name)
             submitted = time.perf_counter() if self.timeline is not None else 0.0
-            nudge = self._nudge_or_tick if CALLER_WAITS.next else self._nudge
+            nudge = self._nudge_or_tick if CALLER_WAITS.next or self._steps_on_waiting_thread else self._nudge
             nbytes = self._queued_bytes
             for request in requests:
                 request.submitted = submitted
@@ -496,8 +502,10 @@ class Engine:
                     # middle of a slow backward pass would split the step)
                     limit = max(deadline, arrived + self._idle_s)
                     # wake for the step's missing tensors or a fusion buffer's worth (a caller that
-                    # blocks on an op ticks at once through the nudge, whatever it submitted)
-                    wake_count = step.missing()
+                    # blocks on an op ticks at once through the nudge, whatever it submitted); with
+                    # steps on the waiting thread, for a fusion buffer only: the caller that waits for the
+                    # whole step runs it (a poll still wakes this thread, and the limit ends the wait)
+                    wake_count = _NEVER if self._steps_on_waiting_thread else step.missing()
                     wake_bytes = max(1, fusion_bytes - step.unsent_bytes)
                 else:
                     if self._local and not older:

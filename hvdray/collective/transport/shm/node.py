@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import operator
-import os
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
@@ -31,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributed import ReduceOp
 
+from hvdray.collective.topology import usable_cores
 from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS, reduce_in_order
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
@@ -97,8 +97,7 @@ class NodeCollectives:
         self.local_size = segment.local_size
         self.slot_bytes = slot_bytes
         self.rounds = 0
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        spin = _SPIN_WHEN_CORES_FREE if self.local_size <= cores else 0
+        spin = _SPIN_WHEN_CORES_FREE if self.local_size <= usable_cores() else 0
         self.barrier = NodeBarrier(segment, local_rank, timeout_s, spin, _YIELDS_BEFORE_SLEEP)
         self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
         self._base = self._data.data_ptr()
