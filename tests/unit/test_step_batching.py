@@ -265,3 +265,47 @@ def test_an_idle_engine_with_fusion_off_does_not_spin(engine):
         assert time.clock_gettime(clock) - before < 0.05
     finally:
         settings.fusion_threshold_mb = previous
+
+
+def test_the_hooks_submit_small_gradients_together_and_a_large_one_during_the_backward_pass(engine):
+    """DistributedOptimizer's hooks collect gradients and submit them in batches: the small ones together
+    once every gradient is ready (not one submission per hook, each costly between the backward pass's
+    kernels), but a batch of SUBMIT_BATCH_BYTES or more at once, so that a large model's reductions still
+    start during its backward pass."""
+    from hvdray.torch.optimizer import SUBMIT_BATCH_BYTES
+
+    torch.manual_seed(0)
+    stem, big, head = torch.nn.Linear(8, 1024), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4)
+    assert big.weight.nbytes >= SUBMIT_BATCH_BYTES > head.weight.nbytes + stem.weight.nbytes
+    net = torch.nn.Sequential(stem, torch.nn.ReLU(), big, torch.nn.ReLU(), head)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    seen = []  # the backward pass reaches head, then big, then stem; hooks run after the optimizer's
+    for name, p in (("head", head.weight), ("big", big.weight), ("stem", stem.weight)):
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: seen.append((name, set(opt._hvd_handles))))
+    x = torch.randn(4, 8)
+    expected = None
+    for _ in range(3):
+        seen.clear()
+        opt.zero_grad()
+        net(x).square().sum().backward()
+        submitted = dict(seen)
+        assert submitted["head"] == set()  # collected, not submitted yet
+        # big's weight made a batch of SUBMIT_BATCH_BYTES: submitted with head's at once, before stem's are ready
+        assert {id(big.weight), id(head.weight)} <= submitted["big"] and id(stem.weight) not in submitted["big"]
+        assert len(opt._hvd_handles) == 6 and not opt._hvd_pending  # all of them once the last was ready
+        grads = [p.grad.clone() for p in net.parameters()]
+        opt.step()
+        if expected is not None:
+            assert all(g.shape == e.shape for g, e in zip(grads, expected))
+        expected = grads
+    # a gradient a hook collected but did not submit yet is submitted by synchronize(), and zero_grad()
+    # between backward() and step() still refuses
+    opt.zero_grad()
+    head(torch.randn(2, 1024)).sum().backward()  # head's gradients only: the others never become ready
+    assert opt._hvd_pending and not opt._hvd_handles
+    with pytest.raises(AssertionError, match="still being reduced"):
+        opt.zero_grad()
+    opt.synchronize()
+    assert not opt._hvd_pending
+    with opt.skip_synchronize():
+        opt.step()
