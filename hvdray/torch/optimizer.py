@@ -1,11 +1,7 @@
 """``DistributedOptimizer``: gradients are allreduced from backward hooks, overlapping the backward pass.
 
-The backward hooks collect each parameter's gradient the moment autograd finishes accumulating it and
-submit them to the engine in batches: once :data:`SUBMIT_BATCH_BYTES` have gathered, once every
-parameter's gradient is ready, or at ``synchronize()``; ``step()`` waits for the reductions and then runs
-the wrapped optimizer's update. (A submission from inside the backward pass, between its kernels, costs
-several times what the same calls cost one after another; a learned step's engine waits for a fusion
-buffer's worth or the whole step anyway, so the batches delay nothing it would have run.)
+Each parameter's gradient is submitted to the engine the moment autograd finishes accumulating it;
+``step()`` waits for the reductions (``synchronize``) and then runs the wrapped optimizer's update.
 """
 
 from __future__ import annotations
@@ -22,11 +18,6 @@ from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
 from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
 from hvdray.collective.process_sets import ProcessSet, check_registered, global_process_set
-
-
-#: the hooks submit the gradients they collected once this many bytes have gathered (so that a large
-#: model's reductions still start during its backward pass, at a fusion buffer's pace)
-SUBMIT_BATCH_BYTES = 1 << 20
 
 
 class _DistributedMixin:
@@ -77,12 +68,6 @@ class _DistributedMixin:
         self._hvd_groups = _parameter_groups(groups, self._hvd_params)
         self._hvd_group_of = {id(p): i for i, group in enumerate(self._hvd_groups) for p in group}
         self._hvd_group_ready = [0] * len(self._hvd_groups)
-        # ungrouped gradients ready but not submitted yet (see SUBMIT_BATCH_BYTES), their bytes, and how many
-        # ungrouped parameters have been ready this step (all of them: the batch goes at once)
-        self._hvd_pending: list[torch.Tensor] = []
-        self._hvd_pending_bytes = 0
-        self._hvd_ready = 0
-        self._hvd_ungrouped = sum(1 for p in self._hvd_params if id(p) not in self._hvd_group_of)
         # id(param) -> (wire tensor, handle, compression context, index in its group's result or None)
         self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any, Optional[int]]] = {}
         self._hvd_synchronized = False
@@ -111,11 +96,7 @@ class _DistributedMixin:
         if self._hvd_delay[key] == 0:
             group = self._hvd_group_of.get(key)
             if group is None:
-                self._hvd_pending.append(p)
-                self._hvd_pending_bytes += p.numel() * p.element_size()  # the gradient's, dense (sparse ones too)
-                self._hvd_ready += 1
-                if self._hvd_ready == self._hvd_ungrouped or self._hvd_pending_bytes >= SUBMIT_BATCH_BYTES:
-                    self._hvd_submit_pending()
+                self._hvd_submit(p)
             else:
                 self._hvd_group_ready[group] += 1
                 if self._hvd_group_ready[group] == len(self._hvd_groups[group]):
@@ -151,12 +132,6 @@ class _DistributedMixin:
         )
         self._hvd_handles[id(p)] = (wire, handle, ctx, None)
 
-    def _hvd_submit_pending(self) -> None:
-        """Submit the gradients the hooks collected, in the order they became ready."""
-        pending, self._hvd_pending, self._hvd_pending_bytes = self._hvd_pending, [], 0
-        for p in pending:
-            self._hvd_submit(p)
-
     def _hvd_submit_group(self, group: int) -> None:
         params = self._hvd_groups[group]
         wires, ctxs = zip(*(self._hvd_wire(p, grouped=True) for p in params))
@@ -174,7 +149,6 @@ class _DistributedMixin:
         if not self._hvd_member:
             self._hvd_synchronized = True
             return
-        self._hvd_submit_pending()
         for p in self._hvd_params:
             if id(p) not in self._hvd_handles:
                 group = self._hvd_group_of.get(id(p))
@@ -206,7 +180,6 @@ class _DistributedMixin:
 
     def _hvd_reset_step(self) -> None:
         self._hvd_handles.clear()
-        self._hvd_pending, self._hvd_pending_bytes, self._hvd_ready = [], 0, 0
         for p in self._hvd_params:
             self._hvd_delay[id(p)] = self._hvd_passes
         self._hvd_group_ready = [0] * len(self._hvd_groups)
@@ -238,7 +211,7 @@ class _DistributedMixin:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd_handles or self._hvd_pending:
+        if self._hvd_handles:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); the gradients are still being reduced"
