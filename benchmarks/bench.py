@@ -62,8 +62,9 @@ def resnet50_gradient_shapes() -> list[tuple[int, ...]]:
 # -- what runs inside every worker ----------------------------------------------------------------
 def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[str, float]:
     """One step's gradient reduction: raw Gloo per tensor and hand-fused, DDP's buckets, hvdray with one
-    async allreduce per gradient (as ``DistributedOptimizer``'s hooks submit them) and with one
-    ``grouped_allreduce`` of all of them (``DistributedOptimizer(groups=1)``)."""
+    async allreduce per gradient and with one ``grouped_allreduce`` of all of them
+    (``DistributedOptimizer(groups=1)``), and ``DistributedOptimizer``'s backward pass and
+    ``synchronize()`` on the same parameters, beside DDP's backward pass."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -84,6 +85,9 @@ def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[st
             return sum(p.sum() for p in self.params)
 
     ddp = DistributedDataParallel(Parameters())
+    net = Parameters()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), op=hvd.Sum,
+                                         named_parameters=net.named_parameters())
 
     def per_tensor() -> None:
         for g in grads:
@@ -104,12 +108,18 @@ def _many_small_round(shapes: list[tuple[int, ...]], iterations: int) -> dict[st
     def hvdray_grouped_step() -> None:
         hvd.synchronize(hvd.grouped_allreduce_async_(grads, op=hvd.Sum, name="bench.group"))
 
+    def hvdray_optimizer_backward() -> None:  # the same trivial backward pass; the hooks submit the gradients
+        optimizer.zero_grad(set_to_none=False)
+        net().backward()
+        optimizer.synchronize()
+
     return {
         "raw gloo per tensor": timed(per_tensor, iterations),
         "raw gloo hand-fused": timed(hand_fused, iterations),
         "DDP (gloo) backward": timed(ddp_backward, iterations),
         "hvdray": timed(hvdray_step, iterations),
         "hvdray grouped": timed(hvdray_grouped_step, iterations),
+        "hvdray DistributedOptimizer backward": timed(hvdray_optimizer_backward, iterations),
     }
 
 

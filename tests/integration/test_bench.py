@@ -50,6 +50,7 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     assert ("step of 160 x 16 KB gradients", "DDP (gloo) backward") in impls
     assert ("step of 160 x 16 KB gradients", "hvdray") in impls
     assert ("step of 160 x 16 KB gradients", "hvdray grouped") in impls
+    assert ("step of 160 x 16 KB gradients", "hvdray DistributedOptimizer backward") in impls
     for r in rows:
         if r["section"] == "idle CPU (no ops submitted)":  # a measure without a baseline
             assert 0 <= r["median"] < 100 and r["vs"] is None and r["speed ratio"] is None, r
