@@ -5,6 +5,7 @@ one fused reduction per training step instead of one per early gradient. Ops out
 step, polls and waits must not be held back by that.
 """
 
+import contextlib
 import statistics
 import time
 
@@ -41,90 +42,62 @@ def _learn_a_step_of_six() -> list[torch.Tensor]:
     return grads
 
 
-@pytest.fixture
-def engine_without_idle_ticks():
-    """An idle tick (every 100 ms while nothing is waited on) is a round of its own, and a loaded machine's
-    step can last longer than that: with a long idle cycle, each round counted is one the step cost."""
+@contextlib.contextmanager
+def _engine_with(**changes):
+    """A size-1 job's engine, started with these settings changed for the test."""
     settings = session.settings()
-    previous, settings.idle_cycle_time_ms = settings.idle_cycle_time_ms, 5000.0
+    previous = {name: getattr(settings, name) for name in changes}
     try:
+        for name, value in changes.items():
+            setattr(settings, name, value)
         hvd.init()
         torch.set_num_threads(1)
-        assert session.engine()._idle_s == 5.0
         yield session.engine()
         hvd.shutdown()
     finally:
-        settings.idle_cycle_time_ms = previous
+        for name, value in previous.items():
+            setattr(settings, name, value)
 
 
-def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(engine_without_idle_ticks):
-    engine = engine_without_idle_ticks
-    net, opt = _model_and_optimizer()
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-    per_step = []
-    for _ in range(12):
-        rounds, calls = engine.stats.rounds, engine.stats.allreduce_calls
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        per_step.append((engine.stats.rounds - rounds, engine.stats.allreduce_calls - calls))
-    # the first steps negotiate names and learn the step; from then on, 6 gradients go as one
-    assert per_step[4:] == [(1, 1)] * 8, per_step
+@pytest.mark.parametrize("on_waiting_thread", [False, True], ids=["engine thread", "waiting thread"])
+def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(on_waiting_thread):
+    # an idle tick (every 100 ms while nothing is waited on) is a round of its own, and a loaded machine's
+    # step can last longer than that: with a long idle cycle, each round counted is one the step cost
+    with _engine_with(idle_cycle_time_ms=5000.0, steps_on_waiting_thread=on_waiting_thread) as engine:
+        assert engine._idle_s == 5.0 and engine._steps_on_waiting_thread is on_waiting_thread
+        net, opt = _model_and_optimizer()
+        x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+        stats, per_step = engine.stats, []
+        for _ in range(12):
+            before = stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            per_step.append(tuple(now - then for now, then in zip(
+                (stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups), before)))
+    # the first steps negotiate names and learn the step; from then on, 6 gradients go as one: run by the
+    # engine thread, or by optimizer.step()'s wait while the engine thread sleeps on (no wake-up at all)
+    if on_waiting_thread:
+        assert per_step[4:] == [(1, 1, 1, 0)] * 8, per_step
+    else:
+        assert [step[:3] for step in per_step[4:]] == [(1, 1, 0)] * 8, per_step
 
 
-@pytest.fixture
-def engine_with_steps_on_the_waiting_thread():
-    """``steps_on_waiting_thread=True`` (what "auto" picks where the node's ranks leave no core to spare, as
-    2 ranks on a 2-core machine), in a size-1 job; a long idle cycle, as above."""
-    settings = session.settings()
-    previous = settings.steps_on_waiting_thread, settings.idle_cycle_time_ms
-    settings.steps_on_waiting_thread, settings.idle_cycle_time_ms = True, 5000.0
-    try:
-        hvd.init()
-        torch.set_num_threads(1)
-        assert session.engine()._steps_on_waiting_thread
-        yield session.engine()
-        hvd.shutdown()
-    finally:
-        settings.steps_on_waiting_thread, settings.idle_cycle_time_ms = previous
-
-
-def test_a_learned_step_runs_on_the_thread_that_waits_for_it(engine_with_steps_on_the_waiting_thread):
-    engine = engine_with_steps_on_the_waiting_thread
-    net, opt = _model_and_optimizer()
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-    per_step = []
-    for _ in range(12):
-        stats = engine.stats
-        before = stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        per_step.append(tuple(now - then for now, then in zip(
-            (stats.rounds, stats.allreduce_calls, stats.caller_ticks, stats.wakeups), before)))
-    # one round and one fused reduction a step, run by optimizer.step()'s wait: the engine thread slept on
-    assert per_step[4:] == [(1, 1, 1, 0)] * 8, per_step
-
-
-def test_a_learned_step_nobody_waits_for_still_runs(engine_with_steps_on_the_waiting_thread):
-    engine = engine_with_steps_on_the_waiting_thread
-    settings = session.settings()
-    hvd.shutdown()
-    settings.idle_cycle_time_ms = 100.0  # the default: how long a whole step waits for a caller
-    hvd.init()
-    engine = session.engine()
-    grads = _learn_a_step_of_six()
-    lags = []
-    for _ in range(3):
-        calls = engine.stats.allreduce_calls
-        handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
-        submitted = time.monotonic()
-        while engine.stats.allreduce_calls == calls and time.monotonic() - submitted < 5.0:
-            time.sleep(0.001)  # nobody waits or polls (done() would hurry the step along)
-        lags.append(time.monotonic() - submitted)
-        for h in handles:
-            hvd.synchronize(h)
-    # the engine thread runs it when its wait for the rest of the step ends (the idle cycle), not never
+def test_a_learned_step_nobody_waits_for_still_runs():
+    # steps on the waiting thread: the engine thread runs a whole step nobody waits for (or polls) when its
+    # wait for the rest of the step ends (the idle cycle, 100 ms by default), not never
+    with _engine_with(steps_on_waiting_thread=True) as engine:
+        grads = _learn_a_step_of_six()
+        lags = []
+        for _ in range(3):
+            calls = engine.stats.allreduce_calls
+            handles = [hvd.allreduce_async_(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+            submitted = time.monotonic()
+            while engine.stats.allreduce_calls == calls and time.monotonic() - submitted < 5.0:
+                time.sleep(0.001)  # nobody waits or polls (done() would hurry the step along)
+            lags.append(time.monotonic() - submitted)
+            for h in handles:
+                hvd.synchronize(h)
     assert max(lags) < 2.0, lags
     assert all(g.tolist() == [1.0] * 100 for g in grads)
 
