@@ -143,9 +143,9 @@ class Settings(BaseModel):
         "gradients, once the engine has learned the step): True, the thread that waits for them, once it waits "
         "(no wake-up of the engine thread and no hand-off back, and no second busy thread per rank while the "
         "backward pass ends); False, the engine thread, woken when the step's last tensor is submitted (the "
-        "reduction overlaps whatever the caller does before it waits). None (\"auto\"): True where the node's "
-        "ranks cannot each have a core for their engine thread beside their own (twice the local ranks exceed "
-        "the cores this process may run on), else False.",
+        "reduction overlaps whatever the caller does before it waits). None (\"auto\"): True in a job (or process "
+        "set) of one rank, and where the node's ranks cannot each have a core for their engine thread beside their "
+        "own (twice the local ranks exceed the cores this process may run on); else False.",
     )
     payload_warning_mb: float = Field(
         100.0, ge=0, description="Warn (once per executor and argument) when a function, argument or "

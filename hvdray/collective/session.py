@@ -202,13 +202,14 @@ class Session:
         """Rendezvous keys of this init: the membership epoch, then a generation counted within it."""
         return f"e{self.current_job().epoch}/gen{self.generation}/"
 
-    def _steps_on_waiting_thread(self, setting: Optional[bool]) -> bool:
-        """``steps_on_waiting_thread``, its "auto" (None) decided by the job's ranks on this node (all of them,
-        whatever process set: they share the cores)."""
+    def _steps_on_waiting_thread(self, setting: Optional[bool], size: int) -> bool:
+        """``steps_on_waiting_thread`` for a group of ``size`` ranks, its "auto" (None): on for a group of one
+        (its collectives are the identity: nothing for the engine thread to overlap), else decided by the
+        job's ranks on this node (all of them, whatever process set: they share the cores)."""
         if setting is not None:
             return setting
         placement = self.current_job().rank_info
-        return not engine_threads_have_cores(placement.local_size if placement is not None else 1)
+        return size == 1 or not engine_threads_have_cores(placement.local_size if placement is not None else 1)
 
     def _start_engine(
         self, store_prefix: str, rank: int, size: int, tuner: Optional[Autotuner] = None,
@@ -257,7 +258,7 @@ class Session:
             tuner=tuner,
             call=self.call,
             output_pool_bytes=int(settings.output_pool_mb * 1024 * 1024),
-            steps_on_waiting_thread=self._steps_on_waiting_thread(settings.steps_on_waiting_thread),
+            steps_on_waiting_thread=self._steps_on_waiting_thread(settings.steps_on_waiting_thread, size),
         )
         started.timeline = self.timeline
         return started

@@ -18,10 +18,10 @@ from hvdray.collective import session
 
 @pytest.fixture
 def engine():
-    hvd.init()
-    torch.set_num_threads(1)
-    yield session.engine()
-    hvd.shutdown()
+    """A size-1 job's engine with learned steps on the engine thread (auto puts a job of one rank's on the
+    waiting thread): what most tests here watch is when the engine thread runs a step by itself."""
+    with _engine_with(steps_on_waiting_thread=False) as started:
+        yield started
 
 
 def _model_and_optimizer():
@@ -84,9 +84,11 @@ def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(on_wai
 
 
 def test_a_learned_step_nobody_waits_for_still_runs():
-    # steps on the waiting thread: the engine thread runs a whole step nobody waits for (or polls) when its
-    # wait for the rest of the step ends (the idle cycle, 100 ms by default), not never
-    with _engine_with(steps_on_waiting_thread=True) as engine:
+    # steps on the waiting thread (auto's choice for a job of one rank): the engine thread runs a whole step
+    # nobody waits for (or polls) when its wait for the rest of the step ends (the idle cycle, 100 ms by
+    # default), not never
+    with _engine_with() as engine:
+        assert engine._steps_on_waiting_thread
         grads = _learn_a_step_of_six()
         lags = []
         for _ in range(3):
