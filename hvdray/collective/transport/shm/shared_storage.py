@@ -61,7 +61,6 @@ def map_peer_storage(place: TensorPlace) -> mmap.mmap:
         os.close(fd)
 
 
-
 class PeerTensors:
     """The local peers' shared tensor storages this rank has mapped, by (pid, inode), least recently
     used first. A mapping keeps its memory alive after the peer frees the tensor, so entries whose
