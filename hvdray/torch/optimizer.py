@@ -16,6 +16,7 @@ import torch
 
 from hvdray.collective import ops as _c
 from hvdray.collective.compression import Compression
+from hvdray.collective.engine.interrupts import INTERRUPTS
 from hvdray.collective.gradient_groups import GroupSpec, consecutive_runs, group_of_positions, resolve_groups
 from hvdray.collective.process_sets import ProcessSet, check_registered, global_process_set
 
@@ -72,6 +73,7 @@ class _DistributedMixin:
         self._hvd_handles: dict[int, tuple[torch.Tensor, _c.OpHandle, Any, Optional[int]]] = {}
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
+        self._hvd_interrupts_before_step = INTERRUPTS.delivered  # an interrupt since then stopped this step
         # a rank outside the process set reduces nothing: its step() applies its own gradients (Horovod's)
         self._hvd_member = process_set is global_process_set or process_set.included()
         self._hvd_hooks = (
@@ -86,6 +88,10 @@ class _DistributedMixin:
                 for p in group["params"]}
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
+        with INTERRUPTS:  # an op submitted and its handle kept, or neither: Ctrl-C raises after the hook's work
+            self._hvd_count_grad(p)
+
+    def _hvd_count_grad(self, p: torch.Tensor) -> None:
         key = id(p)
         if key in self._hvd_handles or self._hvd_delay[key] <= 0:
             raise AssertionError(
@@ -149,13 +155,14 @@ class _DistributedMixin:
         if not self._hvd_member:
             self._hvd_synchronized = True
             return
-        for p in self._hvd_params:
-            if id(p) not in self._hvd_handles:
-                group = self._hvd_group_of.get(id(p))
-                if group is None:
-                    self._hvd_submit(p)
-                else:  # the whole group, as on a rank where every hook of it fired (unused ones reduce zeros)
-                    self._hvd_submit_group(group)
+        with INTERRUPTS:
+            for p in self._hvd_params:
+                if id(p) not in self._hvd_handles:
+                    group = self._hvd_group_of.get(id(p))
+                    if group is None:
+                        self._hvd_submit(p)
+                    else:  # the whole group, as on a rank where every hook of it fired (unused ones reduce zeros)
+                        self._hvd_submit_group(group)
         by_id = {id(p): p for p in self._hvd_params}
         grouped: dict[int, list[torch.Tensor]] = {}  # id(handle) -> a group's results
         try:
@@ -174,12 +181,19 @@ class _DistributedMixin:
                     p.grad = self._hvd_compression.decompress(reduced, ctx).to_sparse()
                 elif reduced is not p.grad:
                     p.grad.copy_(self._hvd_compression.decompress(reduced, ctx))
-        finally:
+        except KeyboardInterrupt:
+            # the reductions go on, on every rank: the handles stay, and the next synchronize(), step() or
+            # zero_grad() waits for them (writing a result to .grad twice writes the same values)
+            raise
+        except BaseException:
             self._hvd_reset_step()
+            raise
+        self._hvd_reset_step()
         self._hvd_synchronized = True
 
     def _hvd_reset_step(self) -> None:
         self._hvd_handles.clear()
+        self._hvd_interrupts_before_step = INTERRUPTS.delivered
         for p in self._hvd_params:
             self._hvd_delay[id(p)] = self._hvd_passes
         self._hvd_group_ready = [0] * len(self._hvd_groups)
@@ -212,10 +226,16 @@ class _DistributedMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_handles:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); the gradients are still being reduced"
-            )
+            if INTERRUPTS.delivered == self._hvd_interrupts_before_step:
+                raise AssertionError(
+                    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                    "optimizer.synchronize(); the gradients are still being reduced"
+                )
+            # Ctrl-C stopped this step after some of its gradients were submitted: the peers run the step's
+            # reductions whatever this rank does next, so finish them here (submitting the rest), then drop
+            # them with the other gradients, and the next step starts clean on every rank
+            self.synchronize()
+            self._hvd_synchronized = False
         return super().zero_grad(set_to_none)
 
 

@@ -29,6 +29,7 @@ from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
 from hvdray.collective.engine.handle import Handle, Request
+from hvdray.collective.engine.interrupts import INTERRUPTS
 from hvdray.collective.engine.negotiation import Finished, RoundMessage, leavers
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
 from hvdray.collective.output_pool import OutputPool
@@ -158,8 +159,8 @@ class Engine:
     # -- submission (any thread) ------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
         """Submit one request (:meth:`submit_many` of one, without its group bookkeeping: every gradient
-        of every step comes this way)."""
-        with self._lock:
+        of every step comes this way). An interrupt comes after the request is queued, not halfway."""
+        with INTERRUPTS, self._lock:
             if self._error is not None or self._shutdown_requested or self._left_call >= self._call > 0:
                 self._raise_if_stopped(request)
             local, name = self._local, request.name
@@ -202,7 +203,7 @@ class Engine:
 
     def submit_many(self, requests: Sequence[Request]) -> None:
         """Submit several requests at once (a grouped op's tensors): one lock acquisition, all or none."""
-        with self._lock:
+        with INTERRUPTS, self._lock:
             if self._error is not None or self._shutdown_requested or self._left_call >= self._call > 0:
                 self._raise_if_stopped(requests[0] if requests else None)
             local = self._local
@@ -240,6 +241,10 @@ class Engine:
             # finished, and no step open to end: every wait of a step's synchronize but the first comes
             # here, so it skips the lock (read without it, a step that opens meanwhile is ended later)
             return
+        with INTERRUPTS:  # a caller's tick stopped halfway would break the ring: an interrupt waits for its end
+            self._hurry_pending(handle, may_tick)
+
+    def _hurry_pending(self, handle: Handle, may_tick: bool) -> None:
         with self._lock:
             self._step.close()
             request = self._local.get(handle.name)
@@ -345,6 +350,7 @@ class Engine:
         self._thread.join(timeout_s)
         self.comm.close()
         self.outputs.close()
+        INTERRUPTS.release()
 
     @property
     def alive(self) -> bool:
