@@ -65,6 +65,12 @@ def _log_level(raw: str) -> int:
         ) from None
 
 
+def _timeline_file(raw: str) -> Optional[str]:
+    """``HOROVOD_TIMELINE``: a file to record into from the start, or ``DYNAMIC`` (Horovod's word for no file
+    until ``hvd.start_timeline``, which hvdray allows whatever this says)."""
+    return None if raw == "DYNAMIC" else raw
+
+
 def _interfaces(raw: str) -> list[str]:
     return [s.strip() for s in raw.split(",") if s.strip()]
 
@@ -76,7 +82,7 @@ HOROVOD_KNOBS: dict[str, Knob] = {
         Knob("HOROVOD_FUSION_THRESHOLD", "fusion_threshold_mb", _bytes_to_mib),
         Knob("HOROVOD_CYCLE_TIME", "cycle_time_ms"),
         Knob("HOROVOD_CACHE_CAPACITY", "cache_capacity"),
-        Knob("HOROVOD_TIMELINE", "timeline_filename"),
+        Knob("HOROVOD_TIMELINE", "timeline_filename", _timeline_file),
         Knob("HOROVOD_TIMELINE_MARK_CYCLES", "timeline_mark_cycles"),
         Knob("HOROVOD_STALL_CHECK_TIME_SECONDS", "stall_warning_s"),
         Knob("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from hvdray import environment
 from hvdray.settings import Settings, make_settings
@@ -46,6 +47,28 @@ def test_horovod_knobs_set_their_settings(monkeypatch, variable, raw, field, val
     assert getattr(make_settings(), field) != value
     monkeypatch.setenv(variable, raw)
     assert getattr(make_settings(), field) == value
+
+
+def test_a_dynamic_horovod_timeline_records_nothing_until_started(monkeypatch, tmp_path):
+    """Horovod's ``HOROVOD_TIMELINE=DYNAMIC``: no file at init (not one named DYNAMIC), and
+    ``hvd.start_timeline`` records from then on."""
+    import hvdray.torch as hvd
+
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
+    assert make_settings().timeline_filename is None
+    monkeypatch.chdir(tmp_path)
+    hvd.init()
+    try:
+        hvd.allreduce(torch.ones(3), name="before")
+        assert list(tmp_path.iterdir()) == []
+        hvd.start_timeline(str(tmp_path / "timeline.json"))
+        hvd.allreduce(torch.ones(3), name="recorded")
+        hvd.stop_timeline()
+    finally:
+        hvd.shutdown()
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]
+    text = (tmp_path / "timeline.json").read_text()
+    assert "recorded" in text and "before" not in text
 
 
 def test_precedence_argument_then_hvdray_then_horovod_then_default(monkeypatch):
