@@ -162,7 +162,9 @@ class RayExecutor:
         executable_kwargs: Optional[dict[str, Any]] = None,
         extra_env_vars: Optional[dict[str, str]] = None,
     ) -> None:
-        """Reserve the placement group and start one worker per rank (building ``executable_cls`` on each)."""
+        """Reserve the placement group and start one worker per rank (building ``executable_cls`` on each).
+        A start that fails or is interrupted (Ctrl-C) releases what it reserved and started, and leaves the
+        executor as it was before: ``start()`` can be called again."""
         if self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
         if self._state != "new":
@@ -176,16 +178,15 @@ class RayExecutor:
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
             init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
-        if self._limits is not None:
-            self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
-            self._state = "started"
-            return
-        self._placement = Placement(self._plan, self.settings.placement_group_timeout_s, self._use_current_pg,
-                                    name=actor_name(self._id, "pg"))
         try:
-            self._start_group()
+            if self._limits is not None:
+                self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
+            else:
+                self._placement = Placement(self._plan, self.settings.placement_group_timeout_s,
+                                            self._use_current_pg, name=actor_name(self._id, "pg"))
+                self._start_group()
         except BaseException:
-            self.shutdown()
+            self._release()
             raise
         self._state = "started"
 
@@ -207,6 +208,11 @@ class RayExecutor:
     def shutdown(self) -> None:
         """End the workers (idle ones exit on their own first: see ``WorkerGroup.stop``), drop the job from the
         coordinator and release the placement group; safe to call twice."""
+        self._release()
+        self._state = "shut down"
+
+    def _release(self) -> None:
+        """Stop and release whatever this executor has started and reserved."""
         if self._driver is not None:
             self._driver.stop()
         if self._group is not None:
@@ -218,7 +224,6 @@ class RayExecutor:
         if self._placement is not None:
             self._placement.release()
             self._placement = None
-        self._state = "shut down"
 
     def __enter__(self) -> "RayExecutor":
         return self

@@ -186,18 +186,23 @@ class Placement:
             plan.bundles, strategy=plan.strategy, name=name
         )
         if self._owned:
-            self.check_feasible()
-            ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
-            if not ready:
-                nodes = cluster_nodes()
-                self.release()
-                raise TimeoutError(
-                    f"the cluster did not grant {plan.describe()} for {plan.num_workers} worker(s) within "
-                    f"placement_group_timeout_s={timeout_s} s (it could, once other jobs free their resources); "
-                    f"per Ray node:\n{describe_nodes(nodes, self._keys())}"
-                )
-            if after_ready_hook is not None:
-                after_ready_hook(self.group)
+            try:
+                self._wait_until_granted(timeout_s)
+            except BaseException:
+                self.release()  # also after Ctrl-C in the wait: a pending group would hold its place in Ray's queue
+                raise
+
+    def _wait_until_granted(self, timeout_s: float) -> None:
+        self.check_feasible()
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"the cluster did not grant {self.plan.describe()} for {self.plan.num_workers} worker(s) within "
+                f"placement_group_timeout_s={timeout_s} s (it could, once other jobs free their resources); "
+                f"per Ray node:\n{describe_nodes(cluster_nodes(), self._keys())}"
+            )
+        if after_ready_hook is not None:
+            after_ready_hook(self.group)
 
     def _keys(self) -> list[str]:
         return sorted({k for b in self.plan.bundles for k in b} | {"CPU"})

@@ -156,7 +156,7 @@ def test_infeasible_placement_fails_at_once_with_requested_and_available_per_nod
     ex.shutdown()
 
 
-def test_a_feasible_placement_the_cluster_is_too_busy_for_still_waits_for_the_timeout(ray_local):
+def test_a_feasible_placement_the_cluster_is_too_busy_for_waits_for_the_timeout_and_can_be_retried(ray_local):
     busy = placement_group([{"CPU": 3}])  # another job holds 3 of the 4 CPUs
     ray.get(busy.ready())
     before = _live_placement_groups()
@@ -169,8 +169,12 @@ def test_a_feasible_placement_the_cluster_is_too_busy_for_still_waits_for_the_ti
     assert "2 bundle(s) of {'CPU': 1}" in message and "placement_group_timeout_s=2" in message, message
     assert "CPU 4 total / 1 free" in message, message
     assert _live_placement_groups() == before
-    ex.shutdown()
     remove_placement_group(busy)
+    ex.start()  # once the other job is gone, the same executor starts (a failed start shut it down before)
+    try:
+        assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+    finally:
+        ex.shutdown()
 
 
 def test_existing_placement_group_is_reused(ray_local):

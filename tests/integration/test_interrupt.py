@@ -4,7 +4,8 @@ A real SIGINT is sent to this process (as a terminal's Ctrl-C would) while the w
 loop of collectives. ``run`` must raise ``KeyboardInterrupt`` promptly, the busy workers must be
 gone, and the next ``run`` on the same executor must work on fresh workers. The same holds for an
 elastic executor, and for a Jupyter kernel interrupted in the middle of a cell (the kernel stays
-usable: the next cell trains again on the same executor).
+usable: the next cell trains again on the same executor). Ctrl-C while ``start`` waits for its placement
+group leaves nothing reserved, and ``start`` works on the same executor afterwards.
 """
 
 from __future__ import annotations
@@ -91,6 +92,38 @@ def test_ctrl_c_during_an_elastic_run(ray_local):
         assert sorted(executor.run(_rank)) == [0, 1]
     finally:
         executor.shutdown()
+
+
+def test_ctrl_c_during_start_releases_what_it_reserved_and_start_can_be_called_again(
+    make_executor, actors_left_behind
+):
+    """start() waits for its placement group (three of the four CPUs are held by another one): Ctrl-C
+    there leaves no placement group or actor of the executor behind, and once the CPUs are free the same
+    executor starts and runs (before, an interrupted or failed start shut the executor down for good)."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    blocker = placement_group([{"CPU": 3}])
+    ray.get(blocker.ready(), timeout=30)
+    executor = make_executor(num_workers=2, start=False)
+    try:
+        _interrupt_after(1.5)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            executor.start()
+        assert time.monotonic() - started < 1.5 + INTERRUPT_BOUND_S
+        deadline = time.monotonic() + 10
+        while True:
+            groups = [pg for pg, row in placement_group_table().items() if row["state"] != "REMOVED"]
+            actors = actors_left_behind()
+            if (groups == [blocker.id.hex()] and not actors) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert groups == [blocker.id.hex()] and not actors, (groups, actors)
+    finally:
+        remove_placement_group(blocker)
+    executor.start()
+    assert executor.run(_rank) == [0, 1]
 
 
 NOTEBOOK_CELLS = {
