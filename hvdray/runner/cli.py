@@ -318,6 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ScriptFailed as exc:
         print(f"hvdrayrun: rank {exc.rank} failed with exit code {exc.exit_code}: {exc.summary}", file=sys.stderr)
         return exc.exit_code if 0 < exc.exit_code < 256 else 1
+    except KeyboardInterrupt:
+        print("hvdrayrun: interrupted; the workers were stopped", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
     except Exception as exc:  # noqa: BLE001 - the launcher's own failures (placement, lost worker)
         print(f"hvdrayrun: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

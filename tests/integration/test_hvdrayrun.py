@@ -117,6 +117,53 @@ def test_a_failing_rank_fails_the_run_with_its_error_shown(tmp_path, ray_address
     assert "hvdrayrun: rank 1 failed with exit code 1: ValueError: bad batch on rank one" in result.stderr
 
 
+BUSY_SCRIPT = """
+    import torch
+    import hvdray.torch as hvd
+
+    hvd.init()
+    print(f"rank {hvd.rank()} busy", flush=True)
+    while True:
+        hvd.allreduce(torch.ones(4))
+"""
+
+
+def test_ctrl_c_stops_the_workers_and_exits_130_without_a_traceback(tmp_path, ray_address, actors_left_behind):
+    """SIGINT to the launcher (a terminal's Ctrl-C; started in a session of its own so that SIGINT is not
+    ignored, as it is for a background job of a shell): it ends within seconds, with the shell's 130 and
+    one line (it printed a KeyboardInterrupt traceback and exited 1 before), and leaves no worker behind."""
+    import signal
+    import time
+
+    script = _script(tmp_path, "busy.py", BUSY_SCRIPT)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", **ray_address)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    launcher = subprocess.Popen([sys.executable, "-m", "hvdray.runner", "-np", "2", "python", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=tmp_path, start_new_session=True)
+    try:
+        busy = 0
+        for line in launcher.stdout:
+            busy += "busy" in line
+            if busy == 2:
+                break
+        assert busy == 2, "the ranks never started"
+        interrupted = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        rest, _ = launcher.communicate(timeout=60)
+        took = time.monotonic() - interrupted
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, rest
+    assert "hvdrayrun: interrupted; the workers were stopped" in rest and "Traceback" not in rest, rest
+    assert took < 20, took
+    deadline = time.monotonic() + 10
+    while actors_left_behind() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert actors_left_behind() == []
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
