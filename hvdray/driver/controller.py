@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import ray
 
 from hvdray.driver.datasets import DatasetSplitter
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
-from hvdray.driver.failures import CoordinatorLostError, failure_error
+from hvdray.driver.failures import CoordinatorLostError, consequence_level, failure_error
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
 from hvdray.driver.records import hand_to_callbacks
@@ -92,6 +93,11 @@ class Transition:
 def errored(error: BaseException) -> Transition:
     """The transition that ends the run with ``error``."""
     return Transition(DriverState.ERRORED, str(error), error)
+
+
+def _rank_or_last(rank: Optional[int]) -> int:
+    """A worker's rank for ordering, a worker without one (not in an epoch yet) after every rank."""
+    return rank if rank is not None else sys.maxsize
 
 
 def allowed(old: DriverState, new: DriverState) -> bool:
@@ -275,6 +281,7 @@ class ElasticDriver:
         if self._state in (DriverState.RUNNING, DriverState.RESIZING, DriverState.RECOVERING):
             lost += self._group.poll_liveness(_UNANSWERED_S)
         returned = False
+        raised = []
         for ended in self._group.poll_runs():
             worker = ended.worker
             if ended.outcome is RunOutcome.RETURNED:
@@ -292,8 +299,12 @@ class ElasticDriver:
                     lost.append(worker.worker_id)
             elif self._failures.run_error(worker.rank is not None, finishing) is RunErrorDecision.RAISE:
                 assert ended.error is not None
-                return errored(failure_error(ended.error, worker.rank, worker_id=worker.worker_id,
-                                             aftermath="the job was stopped"))
+                raised.append(ended)
+        if raised:
+            # of the errors that ended together, the root cause, not a peer's op that failed because of it
+            first = min(raised, key=lambda e: (consequence_level(e.error), _rank_or_last(e.worker.rank)))
+            return errored(failure_error(first.error, first.worker.rank, worker_id=first.worker.worker_id,
+                                         aftermath="the job was stopped"))
         if lost:
             self._drop(lost, lost_workers=True)
         if self._state is DriverState.FINISHING:

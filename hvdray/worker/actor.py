@@ -182,7 +182,18 @@ class Worker:
         session.begin_call(call)
         how = "raised"
         try:
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except SystemExit as exc:
+                # In a Ray actor, SystemExit would end the worker's process, and run() would report a
+                # worker that "died unexpectedly". As in a script: sys.exit() or sys.exit(0) ends this
+                # rank's function (its result None), any other code is this rank's failure, named so.
+                if exc.code not in (None, 0):
+                    raise RuntimeError(
+                        f"{getattr(fn, '__qualname__', 'the function')} called sys.exit({exc.code!r}) on rank "
+                        f"{self._rank}"
+                    ) from exc
+                result = None
             how = "returned"
             return result
         finally:

@@ -173,20 +173,33 @@ def test_an_abandoned_epoch_ends_its_rendezvous_waits_at_once(ray_local):
         job.close()
 
 
-def _fails_on_rank_1():
+def _fails_on_rank_1(how: str = "raise", peer_waits: bool = False):
+    import sys
+
+    import torch
+
     import hvdray.torch as hvd
 
     hvd.init()
     if hvd.rank() == 1:
+        if how == "sys.exit":
+            sys.exit(4)
         raise KeyError("bad batch")
+    if peer_waits:
+        hvd.allreduce(torch.ones(2), name="never_submitted_by_rank_1")  # fails: rank 1 left
     return hvd.rank()
 
 
-def test_user_exception_ends_the_job_with_the_rank(ray_local):
+@pytest.mark.parametrize("how, error, message", [("raise", KeyError, "bad batch"),
+                                                  ("sys.exit", RuntimeError, r"called sys\.exit\(4\) on rank 1")])
+def test_user_exception_ends_the_job_with_the_rank(ray_local, how, error, message):
+    """The raising rank's own error, also where the peer's allreduce failed because of it in the same
+    moment (the driver reported whichever it polled first, often the peer's PeerFinishedError)."""
     with RayExecutor(_settings(), min_workers=2, max_workers=2) as ex:
-        with pytest.raises(KeyError, match="bad batch") as info:
-            ex.run(_fails_on_rank_1)
-    assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
+        for peer_waits in (False, True):
+            with pytest.raises(error, match=message) as info:
+                ex.run(_fails_on_rank_1, args=[how, peer_waits])
+            assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
 
 
 def _init_rank():

@@ -329,6 +329,38 @@ def test_a_rank_that_raises_leaves_the_workers_to_the_next_call_unless_one_is_bu
     assert not set(again) & set(fresh), (again, fresh)
 
 
+def _exits_on_rank_1(code):
+    import os
+    import sys
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        sys.exit(code)
+    hvd.allreduce(torch.ones(2), name="after_the_exit")  # rank 1 never submits it
+    return os.getpid()
+
+
+def test_sys_exit_in_a_ranks_function_is_that_ranks_result_not_a_dead_worker(make_executor):
+    """``sys.exit(n)`` in the function, as in a script: 0 or None ends the rank's call (its result
+    None), any other code fails the run naming the rank and the code. The worker process lives on (in a
+    Ray actor SystemExit would end it, and run() reported a worker that died unexpectedly); the peer
+    waiting for the rank in an allreduce is told the rank left its function."""
+    ex = make_executor(num_workers=2)
+    pids = [pid for pid, _ in ex.run(_pid_and_sum)]
+    with pytest.raises(RuntimeError, match=r"called sys\.exit\(3\) on rank 1"):
+        ex.run(_exits_on_rank_1, args=[3])
+    assert [pid for pid, _ in ex.run(_pid_and_sum)] == pids, "the workers were replaced"
+    for code in (0, None):
+        with pytest.raises(Exception, match="rank 1 returned from its function") as info:
+            ex.run(_exits_on_rank_1, args=[code])
+        assert "rank 0 of 2" in str(info.value)
+        assert [pid for pid, _ in ex.run(_pid_and_sum)] == pids
+
+
 def test_a_stateful_executable_survives_a_call_that_raised(make_executor):
     class Counter:
         def __init__(self):
