@@ -207,9 +207,10 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """End the workers (idle ones exit on their own first: see ``WorkerGroup.stop``), drop the job from the
-        coordinator and release the placement group; safe to call twice."""
+        coordinator and release the placement group; safe to call twice. A ``run`` waiting meanwhile (in
+        another thread: a notebook's background cell, a Tune trial being stopped) raises saying so."""
+        self._state = "shut down"  # first: a run that sees its workers go reads it
         self._release()
-        self._state = "shut down"
 
     def _release(self) -> None:
         """Stop and release whatever this executor has started and reserved."""
@@ -310,8 +311,11 @@ class RayExecutor:
         try:
             values = driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()), datasets)
         except BaseException as exc:
-            self._finish_results(group, error=exc)
-            raise
+            error = self._shut_down_meanwhile(exc)
+            self._finish_results(group, error=error)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self._driver = None
         self._finish_results(group, values=values)
@@ -410,10 +414,23 @@ class RayExecutor:
                 if isinstance(exc, KeyboardInterrupt):
                     log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones",
                                 self._id)
-            self._finish_results(group, error=exc)
-            raise
+            error = self._shut_down_meanwhile(exc)
+            self._finish_results(group, error=error)
+            if error is exc:
+                raise
+            raise error from exc
         self._finish_results(group, values=values)
         return values
+
+    def _shut_down_meanwhile(self, exc: BaseException) -> BaseException:
+        """What a call raises: ``exc``, unless ``shutdown()`` came from another thread while it waited, whose
+        stopped workers would otherwise read as workers that died."""
+        if self._state != "shut down" or isinstance(exc, KeyboardInterrupt):
+            return exc
+        return RuntimeError(
+            f"hvdray executor {self._id} was shut down (executor.shutdown(), from another thread) while this "
+            "call waited for its workers; they were stopped"
+        )
 
 
 class ElasticRayExecutor(RayExecutor):

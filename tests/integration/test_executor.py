@@ -122,6 +122,41 @@ def test_a_callback_that_raises_ends_the_run_and_stops_its_workers(make_executor
     assert time.monotonic() - started < 30  # not behind the first call's minute
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_shutdown_from_another_thread_ends_a_waiting_run_saying_so(make_executor, elastic, actors_left_behind):
+    """A notebook's cell (or a Tune trial being stopped) shuts the executor down while another thread's
+    run() waits: the run raises at once that the executor was shut down, not that a worker died
+    unexpectedly (what it said before), and nothing is left."""
+    import threading
+
+    ex = make_executor(**({"min_workers": 2, "max_workers": 2} if elastic else {"num_workers": 2}))
+    records, outcome = [], {}
+
+    def run_in_thread():
+        try:
+            outcome["value"] = ex.run(_logs_then_trains_for_a_minute, callbacks=[records.append])
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run_in_thread)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(records) < 2 and time.monotonic() < deadline:  # both ranks train
+        time.sleep(0.1)
+    assert len(records) >= 2, records
+    stopped = time.monotonic()
+    ex.shutdown()
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - stopped < 15
+    error = outcome.get("error")
+    assert isinstance(error, RuntimeError) and "was shut down (executor.shutdown(), from another thread)" in str(
+        error), repr(error)
+    deadline = time.monotonic() + 10
+    while actors_left_behind() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert actors_left_behind() == []
+
+
 def test_num_hosts_layout_places_workers_per_host(make_executor):
     ex = make_executor(num_hosts=1, num_workers_per_host=2)
     assert ex.num_workers == 2
