@@ -12,9 +12,11 @@ cluster's free slots, and each ``run`` is driven by :class:`hvdray.driver.contro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import ray
@@ -54,7 +56,69 @@ _FAILED_CALL_SETTLE_S = 5.0
 __all__ = ["ElasticRayExecutor", "RayExecutor", "WorkerLostError"]
 
 
+@dataclasses.dataclass
+class _Held:
+    """What an executor holds in the cluster: released by ``shutdown()``, or, for an executor that was
+    garbage collected without it (a notebook cell that makes one, run again), by the next executor's
+    ``start()`` (see :func:`_release_abandoned`)."""
+
+    executor_id: str
+    placement: Optional[Placement] = None
+    group: Optional[WorkerGroup] = None  # fixed jobs: the current workers (a new group after a failure)
+    coordinator: Optional[JobCoordinator] = None  # elastic jobs: one coordinator for every run
+    driver: Optional[ElasticDriver] = None  # elastic jobs: the run in progress
+
+    def __bool__(self) -> bool:
+        return any(part is not None for part in (self.placement, self.group, self.coordinator, self.driver))
+
+    def release(self) -> None:
+        """Stop and release all of it."""
+        if self.driver is not None:
+            self.driver.stop()
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
+
+
+#: what executors garbage collected without shutdown() still held; a finalizer only appends here (it may run
+#: in the middle of any code, Ray's included), and the next start() releases it
+_abandoned: list[_Held] = []
+
+
+def _abandon(held: _Held) -> None:
+    if held:
+        _abandoned.append(held)
+
+
+def _release_abandoned() -> None:
+    """Release what garbage-collected executors left started: their workers and placement groups would
+    otherwise hold the cluster's CPUs until the driver exits."""
+    while _abandoned:
+        held = _abandoned.pop()  # atomic: a finalizer appending meanwhile loses nothing
+        log.warning("hvdray executor %s was garbage collected without shutdown(): releasing its workers and "
+                    "placement group now", held.executor_id)
+        try:
+            held.release()
+        except Exception as exc:  # noqa: BLE001 - what is already gone cannot be released; the new start goes on
+            log.debug("hvdray executor %s: releasing what it left failed: %s", held.executor_id, exc)
+
+
+def _held_attribute(name: str) -> Any:
+    """An executor attribute kept in its :class:`_Held`."""
+    return property(lambda self: getattr(self._held, name), lambda self, value: setattr(self._held, name, value))
+
+
 class RayExecutor:
+    _placement = _held_attribute("placement")
+    _group = _held_attribute("group")
+    _coordinator = _held_attribute("coordinator")
+    _driver = _held_attribute("driver")
     """Run Horovod-style distributed functions on Ray actors (see the README for a walk-through)."""
 
     @classmethod
@@ -134,14 +198,12 @@ class RayExecutor:
             self.num_workers = num_workers if num_workers is not None else num_hosts * num_workers_per_host
             self._plan = plan_placement(num_workers, num_hosts, num_workers_per_host, cpus_per_worker, gpus)
         self._use_current_pg = use_current_placement_group
-        self._placement: Optional[Placement] = None
-        self._group: Optional[WorkerGroup] = None  # fixed jobs: the current workers (a new group after a failure)
-        self._coordinator: Optional[JobCoordinator] = None  # elastic jobs: one coordinator for every run
-        self._driver: Optional[ElasticDriver] = None  # elastic jobs: the run in progress
+        self._id = uuid.uuid4().hex[:8]
+        self._held = _Held(self._id)  # placement, group, coordinator, driver: the attributes of those names
+        weakref.finalize(self, _abandon, self._held)
         self._executable: tuple[Optional[type], Sequence[Any], dict[str, Any]] = (None, (), {})
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> shut down
-        self._id = uuid.uuid4().hex[:8]
         self._payload = PayloadGuard(settings.payload_warning_mb)
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
@@ -178,6 +240,7 @@ class RayExecutor:
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
             init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
+        _release_abandoned()
         try:
             if self._limits is not None:
                 self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
@@ -214,17 +277,7 @@ class RayExecutor:
 
     def _release(self) -> None:
         """Stop and release whatever this executor has started and reserved."""
-        if self._driver is not None:
-            self._driver.stop()
-        if self._group is not None:
-            self._group.stop()
-            self._group = None
-        if self._coordinator is not None:
-            self._coordinator.close()
-            self._coordinator = None
-        if self._placement is not None:
-            self._placement.release()
-            self._placement = None
+        self._held.release()
 
     def __enter__(self) -> "RayExecutor":
         return self

@@ -157,6 +157,26 @@ def test_shutdown_from_another_thread_ends_a_waiting_run_saying_so(make_executor
     assert actors_left_behind() == []
 
 
+def test_an_executor_dropped_without_shutdown_is_released_by_the_next_start(ray_local, actors_left_behind):
+    """A notebook cell that makes and starts an executor, run three times: each run drops the last
+    executor without shutdown(). Its placement group and workers used to stay until the driver exited, so
+    the third start found 2 of the 4 CPUs free and timed out; the next start now releases them first."""
+    import gc
+
+    executor = None
+    for _ in range(3):
+        executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=10), num_workers=2)
+        gc.collect()  # the executor before it is gone (at once where nothing else refers to it)
+        executor.start()
+        assert [r[:2] for r in executor.run(_rank_and_size)] == [(0, 2), (1, 2)]
+        assert _live_placement_groups() == 1
+    deadline = time.monotonic() + 10
+    while len(actors_left_behind()) != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(actors_left_behind()) == 2  # the last executor's workers only
+    executor.shutdown()
+
+
 def test_num_hosts_layout_places_workers_per_host(make_executor):
     ex = make_executor(num_hosts=1, num_workers_per_host=2)
     assert ex.num_workers == 2
