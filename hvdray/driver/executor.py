@@ -63,6 +63,7 @@ class _Held:
     ``start()`` (see :func:`_release_abandoned`)."""
 
     executor_id: str
+    ray_job: Optional[str] = None  # the Ray session (driver job) it was started in: it all ends with it
     placement: Optional[Placement] = None
     group: Optional[WorkerGroup] = None  # fixed jobs: the current workers (a new group after a failure)
     coordinator: Optional[JobCoordinator] = None  # elastic jobs: one coordinator for every run
@@ -71,8 +72,19 @@ class _Held:
     def __bool__(self) -> bool:
         return any(part is not None for part in (self.placement, self.group, self.coordinator, self.driver))
 
+    def in_ended_session(self) -> bool:
+        """Whether the Ray session it was started in has ended (``ray.shutdown()``, or a Ray started or
+        joined again since): its workers and placement group went with it."""
+        return self.ray_job is not None and self.ray_job != current_ray_job()
+
+    def forget(self) -> None:
+        """Drop it all without a call to Ray: what went with an ended session."""
+        self.placement = self.group = self.coordinator = self.driver = None
+
     def release(self) -> None:
-        """Stop and release all of it."""
+        """Stop and release all of it (forget it, if its Ray session has ended)."""
+        if self.in_ended_session():
+            self.forget()
         if self.driver is not None:
             self.driver.stop()
         if self.group is not None:
@@ -91,6 +103,18 @@ class _Held:
 _abandoned: list[_Held] = []
 
 
+def current_ray_job() -> Optional[str]:
+    """This driver's Ray session, None while Ray is not initialized: its job id, which a new driver
+    connection changes, and its node's id, which a new cluster changes (job ids start again at 1 there)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        context = ray.get_runtime_context()
+        return f"{context.get_node_id()}/{context.get_job_id()}"
+    except Exception:  # noqa: BLE001 - a Ray that cannot say (a client mode): taken as the same session
+        return None
+
+
 def _abandon(held: _Held) -> None:
     if held:
         _abandoned.append(held)
@@ -101,6 +125,8 @@ def _release_abandoned() -> None:
     otherwise hold the cluster's CPUs until the driver exits."""
     while _abandoned:
         held = _abandoned.pop()  # atomic: a finalizer appending meanwhile loses nothing
+        if held.in_ended_session():
+            continue  # it went with its Ray session
         log.warning("hvdray executor %s was garbage collected without shutdown(): releasing its workers and "
                     "placement group now", held.executor_id)
         try:
@@ -251,6 +277,7 @@ class RayExecutor:
         except BaseException:
             self._release()
             raise
+        self._held.ray_job = current_ray_job()
         self._state = "started"
 
     def _runtime_env(self) -> Optional[dict[str, Any]]:
@@ -286,8 +313,16 @@ class RayExecutor:
         self.shutdown()
 
     def _ensure_started(self) -> None:
-        """Start a new executor on first use; refuse one that was shut down."""
-        if self._state == "new":
+        """Start a new executor on first use, and anew where the Ray session it started in has ended (its
+        workers went with it); refuse one that was shut down."""
+        if self._state == "started" and self._held.in_ended_session():
+            log.warning("hvdray executor %s: the Ray session it was started in has ended (ray.shutdown(), or Ray "
+                        "started again); starting its workers anew", self._id)
+            self._held.forget()
+            self._state = "new"
+            executable_cls, executable_args, executable_kwargs = self._executable
+            RayExecutor.start(self, executable_cls, executable_args, executable_kwargs, self._extra_env or None)
+        elif self._state == "new":
             self.start()
         elif self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")

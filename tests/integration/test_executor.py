@@ -599,3 +599,31 @@ def test_bad_call_arguments(make_executor):
         ex.run(_rank_and_size, args="abc")
     with pytest.raises(TypeError, match="callbacks"):
         ex.run(_rank_and_size, callbacks=[42])
+
+
+class _Counter:
+    def __init__(self, start):
+        self.value = start
+
+    def bump(self):
+        self.value += 1
+        return self.value
+
+
+def test_after_ray_shutdown_the_executor_starts_anew_and_shutdown_does_not_raise(ray_local):
+    """A notebook that calls ray.shutdown() and ray.init() again, then uses the executor it made before:
+    its next call starts new workers in the new Ray (the old ones went with the old session), the
+    stateful executable built again from start()'s arguments; and shutdown() after a ray.shutdown() calls
+    no Ray API. Before, the call failed with Ray's "Can't find actor ... from a different cluster" and
+    shutdown() raised Ray's "owner is unknown" ValueError. (Last in this module: it ends the shared Ray.)"""
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=30), num_workers=2)
+    ex.start(executable_cls=_Counter, executable_args=[10])
+    assert ex.execute(lambda counter: counter.bump()) == [11, 11]
+    ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    assert ex.execute(lambda counter: counter.bump()) == [11, 11]  # built anew in the new session
+    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+    ray.shutdown()
+    ex.shutdown()  # nothing to release: it went with the session
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.run(_rank_and_size)
