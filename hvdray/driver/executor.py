@@ -12,7 +12,6 @@ cluster's free slots, and each ``run`` is driven by :class:`hvdray.driver.contro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import uuid
@@ -35,6 +34,7 @@ from hvdray.driver.coordinator_host import HOSTED_BY_WORKER_UP_TO, JobCoordinato
 from hvdray.driver.datasets import DatasetSplitter, check_data_config, check_datasets
 from hvdray.driver.discovery import HostDiscovery, RayNodeDiscovery
 from hvdray.driver.failures import WorkerLostError
+from hvdray.driver.held import Held, abandon, current_ray_session, held_attribute, release_abandoned
 from hvdray.driver.payload import PayloadGuard, call_pieces
 from hvdray.driver.placement import Placement, plan_placement
 from hvdray.driver.policies import ElasticLimits, FailurePolicy
@@ -56,96 +56,14 @@ _FAILED_CALL_SETTLE_S = 5.0
 __all__ = ["ElasticRayExecutor", "RayExecutor", "WorkerLostError"]
 
 
-@dataclasses.dataclass
-class _Held:
-    """What an executor holds in the cluster: released by ``shutdown()``, or, for an executor that was
-    garbage collected without it (a notebook cell that makes one, run again), by the next executor's
-    ``start()`` (see :func:`_release_abandoned`)."""
-
-    executor_id: str
-    ray_job: Optional[str] = None  # the Ray session (driver job) it was started in: it all ends with it
-    placement: Optional[Placement] = None
-    group: Optional[WorkerGroup] = None  # fixed jobs: the current workers (a new group after a failure)
-    coordinator: Optional[JobCoordinator] = None  # elastic jobs: one coordinator for every run
-    driver: Optional[ElasticDriver] = None  # elastic jobs: the run in progress
-
-    def __bool__(self) -> bool:
-        return any(part is not None for part in (self.placement, self.group, self.coordinator, self.driver))
-
-    def in_ended_session(self) -> bool:
-        """Whether the Ray session it was started in has ended (``ray.shutdown()``, or a Ray started or
-        joined again since): its workers and placement group went with it."""
-        return self.ray_job is not None and self.ray_job != current_ray_job()
-
-    def forget(self) -> None:
-        """Drop it all without a call to Ray: what went with an ended session."""
-        self.placement = self.group = self.coordinator = self.driver = None
-
-    def release(self) -> None:
-        """Stop and release all of it (forget it, if its Ray session has ended)."""
-        if self.in_ended_session():
-            self.forget()
-        if self.driver is not None:
-            self.driver.stop()
-        if self.group is not None:
-            self.group.stop()
-            self.group = None
-        if self.coordinator is not None:
-            self.coordinator.close()
-            self.coordinator = None
-        if self.placement is not None:
-            self.placement.release()
-            self.placement = None
-
-
-#: what executors garbage collected without shutdown() still held; a finalizer only appends here (it may run
-#: in the middle of any code, Ray's included), and the next start() releases it
-_abandoned: list[_Held] = []
-
-
-def current_ray_job() -> Optional[str]:
-    """This driver's Ray session, None while Ray is not initialized: its job id, which a new driver
-    connection changes, and its node's id, which a new cluster changes (job ids start again at 1 there)."""
-    if not ray.is_initialized():
-        return None
-    try:
-        context = ray.get_runtime_context()
-        return f"{context.get_node_id()}/{context.get_job_id()}"
-    except Exception:  # noqa: BLE001 - a Ray that cannot say (a client mode): taken as the same session
-        return None
-
-
-def _abandon(held: _Held) -> None:
-    if held:
-        _abandoned.append(held)
-
-
-def _release_abandoned() -> None:
-    """Release what garbage-collected executors left started: their workers and placement groups would
-    otherwise hold the cluster's CPUs until the driver exits."""
-    while _abandoned:
-        held = _abandoned.pop()  # atomic: a finalizer appending meanwhile loses nothing
-        if held.in_ended_session():
-            continue  # it went with its Ray session
-        log.warning("hvdray executor %s was garbage collected without shutdown(): releasing its workers and "
-                    "placement group now", held.executor_id)
-        try:
-            held.release()
-        except Exception as exc:  # noqa: BLE001 - what is already gone cannot be released; the new start goes on
-            log.debug("hvdray executor %s: releasing what it left failed: %s", held.executor_id, exc)
-
-
-def _held_attribute(name: str) -> Any:
-    """An executor attribute kept in its :class:`_Held`."""
-    return property(lambda self: getattr(self._held, name), lambda self, value: setattr(self._held, name, value))
-
-
 class RayExecutor:
-    _placement = _held_attribute("placement")
-    _group = _held_attribute("group")
-    _coordinator = _held_attribute("coordinator")
-    _driver = _held_attribute("driver")
     """Run Horovod-style distributed functions on Ray actors (see the README for a walk-through)."""
+
+    # what the executor holds in the cluster, kept in its Held record (released even if it is dropped)
+    _placement = held_attribute("placement")
+    _group = held_attribute("group")
+    _coordinator = held_attribute("coordinator")
+    _driver = held_attribute("driver")
 
     @classmethod
     def create_settings(
@@ -225,8 +143,8 @@ class RayExecutor:
             self._plan = plan_placement(num_workers, num_hosts, num_workers_per_host, cpus_per_worker, gpus)
         self._use_current_pg = use_current_placement_group
         self._id = uuid.uuid4().hex[:8]
-        self._held = _Held(self._id)  # placement, group, coordinator, driver: the attributes of those names
-        weakref.finalize(self, _abandon, self._held)
+        self._held = Held(self._id)  # placement, group, coordinator, driver: the attributes of those names
+        weakref.finalize(self, abandon, self._held)
         self._executable: tuple[Optional[type], Sequence[Any], dict[str, Any]] = (None, (), {})
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> shut down
@@ -266,7 +184,7 @@ class RayExecutor:
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
             init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
-        _release_abandoned()
+        release_abandoned()
         try:
             if self._limits is not None:
                 self._coordinator = self._start_coordinator()  # the elastic driver starts workers in each run()
@@ -277,7 +195,7 @@ class RayExecutor:
         except BaseException:
             self._release()
             raise
-        self._held.ray_job = current_ray_job()
+        self._held.ray_session = current_ray_session()
         self._state = "started"
 
     def _runtime_env(self) -> Optional[dict[str, Any]]:
