@@ -9,6 +9,7 @@ process, the way Ctrl-C or a notebook's *interrupt kernel* does, at random momen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -34,30 +35,22 @@ def _interrupt() -> None:
     signal.raise_signal(signal.SIGINT)
 
 
-def test_an_interrupt_inside_a_section_is_raised_when_it_ends(hold):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_interrupt_inside_sections_is_raised_when_the_outermost_ends(hold, depth):
     reached = []
     try:
         with hold:
-            _interrupt()
-            reached.append("after the signal")
-        reached.append("after the section")
-    except KeyboardInterrupt:
-        reached.append("KeyboardInterrupt")
-    assert reached == ["after the signal", "KeyboardInterrupt"]
-    assert hold.delivered == 1 and hold.pending is None and hold.depth == 0
-
-
-def test_nested_sections_raise_at_the_outermost_end_only(hold):
-    reached = []
-    try:
-        with hold:
-            with hold:
+            with contextlib.ExitStack() as inner:
+                for _ in range(depth - 1):
+                    inner.enter_context(hold)
                 _interrupt()
-            reached.append("inner section ended")
-        reached.append("outer section ended")
+                reached.append("after the signal")
+            reached.append("inner sections ended")
+        reached.append("after the outermost section")
     except KeyboardInterrupt:
         reached.append("KeyboardInterrupt")
-    assert reached == ["inner section ended", "KeyboardInterrupt"]
+    assert reached == ["after the signal", "inner sections ended", "KeyboardInterrupt"]
+    assert hold.delivered == 1 and hold.pending is None and hold.depth == 0
 
 
 def test_outside_a_section_an_interrupt_is_raised_at_once(hold):
