@@ -188,6 +188,9 @@ class Worker:
                 # In a Ray actor, SystemExit would end the worker's process, and run() would report a
                 # worker that "died unexpectedly". As in a script: sys.exit() or sys.exit(0) ends this
                 # rank's function (its result None), any other code is this rank's failure, named so.
+                # Ray's own exits (ray.actor.exit_actor(), its SIGTERM handler) mark theirs and go on.
+                if hasattr(exc, "ray_terminate_msg"):
+                    raise
                 if exc.code not in (None, 0):
                     raise RuntimeError(
                         f"{getattr(fn, '__qualname__', 'the function')} called sys.exit({exc.code!r}) on rank "

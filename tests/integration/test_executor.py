@@ -394,6 +394,10 @@ def _exits_on_rank_1(code):
 
     hvd.init()
     if hvd.rank() == 1:
+        if code == "exit_actor":
+            import ray
+
+            ray.actor.exit_actor()  # Ray's own intentional exit (a SystemExit that Ray marks)
         sys.exit(code)
     hvd.allreduce(torch.ones(2), name="after_the_exit")  # rank 1 never submits it
     return os.getpid()
@@ -414,6 +418,9 @@ def test_sys_exit_in_a_ranks_function_is_that_ranks_result_not_a_dead_worker(mak
             ex.run(_exits_on_rank_1, args=[code])
         assert "rank 0 of 2" in str(info.value)
         assert [pid for pid, _ in ex.run(_pid_and_sum)] == pids
+    with pytest.raises(WorkerLostError, match="rank 1"):  # ray.actor.exit_actor() still ends the worker
+        ex.run(_exits_on_rank_1, args=["exit_actor"])
+    assert not set(pid for pid, _ in ex.run(_pid_and_sum)) & set(pids)
 
 
 def test_a_stateful_executable_survives_a_call_that_raised(make_executor):
