@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -166,3 +167,13 @@ def ray_two_nodes():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for a test that sends SIGINT to this process, and the one before it put
+    back afterwards: a Ray Tune run earlier in the same pytest process leaves Tune's handler installed, which
+    takes the next SIGINT without raising (ray-project/ray#37737; docs/troubleshooting.md)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -16,7 +16,7 @@ import logging
 import sys
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 import ray
 
@@ -193,7 +193,7 @@ class RayExecutor:
                                             self._use_current_pg, name=actor_name(self._id, "pg"))
                 self._start_group()
         except BaseException:
-            self._release()
+            self._held.release()
             raise
         self._held.ray_session = current_ray_session()
         self._state = "started"
@@ -218,10 +218,6 @@ class RayExecutor:
         coordinator and release the placement group; safe to call twice. A ``run`` waiting meanwhile (in
         another thread: a notebook's background cell, a Tune trial being stopped) raises saying so."""
         self._state = "shut down"  # first: a run that sees its workers go reads it
-        self._release()
-
-    def _release(self) -> None:
-        """Stop and release whatever this executor has started and reserved."""
         self._held.release()
 
     def __enter__(self) -> "RayExecutor":
@@ -317,11 +313,7 @@ class RayExecutor:
         try:
             values = driver.run(fn, list(args or ()), dict(kwargs or {}), list(callbacks or ()), datasets)
         except BaseException as exc:
-            error = self._shut_down_meanwhile(exc)
-            self._finish_results(group, error=error)
-            if error is exc:
-                raise
-            raise error from exc
+            self._raise_failed_call(group, exc)
         finally:
             self._driver = None
         self._finish_results(group, values=values)
@@ -420,23 +412,23 @@ class RayExecutor:
                 if isinstance(exc, KeyboardInterrupt):
                     log.warning("hvdray executor %s interrupted: workers stopped; the next call starts new ones",
                                 self._id)
-            error = self._shut_down_meanwhile(exc)
-            self._finish_results(group, error=error)
-            if error is exc:
-                raise
-            raise error from exc
+            self._raise_failed_call(group, exc)
         self._finish_results(group, values=values)
         return values
 
-    def _shut_down_meanwhile(self, exc: BaseException) -> BaseException:
-        """What a call raises: ``exc``, unless ``shutdown()`` came from another thread while it waited, whose
-        stopped workers would otherwise read as workers that died."""
+    def _raise_failed_call(self, group: WorkerGroup, exc: BaseException) -> NoReturn:
+        """In the ``except`` of a failed call: record ``exc`` as the call's result and raise it, unless
+        ``shutdown()`` came from another thread while the call waited, whose stopped workers would otherwise
+        read as workers that died: then an error that says so."""
         if self._state != "shut down" or isinstance(exc, KeyboardInterrupt):
-            return exc
-        return RuntimeError(
+            self._finish_results(group, error=exc)
+            raise  # the exception being handled, with its own traceback
+        error = RuntimeError(
             f"hvdray executor {self._id} was shut down (executor.shutdown(), from another thread) while this "
             "call waited for its workers; they were stopped"
         )
+        self._finish_results(group, error=error)
+        raise error from exc
 
 
 class ElasticRayExecutor(RayExecutor):

@@ -26,14 +26,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 INTERRUPT_BOUND_S = 10.0
 
 
-@pytest.fixture(autouse=True)
-def python_sigint_handler():
-    """Python's own SIGINT handler for each test: a Ray Tune run earlier in the same process (a test module
-    run before this one) leaves Tune's handler installed, which takes the next SIGINT without raising
-    (ray-project/ray#37737; docs/troubleshooting.md)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+#: the tests here send SIGINT to this process (the notebook test to its kernel): tests/conftest.py
+pytestmark = pytest.mark.usefixtures("python_sigint_handler")
 
 
 def _busy(seconds: float) -> int:

@@ -23,14 +23,9 @@ from hvdray.collective.engine.interrupts import InterruptHold
 
 
 @pytest.fixture
-def hold():
-    """A fresh hold, under Python's own SIGINT handler (a Ray Tune run earlier in the same pytest process
-    leaves Tune's in place: ray-project/ray#37737), and the handler from before the test put back."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield InterruptHold()
-    finally:
-        signal.signal(signal.SIGINT, before)
+def hold(python_sigint_handler):
+    """A fresh hold, under Python's own SIGINT handler (tests/conftest.py)."""
+    return InterruptHold()
 
 
 def _interrupt() -> None:
