@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import ray
 
@@ -54,6 +56,34 @@ log = logging.getLogger(__name__)
 _FAILED_CALL_SETTLE_S = 5.0
 
 __all__ = ["ElasticRayExecutor", "RayExecutor", "WorkerLostError"]
+
+
+class _CallTurns:
+    """One call to an executor at a time (``start``, ``run``, ``execute``, ``execute_single``, the sending
+    of ``run_remote``): a call from a second thread waits for the one in progress to end, so every worker
+    receives the calls in the same order (a worker runs its calls one by one, in the order they arrive; two
+    threads sending to the ranks in turn would give them different orders, and their collectives would pair
+    one call's ops with another's). A call made by the thread whose call is in progress (a callback that
+    calls the executor) would wait for itself: it is refused."""
+
+    def __init__(self, executor_id: str) -> None:
+        self._executor_id = executor_id
+        self._lock = threading.Lock()
+        self._holder: Optional[int] = None  # the thread whose call is in progress
+
+    @contextmanager
+    def turn(self, what: str) -> Iterator[None]:
+        if self._holder == threading.get_ident():
+            raise RuntimeError(
+                f"{what} was called on hvdray executor {self._executor_id} from within a call of its own on the "
+                "same thread (a callback?): it would wait for that call, which waits for the callback"
+            )
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
 
 
 class RayExecutor:
@@ -148,6 +178,8 @@ class RayExecutor:
         self._executable: tuple[Optional[type], Sequence[Any], dict[str, Any]] = (None, (), {})
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> shut down
+        self._turns = _CallTurns(self._id)
+        self._constructor_env: Optional[dict[str, str]] = None  # ElasticRayExecutor's env_vars
         self._payload = PayloadGuard(settings.payload_warning_mb)
         if settings.verbose >= 2:
             logging.getLogger("hvdray").setLevel(logging.DEBUG)
@@ -171,6 +203,16 @@ class RayExecutor:
         """Reserve the placement group and start one worker per rank (building ``executable_cls`` on each).
         A start that fails or is interrupted (Ctrl-C) releases what it reserved and started, and leaves the
         executor as it was before: ``start()`` can be called again."""
+        with self._turns.turn("start()"):
+            self._start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
+
+    def _start(
+        self,
+        executable_cls: Optional[type] = None,
+        executable_args: Optional[Sequence[Any]] = None,
+        executable_kwargs: Optional[dict[str, Any]] = None,
+        extra_env_vars: Optional[dict[str, str]] = None,
+    ) -> None:
         if self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
         if self._state != "new":
@@ -180,7 +222,7 @@ class RayExecutor:
             raise ValueError("executable_cls is not supported by elastic executors: workers come and go; use run()")
         self._executable = (executable_cls, list(executable_args or ()), dict(executable_kwargs or {}))
         self._payload.check("start()", self.num_workers, None, [("executable_cls", executable_cls)]
-                            + call_pieces(executable_args, executable_kwargs, prefix="executable_"), stacklevel=3)
+                            + call_pieces(executable_args, executable_kwargs, prefix="executable_"), stacklevel=4)
         self._extra_env = dict(extra_env_vars or {})
         if not ray.is_initialized():
             init_ray()  # $RAY_ADDRESS (ray job submit) or a new local instance, never a stranger's cluster
@@ -235,9 +277,9 @@ class RayExecutor:
             self._held.forget()
             self._state = "new"
             executable_cls, executable_args, executable_kwargs = self._executable
-            RayExecutor.start(self, executable_cls, executable_args, executable_kwargs, self._extra_env or None)
+            self._start(executable_cls, executable_args, executable_kwargs, self._extra_env or None)
         elif self._state == "new":
-            self.start()
+            self._start(extra_env_vars=self._constructor_env)
         elif self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
 
@@ -273,9 +315,10 @@ class RayExecutor:
         split into one equal shard per rank, which ``hvdray.get_dataset_shard(name)`` returns in ``fn``."""
         check_callbacks(callbacks)
         splitter = self._splitter(datasets)
-        if self._limits is not None:
-            return self._run_elastic(fn, args, kwargs, callbacks, splitter)
-        return self._gather(self._send_run(fn, args, kwargs, "run()", splitter), callbacks)
+        with self._turns.turn("run()"):
+            if self._limits is not None:
+                return self._run_elastic(fn, args, kwargs, callbacks, splitter)
+            return self._gather(self._send_run(fn, args, kwargs, "run()", splitter), callbacks)
 
     def _splitter(self, datasets: Optional[dict[str, "Dataset"]]) -> Optional[DatasetSplitter]:
         checked = check_datasets(datasets)
@@ -355,8 +398,11 @@ class RayExecutor:
         kwargs: Optional[dict[str, Any]] = None,
         datasets: Optional[dict[str, "Dataset"]] = None,
     ) -> list[ray.ObjectRef]:
-        """Like ``run`` but returns the ObjectRefs (rank order) without waiting."""
-        return self._send_run(fn, args, kwargs, "run_remote()", self._splitter(datasets))
+        """Like ``run`` but returns the ObjectRefs (rank order) without waiting; the workers run the call
+        after those sent before it, and before any sent after it."""
+        splitter = self._splitter(datasets)
+        with self._turns.turn("run_remote()"):
+            return self._send_run(fn, args, kwargs, "run_remote()", splitter)
 
     def _send_run(
         self, fn: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[dict[str, Any]], what: str,
@@ -373,19 +419,22 @@ class RayExecutor:
         """Call ``fn(executable)`` on every worker's executable instance; results in rank order."""
         check_callable(fn)
         check_callbacks(callbacks)
-        group = self._ready_group()
-        workers = group.ranked()
-        self._payload.check("execute()", len(workers), fn, stacklevel=3)
-        call = self._group_call()
-        return self._gather(group.send(workers, lambda actor: actor.execute.remote(fn, call)), callbacks)
+        with self._turns.turn("execute()"):
+            group = self._ready_group()
+            workers = group.ranked()
+            self._payload.check("execute()", len(workers), fn, stacklevel=3)
+            call = self._group_call()
+            return self._gather(group.send(workers, lambda actor: actor.execute.remote(fn, call)), callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its result."""
         check_callable(fn)
-        group = self._ready_group()
-        self._payload.check("execute_single()", 1, fn, stacklevel=3)
-        call = self._group_call()
-        return self._gather(group.send(group.ranked()[:1], lambda actor: actor.execute.remote(fn, call)), None)[0]
+        with self._turns.turn("execute_single()"):
+            group = self._ready_group()
+            self._payload.check("execute_single()", 1, fn, stacklevel=3)
+            call = self._group_call()
+            return self._gather(group.send(group.ranked()[:1], lambda actor: actor.execute.remote(fn, call)),
+                                None)[0]
 
     def _group_call(self, datasets: Optional[DatasetSplitter] = None) -> int:
         """A new call to the workers: numbered, its reports collected (``run``, ``execute`` and
@@ -490,11 +539,11 @@ class ElasticRayExecutor(RayExecutor):
             storage_path=storage_path,
             checkpoint_config=checkpoint_config,
         )
-        self._env_vars = env_vars
+        self._constructor_env = env_vars
 
     def start(self) -> None:  # type: ignore[override]
         """Start the job's coordinator; workers start inside ``run``."""
-        super().start(extra_env_vars=self._env_vars)
+        super().start(extra_env_vars=self._constructor_env)
 
     def run(  # type: ignore[override]
         self, worker_fn: Callable[[], Any], callbacks: Optional[Sequence[Callback]] = None,

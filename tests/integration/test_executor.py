@@ -44,6 +44,62 @@ def test_run_returns_results_in_rank_order(make_executor):
     assert ray.get(refs) == [3, 3, 3]
 
 
+def _sum_over_ranks_of(k):
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    time.sleep(0.02 * hvd.rank())  # the ranks reach the allreduce at different times
+    return hvd.allreduce(torch.tensor([float(k + hvd.rank())]), op=hvd.Sum).item()
+
+
+def test_calls_from_several_threads_take_turns_and_each_gets_its_own_results(make_executor):
+    """Threads that call one executor at once (a notebook's background cell beside the foreground one, a
+    web handler's threads): every worker runs the calls in the same order, so each call's collectives pair
+    with its own. Before, two threads sending to the ranks in turn gave the ranks different orders, and a
+    call's allreduce on rank 0 met another call's on rank 1: wrong results, silently. The threads also
+    start a new executor once, not once each (one placement group)."""
+    ex = make_executor(start=False, num_workers=2)
+    barrier = threading.Barrier(3)
+    results: dict[int, list] = {}
+
+    def calls(thread: int) -> None:
+        barrier.wait()
+        got = []
+        for i in range(4):
+            k = 100 * thread + i
+            if i % 2:
+                got.append((k, ray.get(ex.run_remote(_sum_over_ranks_of, args=[k]))))
+            else:
+                got.append((k, ex.run(_sum_over_ranks_of, args=[k])))
+        results[thread] = got
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(results) == [1, 2, 3], results
+    for got in results.values():
+        for k, values in got:
+            assert values == [2.0 * k + 1] * 2, (k, values)
+    assert _live_placement_groups() == 1
+
+
+def test_a_callback_that_calls_its_executor_is_refused_instead_of_waiting_for_itself(make_executor):
+    ex = make_executor(num_workers=2)
+
+    def calls_the_executor(record):
+        ex.run(_rank_and_size)
+
+    with pytest.raises(RuntimeError, match=r"run\(\) was called on hvdray executor \w+ from within a call of its own"):
+        ex.run(_logs_then_trains_for_a_minute, callbacks=[calls_the_executor])
+    assert ex.run(_sum_over_ranks_of, args=[1]) == [3.0, 3.0]
+
+
 def test_stateful_executable_keeps_state_across_execute_calls(make_executor):
     class Counter:
         def __init__(self, start, step=1):

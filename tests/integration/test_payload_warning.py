@@ -61,10 +61,11 @@ def test_executable_arguments_and_a_zero_limit(ray_local):
         def __init__(self, blob):
             self.size = len(blob)
 
-    with pytest.warns(LargePayloadWarning, match=r"start\(\) sends .*executable_args\[0\] \(bytes\) pickles to 5\.0 MiB"):
+    with pytest.warns(LargePayloadWarning, match=r"start\(\) sends .*executable_args\[0\] \(bytes\) pickles to 5\.0 MiB") as record:
         with RayExecutor(_settings(payload_warning_mb=4), num_workers=1) as ex:
             ex.start(Holder, executable_args=[bytes(5 * MIB)])
             assert ex.execute(lambda h: h.size) == [5 * MIB]
+    assert [w.filename for w in record if issubclass(w.category, LargePayloadWarning)] == [__file__]  # the user's line
     with warnings.catch_warnings():
         warnings.simplefilter("error", LargePayloadWarning)
         with RayExecutor(_settings(payload_warning_mb=0), num_workers=1) as ex:  # 0: off
