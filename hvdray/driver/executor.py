@@ -71,6 +71,10 @@ class _CallTurns:
         self._lock = threading.Lock()
         self._holder: Optional[int] = None  # the thread whose call is in progress
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """A copy takes no turn of the original's (an executor pickled into a closure stays picklable)."""
+        return _CallTurns, (self._executor_id,)
+
     @contextmanager
     def turn(self, what: str) -> Iterator[None]:
         if self._holder == threading.get_ident():

@@ -87,6 +87,7 @@ def test_calls_from_several_threads_take_turns_and_each_gets_its_own_results(mak
         for k, values in got:
             assert values == [2.0 * k + 1] * 2, (k, values)
     assert _live_placement_groups() == 1
+    ray.cloudpickle.dumps(ex)  # a closure that captures the executor still pickles, as before the turns
 
 
 def test_a_callback_that_calls_its_executor_is_refused_instead_of_waiting_for_itself(make_executor):
