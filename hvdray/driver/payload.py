@@ -1,5 +1,6 @@
 """What a call ships to every worker, measured: a warning naming the function, argument or captured
-variable that is large, before Ray pickles it once per worker.
+variable that is large, before Ray pickles it once per worker, and an error naming the one that cannot be
+pickled at all.
 
 Sizes are measured by pickling with Ray's cloudpickle into a byte counter (nothing is kept), with
 pickle protocol 5's out-of-band buffers (NumPy arrays and the like) counted by size, not copied.
@@ -32,20 +33,24 @@ class _ByteCounter:
         return length
 
 
-def pickled_size(value: Any) -> Optional[int]:
-    """Bytes ``value`` takes pickled with Ray's cloudpickle, or None if it cannot be pickled (Ray
-    reports that itself when it tries)."""
+def _measure(value: Any) -> int:
+    """Bytes ``value`` takes pickled with Ray's cloudpickle (raises what pickling it raises)."""
     counter = _ByteCounter()
 
     def out_of_band(buffer: Any) -> bool:
         counter.size += buffer.raw().nbytes
         return False  # keep it out of the stream: counted, never copied
 
-    try:
-        cloudpickle.Pickler(counter, protocol=5, buffer_callback=out_of_band).dump(value)
-    except Exception:  # noqa: BLE001 - unpicklable: not ours to report
-        return None
+    cloudpickle.Pickler(counter, protocol=5, buffer_callback=out_of_band).dump(value)
     return counter.size
+
+
+def pickled_size(value: Any) -> Optional[int]:
+    """Bytes ``value`` takes pickled with Ray's cloudpickle, or None if it cannot be pickled."""
+    try:
+        return _measure(value)
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return None
 
 
 def _captured(fn: Callable[..., Any]) -> Iterable[tuple[str, Any]]:
@@ -77,7 +82,10 @@ def call_pieces(args: Any, kwargs: Any, prefix: str = "") -> list[tuple[str, Any
 
 
 class PayloadGuard:
-    """Warns, once per executor and piece, when a piece of a call sent to every worker is large."""
+    """Warns, once per executor and piece, when a piece of a call sent to every worker is large, and
+    raises ``TypeError`` naming a piece that cannot be pickled (Ray's own error names its internal actor
+    method, and a function's, not the captured variable at fault). With ``payload_warning_mb`` 0 nothing
+    is measured, and Ray reports an unpicklable piece itself."""
 
     def __init__(self, limit_mb: float) -> None:
         self._limit = limit_mb * _MIB
@@ -93,15 +101,22 @@ class PayloadGuard:
             return
         large: list[str] = []
         if fn is not None and f"fn {_function_name(fn)}" not in self._warned:
-            size = pickled_size(fn)
-            if size is not None and size > self._limit:
+            try:
+                size = _measure(fn)
+            except Exception as exc:  # noqa: BLE001 - any pickling failure, reported by name
+                raise TypeError(f"{call}: {self._unpicklable_function(fn, exc)}") from exc
+            if size > self._limit:
                 self._warned.add(f"fn {_function_name(fn)}")
                 large.append(self._describe_function(fn, size))
         for label, value in pieces:
             if label in self._warned:
                 continue
-            size = pickled_size(value)
-            if size is not None and size > self._limit:
+            try:
+                size = _measure(value)
+            except Exception as exc:  # noqa: BLE001 - any pickling failure, reported by name
+                raise TypeError(f"{call}: {label} ({type(value).__name__}) cannot be pickled to be sent to the "
+                                f"workers: {exc}") from exc
+            if size > self._limit:
                 self._warned.add(label)
                 large.append(f"{label} ({type(value).__name__}) pickles to {size / _MIB:.1f} MiB")
         if large:
@@ -113,6 +128,15 @@ class PayloadGuard:
                 LargePayloadWarning,
                 stacklevel=stacklevel,
             )
+
+    @staticmethod
+    def _unpicklable_function(fn: Any, exc: Exception) -> str:
+        text = f"the function {_function_name(fn)!r} cannot be pickled to be sent to the workers"
+        for name, value in _captured(fn):
+            if pickled_size(value) is None:
+                return (f"{text}: the variable {name!r} it captures ({type(value).__name__}) cannot ({exc}); "
+                        "create it inside the function, or pass what it is made from as an argument")
+        return f"{text}: {exc}"
 
     def _describe_function(self, fn: Any, size: int) -> str:
         text = f"the function {_function_name(fn)!r} pickles to {size / _MIB:.1f} MiB"

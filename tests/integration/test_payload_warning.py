@@ -1,7 +1,10 @@
-"""A function or argument that every worker receives and that pickles large is named in a warning."""
+"""A function or argument that every worker receives and that pickles large is named in a warning; one
+that cannot be pickled is named in an error."""
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -77,4 +80,37 @@ def test_default_limit_and_measuring_a_large_array_without_copying_it():
     array = np.zeros(150 * MIB, dtype=np.uint8)  # counted through pickle 5's out-of-band buffers
     assert 150 * MIB <= pickled_size(array) < 150 * MIB + 4096
     assert pickled_size(lambda: array) >= 150 * MIB
-    assert pickled_size(__import__("threading").Lock()) is None  # unpicklable: Ray says so itself
+    assert pickled_size(__import__("threading").Lock()) is None  # unpicklable
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_what_cannot_be_pickled_is_named_before_anything_is_sent(make_executor, elastic):
+    """Ray's own error names its internal actor method and the function, not the variable at fault, and
+    comes after the call has begun on the driver; this one names the variable or argument, at once."""
+    ex = make_executor(**({"min_workers": 2, "max_workers": 2} if elastic else {"num_workers": 2}))
+    lock = threading.Lock()
+
+    def uses_a_lock():
+        return lock.locked()
+
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=r"run\(\): the function '.*uses_a_lock' cannot be pickled to be sent to the "
+                                        r"workers: the variable 'lock' it captures \(lock\) cannot \(cannot pickle"):
+        ex.run(uses_a_lock)
+    with pytest.raises(TypeError, match=r"run\(\): kwargs\['gen'\] \(generator\) cannot be pickled"):
+        ex.run(lambda gen: 0, kwargs={"gen": (i for i in range(3))})
+    assert time.monotonic() - started < 5
+    if not elastic:  # and the executor goes on
+        assert ex.run(lambda: 7) == [7, 7]
+        with pytest.raises(TypeError, match=r"run_remote\(\): args\[1\] \(lock\) cannot be pickled"):
+            ex.run_remote(lambda a, b: 0, args=[1, lock])
+        with pytest.raises(TypeError, match=r"execute\(\): the function .* the variable 'lock'"):
+            ex.execute(lambda executable: lock)
+
+
+def test_an_unpicklable_executable_argument_is_named(ray_local):
+    with RayExecutor(_settings(), num_workers=1) as ex:
+        with pytest.raises(TypeError, match=r"start\(\): executable_args\[0\] \(lock\) cannot be pickled"):
+            ex.start(dict, executable_args=[threading.Lock()])
+        ex.start(dict)  # the failed start left it new
+        assert ex.execute(lambda d: len(d)) == [0]
