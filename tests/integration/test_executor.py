@@ -90,6 +90,25 @@ def test_calls_from_several_threads_take_turns_and_each_gets_its_own_results(mak
     ray.cloudpickle.dumps(ex)  # a closure that captures the executor still pickles, as before the turns
 
 
+def test_elastic_runs_from_two_threads_take_turns(make_executor):
+    """Each elastic run forms its own epochs of its own workers: from two threads at once they ran two
+    drivers over one coordinator; now the second waits for the first."""
+    ex = make_executor(min_workers=2, max_workers=2)
+    barrier = threading.Barrier(2)
+    results: dict[int, list] = {}
+
+    def call(k: int) -> None:
+        barrier.wait()
+        results[k] = ex.run(_sum_over_ranks_of, args=[k])
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in (1, 1000)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results == {1: [3.0, 3.0], 1000: [2001.0, 2001.0]}
+
+
 def test_a_callback_that_calls_its_executor_is_refused_instead_of_waiting_for_itself(make_executor):
     ex = make_executor(num_workers=2)
 
