@@ -831,17 +831,25 @@ def _peers_free_their_outputs(node, rank, size):
     mapped = len(node.peer_tensors)
     right = bool(torch.all(out == size)) and bool(torch.all(kept == size))
     del out  # torch closes the storage's descriptor: only the peers' mappings keep its memory now
+    # the ranks agree in each round whether to go on (the AND of every rank's flag), so that all run the
+    # same number of rounds: a rank that stopped on its own clock left while a later-started one waited
+    # for another round ("local rank 0 left the shared-memory group"), under load
     flags = torch.ones(8, dtype=torch.uint8)
     started = time.monotonic()
-    while time.monotonic() - started < shared_storage.RELEASE_CHECK_S + 0.5:
+    while True:
+        flags.fill_(time.monotonic() - started < shared_storage.RELEASE_CHECK_S + 0.5)
         node.and_bytes(flags.data_ptr(), flags.numel())
+        if not flags[0]:
+            break
         time.sleep(0.01)
     return right, mapped, len(node.peer_tensors)
 
 
 @pytest.mark.parametrize("local_size", [2, 3])
 def test_mappings_of_storages_their_peers_freed_are_dropped_between_ops(local_size):
-    for right, mapped, left in _run_node(local_size, _peers_free_their_outputs, slot_bytes=65536):
+    for result in _run_node(local_size, _peers_free_their_outputs, slot_bytes=65536):
+        assert not isinstance(result, BaseException), repr(result)
+        right, mapped, left = result
         assert right
         assert mapped == 2 * (local_size - 1)  # both outputs of every peer
         assert left == local_size - 1  # each peer's kept output only
