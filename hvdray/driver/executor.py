@@ -179,7 +179,7 @@ class RayExecutor:
         self._id = uuid.uuid4().hex[:8]
         self._held = Held(self._id)  # placement, group, coordinator, driver: the attributes of those names
         weakref.finalize(self, abandon, self._held)
-        self._executable: tuple[Optional[type], Sequence[Any], dict[str, Any]] = (None, (), {})
+        self._executable: tuple[Optional[type], list[Any], dict[str, Any]] = (None, [], {})
         self._extra_env: dict[str, str] = {}
         self._state = "new"  # new -> started -> shut down
         self._turns = _CallTurns(self._id)
@@ -207,16 +207,15 @@ class RayExecutor:
         """Reserve the placement group and start one worker per rank (building ``executable_cls`` on each).
         A start that fails or is interrupted (Ctrl-C) releases what it reserved and started, and leaves the
         executor as it was before: ``start()`` can be called again."""
+        executable = (executable_cls, list(executable_args or ()), dict(executable_kwargs or {}))
         with self._turns.turn("start()"):
-            self._start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
+            self._start(executable, extra_env_vars)
 
     def _start(
-        self,
-        executable_cls: Optional[type] = None,
-        executable_args: Optional[Sequence[Any]] = None,
-        executable_kwargs: Optional[dict[str, Any]] = None,
-        extra_env_vars: Optional[dict[str, str]] = None,
+        self, executable: tuple[Optional[type], list[Any], dict[str, Any]], extra_env_vars: Optional[dict[str, str]]
     ) -> None:
+        """``start()`` in its turn: ``executable`` is ``(executable_cls, executable_args, executable_kwargs)``."""
+        executable_cls, executable_args, executable_kwargs = executable
         if self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
         if self._state != "new":
@@ -224,7 +223,7 @@ class RayExecutor:
         check_start_arguments(executable_cls, extra_env_vars)
         if self._limits is not None and executable_cls is not None:
             raise ValueError("executable_cls is not supported by elastic executors: workers come and go; use run()")
-        self._executable = (executable_cls, list(executable_args or ()), dict(executable_kwargs or {}))
+        self._executable = executable
         self._payload.check("start()", self.num_workers, None, [("executable_cls", executable_cls)]
                             + call_pieces(executable_args, executable_kwargs, prefix="executable_"), stacklevel=4)
         self._extra_env = dict(extra_env_vars or {})
@@ -280,10 +279,9 @@ class RayExecutor:
                         "started again); starting its workers anew", self._id)
             self._held.forget()
             self._state = "new"
-            executable_cls, executable_args, executable_kwargs = self._executable
-            self._start(executable_cls, executable_args, executable_kwargs, self._extra_env or None)
+            self._start(self._executable, self._extra_env or None)
         elif self._state == "new":
-            self._start(extra_env_vars=self._constructor_env)
+            self._start((None, [], {}), self._constructor_env)
         elif self._state == "shut down":
             raise RuntimeError("this executor was shut down; create a new RayExecutor")
 
