@@ -39,11 +39,17 @@ import ray
 
 from hvdray.driver.datasets import DatasetSplitter
 from hvdray.driver.discovery import HostDiscovery, slots_per_node
-from hvdray.driver.failures import CoordinatorLostError, consequence_level, failure_error
+from hvdray.driver.failures import (
+    ROOT_CAUSE_GRACE_S,
+    CoordinatorLostError,
+    consequence_level,
+    failure_error,
+    ring_broke,
+)
 from hvdray.driver.placement import node_worker_options
 from hvdray.driver.policies import Clock, ElasticLimits, FailurePolicy, RunErrorDecision, ScalingPolicy
 from hvdray.driver.records import hand_to_callbacks
-from hvdray.driver.worker_group import RunOutcome, WorkerGroup
+from hvdray.driver.worker_group import GroupWorker, RunOutcome, WorkerGroup
 from hvdray.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -100,6 +106,11 @@ def _rank_or_last(rank: Optional[int]) -> int:
     return rank if rank is not None else sys.maxsize
 
 
+def _named(worker: GroupWorker) -> str:
+    """A worker as an error names it: its id, and its rank if it had one."""
+    return f"worker {worker.worker_id}" + (f" (rank {worker.rank})" if worker.rank is not None else "")
+
+
 def allowed(old: DriverState, new: DriverState) -> bool:
     """True when the machine may move from ``old`` to ``new``."""
     return new in NEXT_STATES[old] or (new is DriverState.ERRORED and old not in _TERMINAL)
@@ -133,6 +144,8 @@ class ElasticDriver:
         self._next_discovery = 0.0
         self._known_nodes: set[str] = set()  # the nodes the last discovery offered
         self._recovering_since = 0.0
+        self._lost: list[str] = []  # workers lost since the last epoch formed ("worker <id> (rank <r>)")
+        self._ring_broke_at: Optional[float] = None  # when a member's run first raised a broken ring, unexplained
         self._error: Optional[BaseException] = None
         self._call: tuple[Callable[..., Any], list[Any], dict[str, Any]] = (lambda: None, [], {})
         self._callbacks: list[Callable[[dict[str, Any]], None]] = []
@@ -303,8 +316,15 @@ class ElasticDriver:
         if raised:
             # of the errors that ended together, the root cause, not a peer's op that failed because of it
             first = min(raised, key=lambda e: (consequence_level(e.error), _rank_or_last(e.worker.rank)))
+            if ring_broke(first.error) and not (lost or self._lost):
+                # a ring broken by a dead peer breaks in the survivors first: give the driver a moment to
+                # notice the loss, which the error then names (a raised run is reported again next poll)
+                if self._ring_broke_at is None:
+                    self._ring_broke_at = self._clock()
+                if self._clock() - self._ring_broke_at < ROOT_CAUSE_GRACE_S:
+                    return None
             return errored(failure_error(first.error, first.worker.rank, worker_id=first.worker.worker_id,
-                                         aftermath="the job was stopped"))
+                                         aftermath=self._why_stopped(first.error, lost)))
         if lost:
             self._drop(lost, lost_workers=True)
         if self._state is DriverState.FINISHING:
@@ -315,6 +335,18 @@ class ElasticDriver:
         if lost:
             return Transition(DriverState.RECOVERING, f"worker(s) {lost} died")
         return None
+
+    def _why_stopped(self, error: BaseException, lost_now: Sequence[str]) -> str:
+        """What the note of the error that ends the run says. A ring that broke under a member's own
+        collectives reaches the driver only from outside ``hvd.elastic.run`` (which catches it to roll back),
+        so that is said, with the workers whose loss most likely broke it."""
+        if not ring_broke(error):
+            return "the job was stopped"
+        lost = self._lost + [_named(self._group.workers[w]) for w in lost_now if w in self._group.workers]
+        cause = f" after the loss of {', '.join(lost)}" if lost else ""
+        return (f"the job was stopped: the ring broke{cause} while this rank ran collectives outside "
+                "hvd.elastic.run. As in Horovod's elastic mode, only the function that hvd.elastic.run wraps "
+                "rolls back to its last commit and goes on; call the collectives from inside it")
 
     def _given_up_below_minimum(self) -> Optional[Transition]:
         """The transition to ERRORED once fewer than min_workers have run for longer than elastic_timeout."""
@@ -343,6 +375,7 @@ class ElasticDriver:
         order = sorted(self._group.workers.values(),
                        key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0))
         self._epoch = self._group.form_epoch(order)
+        self._lost.clear()  # the new epoch's rings were built without them: they break nothing any more
         return Transition(DriverState.RUNNING, f"membership epoch {self._epoch} formed with {len(order)} worker(s)")
 
     def _members_waiting(self) -> list[str]:
@@ -417,6 +450,8 @@ class ElasticDriver:
         if not worker_ids:
             return
         for worker in self._group.remove(worker_ids):
+            if lost_workers:
+                self._lost.append(_named(worker))
             if lost_workers and worker.node_id is not None:
                 delay = self._failures.worker_lost(worker.node_id, self._known_nodes)
                 if delay is None:

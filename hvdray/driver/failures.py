@@ -11,7 +11,12 @@ from typing import Any, Optional
 
 import ray
 
-from hvdray.collective.errors import caused_by_peer
+from hvdray.collective.errors import HorovodInternalError, caused_by_peer
+
+
+#: how long the driver waits, after a rank failed because of a peer (an op it never got, a ring that
+#: broke), for the failure that caused it (the peer's own error, or its loss) before it reports the rank's
+ROOT_CAUSE_GRACE_S = 5.0
 
 
 class WorkerLostError(RuntimeError):
@@ -72,6 +77,12 @@ def consequence_level(exc: BaseException) -> int:
     if caused_by_peer(cause):
         return 2
     return 1 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError) else 0
+
+
+def ring_broke(exc: BaseException) -> bool:
+    """True when a rank's call failed because its ring broke (a peer died, left the job or timed out)."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    return isinstance(cause, HorovodInternalError)
 
 
 def _with_headline(error: BaseException, headline: str) -> BaseException:

@@ -44,7 +44,7 @@ from hvdray.driver.coordinator_host import (
     start_coordinating_worker,
 )
 from hvdray.driver.datasets import DatasetSplitter, end_split
-from hvdray.driver.failures import CoordinatorLostError, consequence_level, failure_error
+from hvdray.driver.failures import ROOT_CAUSE_GRACE_S, CoordinatorLostError, consequence_level, failure_error
 from hvdray.driver.node_liveness import NodeProbe
 from hvdray.driver.records import Callback, RecordStream
 from hvdray.settings import Settings
@@ -52,7 +52,6 @@ from hvdray.worker.actor import Worker
 
 log = logging.getLogger(__name__)
 
-_ROOT_CAUSE_GRACE_S = 5.0  # how long ``gather`` waits for the failure that caused another rank's
 _FEASIBLE_CHECK_S = 1.0  # how often a fixed start waiting for its bundles checks that they can still be had
 _PING_EVERY_S = 0.5  # liveness: a worker is pinged again this long after it answered
 _NAME_FREED_POLL_S = 0.05  # how often a worker's start looks again whether its name is free
@@ -422,7 +421,7 @@ class WorkerGroup:
                     break
                 # a peer's failure shows up in the others first (an op fails, a ring breaks): give the rank
                 # that caused it a moment to report its own error, which says more
-                grace_ends = time.monotonic() + _ROOT_CAUSE_GRACE_S
+                grace_ends = time.monotonic() + ROOT_CAUSE_GRACE_S
         if failures:
             try:
                 self.records.deliver(callbacks, flush=True)  # what was reported before the failure still counts

@@ -5,6 +5,7 @@ tests/multinode/test_elastic.py."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -199,7 +200,44 @@ def test_user_exception_ends_the_job_with_the_rank(ray_local, how, error, messag
         for peer_waits in (False, True):
             with pytest.raises(error, match=message) as info:
                 ex.run(_fails_on_rank_1, args=[how, peer_waits])
-            assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
+            notes = "".join(getattr(info.value, "__notes__", []))
+            assert "rank 1" in notes and "hvd.elastic.run" not in notes  # the user's own error, not a broken ring
+
+
+def _dies_while_its_peer_broadcasts_outside_run(marker: str):
+    """Rank 1 dies (once) while rank 0 waits in a broadcast of its own, before any ``hvd.elastic.run``."""
+    import os
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    if hvd.rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # rank 0 waits here for rank 1
+    return hvd.rank()
+
+
+def test_a_loss_during_collectives_outside_elastic_run_ends_the_job_saying_so(ray_local, tmp_path):
+    """A ring broken under collectives outside hvd.elastic.run cannot roll back (there is no commit to
+    return to, as in Horovod): the job ends at once with the survivor's HorovodInternalError, whose note
+    names the lost worker and says where the collectives belong; the executor's next run works."""
+    from hvdray.collective.errors import HorovodInternalError
+
+    with RayExecutor(_settings(), min_workers=1, max_workers=2) as ex:
+        started = time.monotonic()
+        with pytest.raises(HorovodInternalError, match="rank 0") as info:
+            ex.run(_dies_while_its_peer_broadcasts_outside_run, args=[str(tmp_path / "died")])
+        assert time.monotonic() - started < 60  # not timeout_s after timeout_s: the death is noticed at once
+        notes = "".join(getattr(info.value, "__notes__", []))
+        assert "outside hvd.elastic.run" in notes, notes
+        assert re.search(r"the ring broke after the loss of worker \w+ \(rank 1\)", notes), notes
+        results = ex.run(_sum_ranks)
+    assert sorted(r["rank"] for r in results) == list(range(len(results))) and results[0]["resets"] == 0
 
 
 def _init_rank():

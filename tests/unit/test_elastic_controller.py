@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from hvdray.collective.errors import HorovodInternalError
 from hvdray.collective.topology import WorkerSlot
 from hvdray.driver import controller
 from hvdray.driver.controller import (
@@ -66,7 +67,9 @@ class FakeGroup:
         self.waiting_ids.add(worker.worker_id)  # hvd.init: waits for its first epoch
 
     def poll_runs(self):
-        ended, self.ended = self.ended, []
+        ended = self.ended
+        # as WorkerGroup's: a run that raised is not done, and is reported again at the next poll
+        self.ended = [r for r in ended if r.outcome is RunOutcome.RAISED and r.worker.worker_id in self.workers]
         for result in ended:
             if result.outcome is RunOutcome.RETURNED:
                 result.worker.done = True
@@ -311,6 +314,64 @@ def test_a_users_exception_ends_the_job_naming_the_rank(slots):
     group.end(worker, RunOutcome.RAISED, KeyError("bad batch"))
     assert _advance(driver) == [S.ERRORED]
     assert driver._error.__notes__ == [f"hvdray: raised on rank 1 (worker {worker.worker_id}); the job was stopped"]
+
+
+def test_a_ring_broken_outside_elastic_run_ends_the_job_naming_the_loss_that_broke_it(slots):
+    """A member's HorovodInternalError reaches the driver only from outside hvd.elastic.run (which catches
+    it): the job ends, and the note names the lost worker and says where collectives recover."""
+    group = FakeGroup()
+    driver = _driver(group)
+    _running(driver, group, slots)
+    dead, survivor = group.by_rank(1), group.by_rank(0)
+    group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
+    assert _advance(driver) == [S.RECOVERING]
+    group.end(survivor, RunOutcome.RAISED, HorovodInternalError("local rank 1 died"))
+    assert _advance(driver) == [S.ERRORED]
+    assert isinstance(driver._error, HorovodInternalError)
+    (note,) = driver._error.__notes__
+    assert note.startswith(f"hvdray: raised on rank 0 (worker {survivor.worker_id}); the job was stopped: the ring "
+                           f"broke after the loss of worker {dead.worker_id} (rank 1) while this rank ran collectives "
+                           "outside hvd.elastic.run.")
+
+
+@pytest.mark.parametrize("lost_meanwhile", [True, False])
+def test_a_ring_broken_before_any_loss_is_seen_waits_a_moment_for_the_loss(slots, lost_meanwhile):
+    """The survivor's broken ring often reaches the driver before the peer's death does: the driver waits up
+    to ROOT_CAUSE_GRACE_S for the loss, then names it (or, if none comes, reports the ring's error)."""
+    group = FakeGroup()
+    clock = Clock()
+    driver = _driver(group, clock=clock)
+    _running(driver, group, slots)
+    dead, survivor = group.by_rank(1), group.by_rank(0)
+    group.end(survivor, RunOutcome.RAISED, HorovodInternalError("local rank 1 died"))
+    assert _advance(driver) == []
+    clock.now += controller.ROOT_CAUSE_GRACE_S - 0.1
+    assert _advance(driver) == []
+    if lost_meanwhile:
+        group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
+    else:
+        clock.now += 0.1
+    assert _advance(driver) == [S.ERRORED]
+    note = driver._error.__notes__[0]
+    assert "outside hvd.elastic.run" in note
+    assert (f"after the loss of worker {dead.worker_id} (rank 1)" in note) is lost_meanwhile, note
+
+
+def test_a_loss_the_job_recovered_from_is_not_named_for_a_later_broken_ring(slots):
+    group = FakeGroup()
+    clock = Clock()
+    driver = _driver(group, clock=clock)
+    _running(driver, group, slots)
+    dead, survivor = group.by_rank(1), group.by_rank(0)
+    group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
+    assert _advance(driver) == [S.RECOVERING]
+    group.waiting_ids.add(survivor.worker_id)
+    assert _advance(driver) == [S.RUNNING]  # epoch 2, without the dead worker
+    group.end(survivor, RunOutcome.RAISED, HorovodInternalError("timed out"))
+    assert _advance(driver) == []  # unexplained: the grace again
+    clock.now += controller.ROOT_CAUSE_GRACE_S
+    assert _advance(driver) == [S.ERRORED]
+    assert dead.worker_id not in driver._error.__notes__[0]
 
 
 def test_a_returned_member_finishes_the_job_once_its_epoch_has_returned(slots):
