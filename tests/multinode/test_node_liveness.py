@@ -101,3 +101,42 @@ def test_a_frozen_worker_on_a_live_node_is_waited_for_not_dropped(cluster, caplo
     assert not [t for t in recorder.transitions() if t["state"] == "recovering"], recorder.transitions()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [w for w in warnings if "lost" in w], warnings
+
+
+ELASTIC_TIMEOUT_S = 15.0  # how long the driver waits for a silent worker on a live node to rejoin
+
+
+def test_a_worker_frozen_for_good_on_a_live_node_is_dropped_after_elastic_timeout(cluster, caplog):
+    """Rank 1's process is stopped and never continued (a process deadlocked in C code, or cut off from
+    its peers while its node answers): its peer's collective fails after timeout_s and rolls back, the
+    driver waits for it (slow is not dead) until elastic_timeout, then drops it without blacklisting its
+    node, and the job trains on and finishes without it, nothing committed lost."""
+    caplog.set_level(logging.WARNING, logger="hvdray.driver")
+    use_nodes(cluster, 2)
+    recorder = Recorder()
+    frozen: dict[str, float] = {}
+
+    def freeze(record):
+        os.kill(record["pid"], signal.SIGSTOP)
+        frozen.update(pid=record["pid"], at=time.monotonic())
+
+    recorder.on(lambda r: r.get("kind") == "commit" and r["rank"] == 1 and r["epoch"] == 0, freeze)
+    try:
+        with elastic_executor(min_workers=1, max_workers=2, elastic_timeout=ELASTIC_TIMEOUT_S) as ex:
+            results = ex.run(train_job, args=[EPOCHS], callbacks=[recorder])
+    finally:
+        if "pid" in frozen:  # the driver had it killed; never leave a stopped process behind
+            try:
+                os.kill(int(frozen["pid"]), signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    check_invariants(results, recorder, EPOCHS)
+    assert 1 in results[0]["sizes"], results[0]["sizes"]  # it trained on alone meanwhile
+    states = [t["state"] for t in recorder.transitions()]
+    assert "recovering" in states, states
+    recovering = next(t for t in recorder.transitions() if t["state"] == "recovering")
+    after = next(t for t in recorder.transitions() if t["time"] > recovering["time"] and t["state"] == "running")
+    assert after["time"] - recovering["time"] >= ELASTIC_TIMEOUT_S - 1, (recovering, after)  # waited for, not dropped
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w for w in warnings if "did not rejoin within elastic_timeout" in w], warnings
+    assert not [w for w in warnings if "blacklisted" in w], warnings
