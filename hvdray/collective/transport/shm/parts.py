@@ -12,7 +12,7 @@ import ctypes
 _ALIGN_BYTES = 64
 #: allreduces up to this size take the one-barrier way (each rank reduces the whole message)
 SMALL_ALLREDUCE_BYTES = 32 << 10
-#: a rank reduces its part in blocks of this size, which stay in its core's cache (2 MiB of L2 on the
+#: a rank reduces its part in blocks of this size, which stay in its core's cache (1 MiB of L2 per core on the
 #: development machine) from the reduction to the copies that publish the sum
 REDUCE_BLOCK_BYTES = 512 << 10
 
