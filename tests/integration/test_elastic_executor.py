@@ -228,11 +228,13 @@ def test_a_loss_during_collectives_outside_elastic_run_ends_the_job_saying_so(ra
     names the lost worker and says where the collectives belong; the executor's next run works."""
     from hvdray.collective.errors import HorovodInternalError
 
+    marker = tmp_path / "died"
     with RayExecutor(_settings(), min_workers=1, max_workers=2) as ex:
-        started = time.monotonic()
         with pytest.raises(HorovodInternalError, match="rank 0") as info:
-            ex.run(_dies_while_its_peer_broadcasts_outside_run, args=[str(tmp_path / "died")])
-        assert time.monotonic() - started < 60  # not timeout_s after timeout_s: the death is noticed at once
+            ex.run(_dies_while_its_peer_broadcasts_outside_run, args=[str(marker)])
+        # from the death (the marker is written just before it) to the error: the loss's grace and a
+        # loaded machine's slack, not timeout_s after timeout_s
+        assert time.time() - marker.stat().st_mtime < 20
         notes = "".join(getattr(info.value, "__notes__", []))
         assert "outside hvd.elastic.run" in notes, notes
         assert re.search(r"the ring broke after the loss of worker \w+ \(rank 1\)", notes), notes
