@@ -316,7 +316,8 @@ class ElasticDriver:
         if raised:
             # of the errors that ended together, the root cause, not a peer's op that failed because of it
             first = min(raised, key=lambda e: (consequence_level(e.error), _rank_or_last(e.worker.rank)))
-            if ring_broke(first.error) and not (lost or self._lost):
+            broke = ring_broke(first.error)
+            if broke and not (lost or self._lost):
                 # a ring broken by a dead peer breaks in the survivors first: give the driver a moment to
                 # notice the loss, which the error then names (a raised run is reported again next poll)
                 if self._ring_broke_at is None:
@@ -324,7 +325,7 @@ class ElasticDriver:
                 if self._clock() - self._ring_broke_at < ROOT_CAUSE_GRACE_S:
                     return None
             return errored(failure_error(first.error, first.worker.rank, worker_id=first.worker.worker_id,
-                                         aftermath=self._why_stopped(first.error, lost)))
+                                         aftermath=self._why_stopped(broke, lost)))
         if lost:
             self._drop(lost, lost_workers=True)
         if self._state is DriverState.FINISHING:
@@ -336,11 +337,11 @@ class ElasticDriver:
             return Transition(DriverState.RECOVERING, f"worker(s) {lost} died")
         return None
 
-    def _why_stopped(self, error: BaseException, lost_now: Sequence[str]) -> str:
+    def _why_stopped(self, broke: bool, lost_now: Sequence[str]) -> str:
         """What the note of the error that ends the run says. A ring that broke under a member's own
         collectives reaches the driver only from outside ``hvd.elastic.run`` (which catches it to roll back),
         so that is said, with the workers whose loss most likely broke it."""
-        if not ring_broke(error):
+        if not broke:
             return "the job was stopped"
         lost = self._lost + [_named(self._group.workers[w]) for w in lost_now if w in self._group.workers]
         cause = f" after the loss of {', '.join(lost)}" if lost else ""

@@ -224,7 +224,7 @@ def _dies_while_its_peer_broadcasts_outside_run(marker: str):
 
 def test_a_loss_during_collectives_outside_elastic_run_ends_the_job_saying_so(ray_local, tmp_path):
     """A ring broken under collectives outside hvd.elastic.run cannot roll back (there is no commit to
-    return to, as in Horovod): the job ends at once with the survivor's HorovodInternalError, whose note
+    return to, as in Horovod): the job ends within seconds with the survivor's HorovodInternalError, whose note
     names the lost worker and says where the collectives belong; the executor's next run works."""
     from hvdray.collective.errors import HorovodInternalError
 

@@ -316,13 +316,18 @@ def test_a_users_exception_ends_the_job_naming_the_rank(slots):
     assert driver._error.__notes__ == [f"hvdray: raised on rank 1 (worker {worker.worker_id}); the job was stopped"]
 
 
+def _two_members_running(slots, clock):
+    """A running epoch of two on node A: (driver, group, rank 1 (the one to lose), rank 0)."""
+    group = FakeGroup()
+    driver = _driver(group, clock=clock)
+    _running(driver, group, slots)
+    return driver, group, group.by_rank(1), group.by_rank(0)
+
+
 def test_a_ring_broken_outside_elastic_run_ends_the_job_naming_the_loss_that_broke_it(slots):
     """A member's HorovodInternalError reaches the driver only from outside hvd.elastic.run (which catches
     it): the job ends, and the note names the lost worker and says where collectives recover."""
-    group = FakeGroup()
-    driver = _driver(group)
-    _running(driver, group, slots)
-    dead, survivor = group.by_rank(1), group.by_rank(0)
+    driver, group, dead, survivor = _two_members_running(slots, Clock())
     group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
     assert _advance(driver) == [S.RECOVERING]
     group.end(survivor, RunOutcome.RAISED, HorovodInternalError("local rank 1 died"))
@@ -338,11 +343,8 @@ def test_a_ring_broken_outside_elastic_run_ends_the_job_naming_the_loss_that_bro
 def test_a_ring_broken_before_any_loss_is_seen_waits_a_moment_for_the_loss(slots, lost_meanwhile):
     """The survivor's broken ring often reaches the driver before the peer's death does: the driver waits up
     to ROOT_CAUSE_GRACE_S for the loss, then names it (or, if none comes, reports the ring's error)."""
-    group = FakeGroup()
     clock = Clock()
-    driver = _driver(group, clock=clock)
-    _running(driver, group, slots)
-    dead, survivor = group.by_rank(1), group.by_rank(0)
+    driver, group, dead, survivor = _two_members_running(slots, clock)
     group.end(survivor, RunOutcome.RAISED, HorovodInternalError("local rank 1 died"))
     assert _advance(driver) == []
     clock.now += controller.ROOT_CAUSE_GRACE_S - 0.1
@@ -358,11 +360,8 @@ def test_a_ring_broken_before_any_loss_is_seen_waits_a_moment_for_the_loss(slots
 
 
 def test_a_loss_the_job_recovered_from_is_not_named_for_a_later_broken_ring(slots):
-    group = FakeGroup()
     clock = Clock()
-    driver = _driver(group, clock=clock)
-    _running(driver, group, slots)
-    dead, survivor = group.by_rank(1), group.by_rank(0)
+    driver, group, dead, survivor = _two_members_running(slots, clock)
     group.end(dead, RunOutcome.LOST, RuntimeError("gone"))
     assert _advance(driver) == [S.RECOVERING]
     group.waiting_ids.add(survivor.worker_id)
