@@ -657,15 +657,17 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
 
 def _shared_outputs(node, rank, size):
     """Out of place into outputs in shared memory (torch's, and blocks of SHARED_BLOCKS as the output pool
-    makes them) from private inputs: every rank reduces its part straight into its output, none through
-    the slots' publishing copy (``_reduce_piece`` never runs), with the copying way's results bit for bit;
-    where the ranks disagree (some outputs private, or some inputs shared instead) every rank copies."""
+    makes them) from private inputs: every rank exposes what its peers reduce in its own output and
+    reduces its part straight into its output, nothing through the slots (``_reduce_piece`` never runs,
+    the slots keep their marks), with the copying way's results bit for bit; where the ranks disagree
+    (some outputs private, or some inputs shared instead) every rank copies."""
     from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
     copying_pieces = []
     original = node._reduce_piece
     node._reduce_piece = lambda *a, **k: (copying_pieces.append(1), original(*a, **k))
     failures = []
+    _mark_own_slots(node, rank)
     for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
                       (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]:
         for n in (9001, 40_000):  # several 8 KiB slots' worth: several pieces
@@ -677,6 +679,7 @@ def _shared_outputs(node, rank, size):
             if not np.array_equal(out.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
                 failures.append((str(dtype), str(op), n))
     direct_pieces = len(copying_pieces)
+    slots_untouched = _own_slots_untouched(node, rank)
     # floats: bit-identical with the copying way, into a registered block as the output pool hands out
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(30_001)).float()
     block = SHARED_BLOCKS.allocate(x.numel() * 4)
@@ -699,16 +702,17 @@ def _shared_outputs(node, rank, size):
     node.allreduce(crossed_out, ReduceOp.SUM, source=crossed_in)
     total = sum(_inputs(r, torch.int32, 20_000) for r in range(size))
     disagreements_ok = torch.equal(lone, total) and torch.equal(crossed_out, total) and len(copying_pieces) > before
-    return failures, direct_pieces, same_as_copying, disagreements_ok, len(SHARED_BLOCKS)
+    return failures, direct_pieces, slots_untouched, same_as_copying, disagreements_ok, len(SHARED_BLOCKS)
 
 
 @pytest.mark.parametrize("local_size", [2, 3])
-def test_outputs_in_shared_memory_receive_the_reduced_parts_without_the_publishing_copy(local_size):
-    for failures, direct_pieces, same_as_copying, disagreements_ok, blocks_left in _run_node(
+def test_outputs_in_shared_memory_receive_the_reduced_parts_without_the_slots(local_size):
+    for failures, direct_pieces, slots_untouched, same_as_copying, disagreements_ok, blocks_left in _run_node(
         local_size, _shared_outputs
     ):
         assert failures == []
         assert direct_pieces == 0  # every op above took the direct way
+        assert slots_untouched  # the inputs' parts went into the outputs, not through the segment
         assert same_as_copying and disagreements_ok
         assert blocks_left == 0
 

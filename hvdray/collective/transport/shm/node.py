@@ -55,6 +55,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     allreduce_shared_inputs,
     allreduce_shared_outputs,
     allreduce_shared_tensors,
+    expose_into_own_output,
     reducescatter_shared_inputs,
 )
 
@@ -223,13 +224,13 @@ class NodeCollectives:
         out_place = shared_place(flat) if place is None and source is not flat and cross is None else None
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
-        agreed = self._agree_on_places(place, lambda h=half: self._expose(source, pieces[0], h), out_place)
+        agreed = self._agree_on_places(
+            place, lambda h=half: self._expose(source, pieces[0], h), out_place,
+            lambda: expose_into_own_output(self, flat, source, pieces))
         if agreed is not None:
             what, places = agreed
             if what == SHARED_OUTPUT:
-                allreduce_shared_outputs(
-                    self, flat, source, places, pieces, half, lambda p, h: self._expose(source, p, h), reducer,
-                    finish)
+                allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish)
             elif source is flat:
                 allreduce_shared_tensors(self, flat, places, reducer, cross, finish)
             else:
@@ -244,30 +245,28 @@ class NodeCollectives:
 
     def _agree_on_places(
         self, place: Optional[TensorPlace], expose_first: Callable[[], None], out_place: Optional[TensorPlace] = None,
-        direct_output_reads_slots: bool = True,
+        prepare_output: Optional[Callable[[], None]] = None,
     ) -> Optional[tuple[int, list[TensorPlace]]]:
         """The first round of an op that may go straight between tensors in shared memory: publish where
-        this rank's input lives (``place``; None: private) or else its output (``out_place``), and unless
-        its direct path needs no slots (a shared input; a shared output where not
-        ``direct_output_reads_slots``), ``expose_first()`` its first piece into the slots, then wait for
+        this rank's input lives (``place``; None: private) or else its output (``out_place``); with both
+        private ``expose_first()`` its first piece into the slots, with a shared output
+        ``prepare_output()`` (if given: what the direct path needs before the barrier); then wait for
         every rank. Returns what every rank published and where, when all published the same (the caller
         takes that direct path: :data:`SHARED_INPUT` or :data:`SHARED_OUTPUT`), else None once the first
         piece of every rank is in the slots (ranks that skipped it expose it now, then one more barrier)."""
         what = SHARED_INPUT if place is not None else SHARED_OUTPUT if out_place is not None else PRIVATE
-
-        def skips(kind: int) -> bool:
-            return kind == SHARED_INPUT or (kind == SHARED_OUTPUT and not direct_output_reads_slots)
-
         self.segment.publish_tensor(self.local_rank, place or out_place, what)
-        if not skips(what):
+        if what == PRIVATE:
             expose_first()
+        elif what == SHARED_OUTPUT and prepare_output is not None:
+            prepare_output()
         self.barrier.wait()
         published = [self.segment.published_tensor(r) for r in range(self.local_size)]
         kinds = {kind for kind, _ in published}
         if kinds == {SHARED_INPUT} or kinds == {SHARED_OUTPUT}:
             return what, [p for _, p in published]  # type: ignore[misc]
-        if any(skips(kind) for kind in kinds):  # the ranks disagree, and some did not expose: they do now
-            if skips(what):
+        if kinds != {PRIVATE}:  # the ranks disagree, and some did not expose: they do now
+            if what != PRIVATE:
                 expose_first()
             self.barrier.wait()
         return None
@@ -483,7 +482,7 @@ class NodeCollectives:
         def expose(piece: tuple[int, int], half: int) -> None:
             memmove(self._base + self._slot_offset(half, me), src + piece[0] * isz, (piece[1] - piece[0]) * isz)
 
-        agreed = self._agree_on_places(None, lambda: expose(pieces[0], half), shared_place(out), False)
+        agreed = self._agree_on_places(None, lambda: expose(pieces[0], half), shared_place(out))
         if agreed is not None:
             allgather_shared_outputs(self, flat, out, agreed[1])
             return

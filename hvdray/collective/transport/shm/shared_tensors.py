@@ -16,8 +16,9 @@ copies through the slots.
 Outputs in shared memory help too, whatever the inputs: the output pool places the results of
 out-of-place collectives in blocks of shared memory
 (:class:`~hvdray.collective.transport.shm.shared_storage.SharedBlocks`), so that an out-of-place
-allreduce writes each reduced part straight into every rank's output (:func:`allreduce_shared_outputs`)
-and an allgather each rank's tensor (:func:`allgather_shared_outputs`). Where tensors live, and how a
+allreduce exposes what the peers reduce in each rank's own output and writes each reduced part over
+it in every rank's output (:func:`allreduce_shared_outputs`), and an allgather writes each rank's
+tensor straight into every rank's output (:func:`allgather_shared_outputs`). Where tensors live, and how a
 rank maps its peers', is ``shared_storage.py``'s.
 """
 
@@ -87,38 +88,50 @@ def allreduce_shared_inputs(
     node.barrier.wait()
 
 
+def expose_into_own_output(
+    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, pieces: list[tuple[int, int]],
+) -> None:
+    """Out of place into outputs in shared memory, before the op's first barrier: copy the parts of
+    ``source`` that the peers reduce (in every piece, all but this rank's part) into this rank's own
+    ``out``, where the peers read them. Those parts of ``out`` receive the peers' sums afterwards, so
+    the copy costs no memory of its own and nothing passes through the slots."""
+    me, size, isz = node.local_rank, node.local_size, out.element_size()
+    src, dst, done = source.data_ptr(), out.data_ptr(), 0
+    for start, stop in pieces:
+        bounds = part_bounds(stop - start, size, isz)
+        lo, hi = start + bounds[me], start + bounds[me + 1]
+        memmove(dst + done * isz, src + done * isz, (lo - done) * isz)  # up to this rank's part of the piece
+        done = hi
+    if pieces:
+        memmove(dst + done * isz, src + done * isz, (pieces[-1][1] - done) * isz)
+
+
 def allreduce_shared_outputs(
     node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
-    pieces: list[tuple[int, int]], half: int, expose: Callable[[tuple[int, int], int], None],
-    reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
+    pieces: list[tuple[int, int]], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
 ) -> None:
     """Out of place, the inputs private but every local rank's output in shared memory (the output pool's
-    outputs, when the node's ranks share memory). The inputs go through the slots as on the copying way
-    (``expose(piece, half)``: the parts the peers reduce; the first piece's is in the slots already, in
-    ``half``), but each rank reduces its part straight into its own output, block by block (``finish`` on
-    each while in the core's cache), and writes each block into the peers' outputs from there: no copy
-    into the slot to publish it, nothing to collect afterwards, and one barrier per piece (the next
-    piece's exposing barrier is the last one's end) plus the last. The reduction order is the copying
-    way's, so the results are the same bit for bit."""
+    outputs, when the node's ranks share memory), after every rank exposed what its peers reduce in its
+    own output (:func:`expose_into_own_output`) and passed the op's first barrier: each rank reduces its
+    part of every piece from its ``source`` and the peers' outputs into its own output, block by block
+    (``finish`` on each while in the core's cache), and writes each block of the sum over the block it
+    just read in every peer's output. Nothing goes through the slots, whatever the size: one copy, one
+    reduction and one write from the cache per part, and two barriers per op. The parts and the reduction
+    order are the copying way's (pieces of a slot, this rank's data first, then the peers' in rank
+    order), so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
     others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, out, places)) if rank != me]
     step = max(1, REDUCE_BLOCK_BYTES // isz)
-    for i, (start, stop) in enumerate(pieces):
-        if i:
-            half = node.next_half()
-            expose((start, stop), half)
-            node.barrier.wait()
-        slots = node.slot_views(out.dtype)[half]
-        peers = [slots[peer] for peer in range(size) if peer != me]
+    for start, stop in pieces:
         bounds = part_bounds(stop - start, size, isz)
-        for a in range(bounds[me], bounds[me + 1], step):  # in the piece: the slots hold pieces
-            b = min(a + step, bounds[me + 1])
-            acc = reduce_in_order(reducer, source[start + a : start + b], [peer[a:b] for peer in peers],
-                                  out[start + a : start + b])
+        lo, hi = start + bounds[me], start + bounds[me + 1]
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            acc = reduce_in_order(reducer, source[a:b], [other[a:b] for other in others], out[a:b])
             if finish is not None:
                 finish([acc])
             for other in others:
-                memmove(other.data_ptr() + (start + a) * isz, acc.data_ptr(), (b - a) * isz)
+                memmove(other.data_ptr() + a * isz, acc.data_ptr(), (b - a) * isz)
     node.barrier.wait()
 
 
