@@ -121,6 +121,7 @@ def allreduce_shared_outputs(
     order), so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
     others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, out, places)) if rank != me]
+    addresses = [other.data_ptr() for other in others]
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     for start, stop in pieces:
         bounds = part_bounds(stop - start, size, isz)
@@ -130,8 +131,8 @@ def allreduce_shared_outputs(
             acc = reduce_in_order(reducer, source[a:b], [other[a:b] for other in others], out[a:b])
             if finish is not None:
                 finish([acc])
-            for other in others:
-                memmove(other.data_ptr() + a * isz, acc.data_ptr(), (b - a) * isz)
+            for address in addresses:
+                memmove(address + a * isz, acc.data_ptr(), (b - a) * isz)
     node.barrier.wait()
 
 
