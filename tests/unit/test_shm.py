@@ -717,6 +717,75 @@ def test_outputs_in_shared_memory_receive_the_reduced_parts_without_the_slots(lo
         assert blocks_left == 0
 
 
+def _in_place_through_scratch(node, rank, size):
+    """In-place allreduces of private tensors of ``scratch_min_bytes`` and more go through each rank's
+    scratch block of shared memory: nothing through the slots (``_reduce_piece`` never runs, the slots
+    keep their marks), the copying way's results bit for bit, ``finish`` on each part once; a rank without
+    a scratch block makes every rank copy; a rank in place meets peers out of place on the direct way."""
+    from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
+
+    node.scratch_min_bytes = 0
+    copying_pieces = []
+    original = node._reduce_piece
+    node._reduce_piece = lambda *a, **k: (copying_pieces.append(1), original(*a, **k))
+    failures = []
+    _mark_own_slots(node, rank)
+    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                      (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]:
+        for n in (40_000, 70_001):  # over the one-barrier size; several 8 KiB slots' worth: several pieces
+            t = _inputs(rank, dtype, n)
+            node.allreduce(t, op)
+            stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+            want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+            if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+                failures.append((str(dtype), str(op), n))
+    direct = not copying_pieces and _own_slots_untouched(node, rank)
+    # floats: bit-identical with the copying way (with 3 ranks the order of the sum matters), and an average
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(30_001)).float()
+    through_scratch = x.clone()
+    node.allreduce(through_scratch, ReduceOp.SUM)
+    node.scratch_min_bytes = 1 << 62
+    through_slots = x.clone()
+    node.allreduce(through_slots, ReduceOp.SUM)
+    node.scratch_min_bytes = 0
+    seen = []
+    averaged = x.clone()
+    node.allreduce(averaged, ReduceOp.SUM, finish=lambda parts: (seen.append(sum(p.numel() for p in parts)),
+                                                                  [p.div_(size) for p in parts]))
+    same_bits = torch.equal(through_scratch, through_slots) and torch.equal(averaged, through_slots / size)
+    # rank 0 has no scratch block (none fits its limit): every rank copies through the slots
+    before = len(copying_pieces)
+    limit = node.scratch.limit_bytes
+    if rank == 0:
+        node.scratch.clear()
+        node.scratch.limit_bytes = 0
+    lone = _inputs(rank, torch.int32, 20_000)
+    node.allreduce(lone, ReduceOp.SUM)
+    total = sum(_inputs(r, torch.int32, 20_000) for r in range(size))
+    disagreement_ok = torch.equal(lone, total) and len(copying_pieces) > before
+    node.scratch.limit_bytes = limit
+    # rank 0 in place, the others out of place into outputs in shared memory: all on the direct way
+    before = len(copying_pieces)
+    mixed_in = _inputs(rank, torch.int32, 20_000)
+    mixed_out = mixed_in if rank == 0 else torch.empty(20_000, dtype=torch.int32).share_memory_()
+    node.allreduce(mixed_out, ReduceOp.SUM, source=None if rank == 0 else mixed_in)
+    mixed_ok = torch.equal(mixed_out, total) and len(copying_pieces) == before
+    kept = len(node.scratch)
+    node.scratch.clear()
+    return failures, direct, same_bits, sum(seen), disagreement_ok, mixed_ok, kept, len(SHARED_BLOCKS)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_in_place_allreduces_of_private_tensors_go_through_scratch_blocks_not_the_slots(local_size):
+    results = _run_node(local_size, _in_place_through_scratch)
+    for failures, direct, same_bits, _, disagreement_ok, mixed_ok, kept, blocks_left in results:
+        assert failures == []
+        assert direct  # every op above took the scratch blocks
+        assert same_bits and disagreement_ok and mixed_ok
+        assert kept >= 1 and blocks_left == 0  # the blocks are kept between ops, and given back
+    assert sum(r[3] for r in results) == 30_001  # the average's division ran on each part once
+
+
 def _allgather_into_shared_outputs(node, rank, size):
     """Allgather outputs in shared memory on every rank: each rank writes its tensor into every output,
     without the slots; then only rank 0's output shared, and a private one on rank 0 only: the slots, in

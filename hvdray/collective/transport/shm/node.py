@@ -14,8 +14,10 @@ ends with bit-identical results. Up to ``SMALL_ALLREDUCE_BYTES`` one round with 
 every rank reduces every slot.
 
 Two variants live beside this module: a list of tensors that fits one slot (``fused.py``: the engine's
-fused gradients, copied straight between the tensors and the slots) and tensors that every local rank
-holds in torch shared memory (``shared_tensors.py``: reduced in place, without the slots).
+fused gradients, copied straight between the tensors and the slots) and tensors or blocks that every
+local rank holds in torch shared memory (``shared_tensors.py``: reduced without the slots), among them
+the outputs of out-of-place allreduces and the scratch blocks of in-place ones of
+:data:`SCRATCH_MIN_BYTES` and more.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from hvdray.collective.transport.shm.segment import (
 from hvdray.collective.transport.shm.shared_storage import (
     PEER_STORAGES_PER_RANK,
     PeerTensors,
+    ScratchBlocks,
     SharedMemoryAdoption,
     shared_place,
 )
@@ -55,7 +58,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     allreduce_shared_inputs,
     allreduce_shared_outputs,
     allreduce_shared_tensors,
-    expose_into_own_output,
+    copy_peers_parts,
     reducescatter_shared_inputs,
 )
 
@@ -75,6 +78,13 @@ PIECE_BYTES = 4 << 20
 #: a broadcast goes in pieces of at most this much: the root copies piece k+1 into its slot while the
 #: others copy piece k out, so a message of k pieces takes about (k+1)/k of one copy
 BROADCAST_PIECE_BYTES = 1 << 20
+#: an in-place allreduce of a private tensor of this size and more (not across nodes) goes through a scratch
+#: block of shared memory of its size instead of the slots (``shared_tensors.allreduce_shared_outputs``): the
+#: peers read its parts there and write their sums over them, with two barriers whatever the size
+SCRATCH_MIN_BYTES = 4 << 20
+#: the scratch blocks a rank keeps, one per message size, at most this much in all (larger messages, and
+#: sizes beyond it, go through the slots)
+SCRATCH_LIMIT_BYTES = 256 << 20
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0
 #: tensor-list layouts (shapes and dtype) whose slot views ``allreduce_tensors`` keeps
@@ -108,6 +118,9 @@ class NodeCollectives:
             PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
         #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
+        #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
+        self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)
+        self.scratch_min_bytes = SCRATCH_MIN_BYTES
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
 
@@ -125,6 +138,7 @@ class NodeCollectives:
             self._slots.clear()
             self._layouts.clear()
             self.peer_tensors.clear()
+            self.scratch.clear()
             self._data = None
             self._base = 0
             self.segment.close()
@@ -221,16 +235,23 @@ class NodeCollectives:
         # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes), else
         # the output (the output pool's are, where the node's ranks share memory)
         place = self.adoption.place(source) if source is flat or cross is None else None
-        out_place = shared_place(flat) if place is None and source is not flat and cross is None else None
+        # what the peers read this rank's parts from and write their sums into, when not its input: its
+        # output out of place; in place, a scratch block of shared memory (none across nodes)
+        exposed = None
+        if place is None and cross is None:
+            exposed = flat if source is not flat else self._scratch_for(flat)
+        out_place = shared_place(exposed) if exposed is not None else None
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         agreed = self._agree_on_places(
             place, lambda h=half: self._expose(source, pieces[0], h), out_place,
-            lambda: expose_into_own_output(self, flat, source, pieces))
+            lambda: copy_peers_parts(self, exposed, source, pieces))
         if agreed is not None:
             what, places = agreed
             if what == SHARED_OUTPUT:
-                allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish)
+                allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish, exposed)
+                if exposed is not flat:  # in place: the peers' sums wait in the scratch block
+                    copy_peers_parts(self, flat, exposed, pieces)
             elif source is flat:
                 allreduce_shared_tensors(self, flat, places, reducer, cross, finish)
             else:
@@ -242,6 +263,15 @@ class NodeCollectives:
                 self._expose(source, piece, half)
                 self.barrier.wait()
             self._reduce_piece(flat, source, piece, half, reducer, cross, finish)
+
+    def _scratch_for(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
+        """The scratch block of ``flat``'s size, as a tensor of its dtype, for an in-place allreduce of
+        :data:`SCRATCH_MIN_BYTES` or more (None below, or when no block is to be had)."""
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes < self.scratch_min_bytes:
+            return None
+        block = self.scratch.get(nbytes)
+        return None if block is None else torch.from_numpy(block).view(flat.dtype)
 
     def _agree_on_places(
         self, place: Optional[TensorPlace], expose_first: Callable[[], None], out_place: Optional[TensorPlace] = None,

@@ -5,7 +5,7 @@
   (``share_memory_()``) or it starts a block of :data:`SHARED_BLOCKS`; what a rank publishes in its
   control block (:meth:`Segment.publish_tensor`) so that its peers can find it.
 - :class:`SharedBlocks`: blocks of torch shared memory that the output pool hands out as the results
-  of out-of-place collectives.
+  of out-of-place collectives, and that :class:`ScratchBlocks` keeps for in-place allreduces.
 - :func:`map_peer_storage` and :class:`PeerTensors`: a local peer's storage mapped through
   ``/proc/<pid>/fd``, and the few that stay mapped between ops.
 - :class:`SharedMemoryAdoption`: moving a private tensor that is reduced again and again into shared
@@ -28,8 +28,9 @@ import torch.multiprocessing
 
 from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
 
-#: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers)
-PEER_STORAGES_PER_RANK = 4
+#: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers:
+#: two pooled outputs of a size, a scratch block or two, a shared tensor)
+PEER_STORAGES_PER_RANK = 6
 #: how often, at most, the mapped storages are checked for ones their peers have freed
 RELEASE_CHECK_S = 1.0
 #: a tensor of this many bytes or more moves into shared memory when reduced again (share_reduced_tensors)
@@ -241,6 +242,48 @@ class SharedBlocks:
 
 #: this process's registered blocks (one address space, one registry)
 SHARED_BLOCKS = SharedBlocks()
+
+
+class ScratchBlocks:
+    """Blocks of shared memory (:data:`SHARED_BLOCKS`) in which an in-place allreduce of a private
+    tensor exposes the parts its peers reduce, and receives their sums: one block per message size, the
+    sizes used most recently kept up to ``limit_bytes`` in all (the least recent go back first). Used by
+    one thread at a time (the node's ops)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, nbytes: int) -> Optional[np.ndarray]:
+        """This size's block (made on first use), or None when it would not fit ``limit_bytes`` or
+        ``/dev/shm`` lacks room (:meth:`SharedBlocks.allocate`)."""
+        block = self._blocks.get(nbytes)
+        if block is not None:
+            self._blocks.move_to_end(nbytes)
+            return block
+        if nbytes > self.limit_bytes:
+            return None
+        while self._blocks and self._bytes + nbytes > self.limit_bytes:
+            self._drop(next(iter(self._blocks)))
+        block = SHARED_BLOCKS.allocate(nbytes)
+        if block is not None:
+            self._blocks[nbytes] = block
+            self._bytes += nbytes
+        return block
+
+    def _drop(self, nbytes: int) -> None:
+        block = self._blocks.pop(nbytes)
+        SHARED_BLOCKS.release(block)
+        self._bytes -= nbytes
+
+    def clear(self) -> None:
+        """Give every block back (its descriptor closes once nothing views it)."""
+        while self._blocks:
+            self._drop(next(iter(self._blocks)))
+
+    def __len__(self) -> int:
+        return len(self._blocks)
 
 
 def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:

@@ -18,7 +18,10 @@ out-of-place collectives in blocks of shared memory
 (:class:`~hvdray.collective.transport.shm.shared_storage.SharedBlocks`), so that an out-of-place
 allreduce exposes what the peers reduce in each rank's own output and writes each reduced part over
 it in every rank's output (:func:`allreduce_shared_outputs`), and an allgather writes each rank's
-tensor straight into every rank's output (:func:`allgather_shared_outputs`). Where tensors live, and how a
+tensor straight into every rank's output (:func:`allgather_shared_outputs`). An in-place allreduce of
+private tensors takes the allreduce's way through a scratch block of shared memory per rank
+(:class:`~hvdray.collective.transport.shm.shared_storage.ScratchBlocks`) and copies the peers' sums
+out of it at the end. Where tensors live, and how a
 rank maps its peers', is ``shared_storage.py``'s.
 """
 
@@ -88,39 +91,42 @@ def allreduce_shared_inputs(
     node.barrier.wait()
 
 
-def expose_into_own_output(
-    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, pieces: list[tuple[int, int]],
+def copy_peers_parts(
+    node: "NodeCollectives", dst: torch.Tensor, src: torch.Tensor, pieces: list[tuple[int, int]],
 ) -> None:
-    """Out of place into outputs in shared memory, before the op's first barrier: copy the parts of
-    ``source`` that the peers reduce (in every piece, all but this rank's part) into this rank's own
-    ``out``, where the peers read them. Those parts of ``out`` receive the peers' sums afterwards, so
-    the copy costs no memory of its own and nothing passes through the slots."""
-    me, size, isz = node.local_rank, node.local_size, out.element_size()
-    src, dst, done = source.data_ptr(), out.data_ptr(), 0
+    """Copy from ``src`` to ``dst`` (contiguous, 1-D, of one size and dtype) every piece's parts but this
+    rank's: before an allreduce through blocks in shared memory, the parts of the input that the peers
+    reduce (into the block they read: the output, or an in-place allreduce's scratch block); after it,
+    the peers' sums from the scratch block into the tensor."""
+    me, size, isz = node.local_rank, node.local_size, dst.element_size()
+    src_at, dst_at, done = src.data_ptr(), dst.data_ptr(), 0
     for start, stop in pieces:
         bounds = part_bounds(stop - start, size, isz)
         lo, hi = start + bounds[me], start + bounds[me + 1]
-        memmove(dst + done * isz, src + done * isz, (lo - done) * isz)  # up to this rank's part of the piece
+        memmove(dst_at + done * isz, src_at + done * isz, (lo - done) * isz)  # up to this rank's part of the piece
         done = hi
     if pieces:
-        memmove(dst + done * isz, src + done * isz, (pieces[-1][1] - done) * isz)
+        memmove(dst_at + done * isz, src_at + done * isz, (pieces[-1][1] - done) * isz)
 
 
 def allreduce_shared_outputs(
     node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
     pieces: list[tuple[int, int]], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
+    exposed: Optional[torch.Tensor] = None,
 ) -> None:
-    """Out of place, the inputs private but every local rank's output in shared memory (the output pool's
-    outputs, when the node's ranks share memory), after every rank exposed what its peers reduce in its
-    own output (:func:`expose_into_own_output`) and passed the op's first barrier: each rank reduces its
-    part of every piece from its ``source`` and the peers' outputs into its own output, block by block
-    (``finish`` on each while in the core's cache), and writes each block of the sum over the block it
-    just read in every peer's output. Nothing goes through the slots, whatever the size: one copy, one
-    reduction and one write from the cache per part, and two barriers per op. The parts and the reduction
-    order are the copying way's (pieces of a slot, this rank's data first, then the peers' in rank
-    order), so the results are the same bit for bit."""
+    """Every local rank's block in shared memory (``exposed``: this rank's; the output pool's output
+    ``out`` out of place, where the node's ranks share memory; a scratch block in place, ``source`` being
+    ``out``), after every rank copied into it the parts of its input that the peers reduce
+    (:func:`copy_peers_parts`) and passed the op's first barrier: each rank reduces its part of every
+    piece from its ``source`` and the peers' blocks into ``out``, block by block (``finish`` on each
+    while in the core's cache), and writes each block of the sum over the block it has just read in
+    every peer's. Nothing goes through the slots, whatever the size: one copy, one reduction and one
+    write from the cache per part (in place, one more copy: the peers' sums out of the scratch block),
+    and two barriers per op. The parts and the reduction order are the copying way's (pieces of a slot,
+    this rank's data first, then the peers' in rank order), so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
-    others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, out, places)) if rank != me]
+    mine = out if exposed is None else exposed
+    others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, mine, places)) if rank != me]
     addresses = [other.data_ptr() for other in others]
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     for start, stop in pieces:
