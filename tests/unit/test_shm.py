@@ -655,6 +655,28 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
     assert len({r[3] for r in results}) == 1
 
 
+#: the dtypes and ops the ways between blocks in shared memory are checked with
+DIRECT_CASES = [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
+                (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]
+
+
+def _count_copying_pieces(node, rank):
+    """A list that grows by one for each piece the copying way reduces (``_reduce_piece``); this rank's
+    slots marked, to check later that a direct way left them so."""
+    pieces = []
+    original = node._reduce_piece
+    node._reduce_piece = lambda *a, **k: (pieces.append(1), original(*a, **k))
+    _mark_own_slots(node, rank)
+    return pieces
+
+
+def _reduced(dtype, op, n, size):
+    """What an allreduce of every rank's ``_inputs(rank, dtype, n)`` gives, as float64 numpy."""
+    stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
+    want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
+    return torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()
+
+
 def _shared_outputs(node, rank, size):
     """Out of place into outputs in shared memory (torch's, and blocks of SHARED_BLOCKS as the output pool
     makes them) from private inputs: every rank exposes what its peers reduce in its own output and
@@ -663,20 +685,14 @@ def _shared_outputs(node, rank, size):
     (some outputs private, or some inputs shared instead) every rank copies."""
     from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
-    copying_pieces = []
-    original = node._reduce_piece
-    node._reduce_piece = lambda *a, **k: (copying_pieces.append(1), original(*a, **k))
+    copying_pieces = _count_copying_pieces(node, rank)
     failures = []
-    _mark_own_slots(node, rank)
-    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
-                      (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]:
+    for dtype, op in DIRECT_CASES:
         for n in (9001, 40_000):  # several 8 KiB slots' worth: several pieces
             source = _inputs(rank, dtype, n)
             out = torch.empty(n, dtype=dtype).share_memory_()
             node.allreduce(out, op, source=source)
-            stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
-            want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
-            if not np.array_equal(out.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+            if not np.array_equal(out.double().numpy(), _reduced(dtype, op, n, size)):
                 failures.append((str(dtype), str(op), n))
     direct_pieces = len(copying_pieces)
     slots_untouched = _own_slots_untouched(node, rank)
@@ -725,19 +741,13 @@ def _in_place_through_scratch(node, rank, size):
     from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
     node.scratch_min_bytes = 0
-    copying_pieces = []
-    original = node._reduce_piece
-    node._reduce_piece = lambda *a, **k: (copying_pieces.append(1), original(*a, **k))
+    copying_pieces = _count_copying_pieces(node, rank)
     failures = []
-    _mark_own_slots(node, rank)
-    for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
-                      (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]:
+    for dtype, op in DIRECT_CASES:
         for n in (40_000, 70_001):  # over the one-barrier size; several 8 KiB slots' worth: several pieces
             t = _inputs(rank, dtype, n)
             node.allreduce(t, op)
-            stack = np.stack([_inputs(r, dtype, n).double().numpy() for r in range(size)])
-            want = (BOOL_OPS if dtype == torch.bool else OPS)[op](stack, axis=0)
-            if not np.array_equal(t.double().numpy(), torch.from_numpy(np.asarray(want)).to(dtype).double().numpy()):
+            if not np.array_equal(t.double().numpy(), _reduced(dtype, op, n, size)):
                 failures.append((str(dtype), str(op), n))
     direct = not copying_pieces and _own_slots_untouched(node, rank)
     # floats: bit-identical with the copying way (with 3 ranks the order of the sum matters), and an average
