@@ -1211,3 +1211,20 @@ def test_torch_crashes_growing_a_tensor_in_shared_memory_so_moving_one_is_opt_in
     code = "import torch; t = torch.ones(10); t.share_memory_(); t.resize_(20); print('grown')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGSEGV, (done.returncode, done.stdout, done.stderr[-500:])
+
+
+def test_scratch_blocks_keep_the_sizes_in_use_and_make_room_only_from_stale_ones():
+    from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS, ScratchBlocks
+
+    blocks = ScratchBlocks(limit_bytes=12 << 10, stale_after=4)
+    small, large = blocks.get(4 << 10), blocks.get(8 << 10)
+    assert small is not None and large is not None and blocks.get(4 << 10) is small  # kept for the next op
+    assert blocks.get(16 << 10) is None  # larger than the limit
+    assert blocks.get(6 << 10) is None  # no room, and the blocks there are in use
+    for _ in range(4):
+        assert blocks.get(4 << 10) is small
+    middle = blocks.get(6 << 10)  # the large block went unused for more than 4 requests: it gives way
+    assert middle is not None and len(blocks) == 2 and len(SHARED_BLOCKS) == 2
+    assert blocks.get(4 << 10) is small and blocks.get(6 << 10) is middle
+    blocks.clear()
+    assert len(blocks) == 0 and len(SHARED_BLOCKS) == 0

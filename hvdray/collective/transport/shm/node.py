@@ -83,7 +83,7 @@ BROADCAST_PIECE_BYTES = 1 << 20
 #: peers read its parts there and write their sums over them, with two barriers whatever the size
 SCRATCH_MIN_BYTES = 4 << 20
 #: the scratch blocks a rank keeps, one per message size, at most this much in all (larger messages, and
-#: sizes beyond it, go through the slots)
+#: sizes that find no room, go through the slots: ``ScratchBlocks``)
 SCRATCH_LIMIT_BYTES = 256 << 20
 #: how long ``close`` waits for a running op to notice that the group is closing
 _CLOSE_WAIT_S = 2.0

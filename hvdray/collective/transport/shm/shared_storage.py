@@ -246,41 +246,51 @@ SHARED_BLOCKS = SharedBlocks()
 
 class ScratchBlocks:
     """Blocks of shared memory (:data:`SHARED_BLOCKS`) in which an in-place allreduce of a private
-    tensor exposes the parts its peers reduce, and receives their sums: one block per message size, the
-    sizes used most recently kept up to ``limit_bytes`` in all (the least recent go back first). Used by
-    one thread at a time (the node's ops)."""
+    tensor exposes the parts its peers reduce, and receives their sums: one block per message size, up
+    to ``limit_bytes`` in all. A size that does not fit gets no block (its ops take the slots) unless
+    blocks unused for ``stale_after`` requests make room: a loop of more sizes than fit keeps the blocks
+    it has instead of making and mapping fresh ones at every op. Used by one thread at a time (the
+    node's ops)."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, stale_after: int = 64) -> None:
         self.limit_bytes = limit_bytes
-        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.stale_after = stale_after
+        self._blocks: dict[int, tuple[np.ndarray, int]] = {}  # size -> its block, the request it last served
         self._bytes = 0
+        self._requests = 0
 
     def get(self, nbytes: int) -> Optional[np.ndarray]:
-        """This size's block (made on first use), or None when it would not fit ``limit_bytes`` or
-        ``/dev/shm`` lacks room (:meth:`SharedBlocks.allocate`)."""
-        block = self._blocks.get(nbytes)
-        if block is not None:
-            self._blocks.move_to_end(nbytes)
-            return block
+        """This size's block (made on first use), or None when it does not fit (above), or ``/dev/shm``
+        lacks room for it (:meth:`SharedBlocks.allocate`)."""
+        self._requests += 1
+        entry = self._blocks.get(nbytes)
+        if entry is not None:
+            self._blocks[nbytes] = (entry[0], self._requests)
+            return entry[0]
         if nbytes > self.limit_bytes:
             return None
-        while self._blocks and self._bytes + nbytes > self.limit_bytes:
-            self._drop(next(iter(self._blocks)))
+        for size, (_, last) in list(self._blocks.items()):
+            if self._bytes + nbytes <= self.limit_bytes:
+                break
+            if self._requests - last > self.stale_after:
+                self._drop(size)
+        if self._bytes + nbytes > self.limit_bytes:
+            return None
         block = SHARED_BLOCKS.allocate(nbytes)
         if block is not None:
-            self._blocks[nbytes] = block
+            self._blocks[nbytes] = (block, self._requests)
             self._bytes += nbytes
         return block
 
     def _drop(self, nbytes: int) -> None:
-        block = self._blocks.pop(nbytes)
+        block, _ = self._blocks.pop(nbytes)
         SHARED_BLOCKS.release(block)
         self._bytes -= nbytes
 
     def clear(self) -> None:
         """Give every block back (its descriptor closes once nothing views it)."""
-        while self._blocks:
-            self._drop(next(iter(self._blocks)))
+        for size in list(self._blocks):
+            self._drop(size)
 
     def __len__(self) -> int:
         return len(self._blocks)
