@@ -15,7 +15,9 @@ it once the others' calls have ended (:meth:`WorkerGroup.settle_failed_call`), o
 A worker starts in steps, each one Ray call with its own budget: its actor is created and reports
 its slot (within ``placement_group_timeout_s``), then an elastic worker is configured (importing torch,
 which under CPU load can take far longer than ``timeout_s``: it has ``elastic_timeout``, the time the
-job may wait for workers anyway; a worker that dies meanwhile fails its start at once).
+job may wait for workers anyway; a worker that dies meanwhile fails its start at once). A fixed
+group's workers, whose placement group the cluster has granted, take each step (the process, ranks,
+configuration, the executable) within the larger of ``timeout_s`` and ``placement_group_timeout_s``.
 :meth:`WorkerGroup.poll_starts` advances every start without blocking on any one of them, and
 :meth:`WorkerGroup.poll_liveness` pings without waiting for the answers, so that a control loop can
 keep watching everything else. A fixed group starts all its workers at
@@ -207,6 +209,17 @@ class WorkerGroup:
             actor = self._create_named(lambda: worker_class.options(**options).remote(), options["name"])
         self._starting[worker_id] = self._awaiting(GroupWorker(worker_id, actor, node_id), actor.slot.remote())
 
+    def _set_up(self, what: str, calls: Any) -> Any:
+        """``ray.get(calls)`` within the set-up's budget, or a TimeoutError saying which step of a fixed
+        start ran out."""
+        seconds, named = self._setup_budget()
+        try:
+            return ray.get(calls, timeout=seconds)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(
+                f"hvdray executor {self.executor_id}: the started workers were not {what} within {named}"
+            ) from exc
+
     def _create_named(self, create: Callable[[], Any], name: str) -> Any:
         """``create()``, which creates the actor called ``name``, made again while that name is taken.
         A rank's name is the same in every group of an executor, and Ray frees it only once the actor
@@ -226,11 +239,25 @@ class WorkerGroup:
                 time.sleep(_NAME_FREED_POLL_S)
 
     def _awaiting(self, worker: GroupWorker, call: ray.ObjectRef, configuring: bool = False) -> _Start:
-        """A start step with its own budget: placement_group_timeout_s to start, elastic_timeout to configure."""
-        budget = "elastic_timeout" if configuring else "placement_group_timeout_s"
-        seconds = getattr(self._settings, budget)
+        """A start step with its own budget: an elastic worker placement_group_timeout_s to start (it may
+        wait for the cluster's resources) and elastic_timeout to be configured; a fixed group's worker,
+        whose placement group the cluster has granted, the set-up's budget (:meth:`_setup_budget`)."""
         what = "was not configured" if configuring else "did not start"
-        return _Start(worker, call, time.monotonic() + seconds, f"it {what} within {budget}={seconds} s", configuring)
+        if self._elastic:
+            budget = "elastic_timeout" if configuring else "placement_group_timeout_s"
+            seconds, named = getattr(self._settings, budget), f"{budget}={getattr(self._settings, budget)} s"
+        else:
+            seconds, named = self._setup_budget()
+        return _Start(worker, call, time.monotonic() + seconds, f"it {what} within {named}", configuring)
+
+    def _setup_budget(self) -> tuple[float, str]:
+        """Seconds a fixed group's started worker may take for each step of its set-up (its process, its
+        ranks, configuration and rendezvous, the executable), and how errors name them: no wait for the
+        cluster, so a short placement_group_timeout_s (set to fail fast on a busy cluster) does not cut
+        them short on a slow machine, and neither does a short timeout_s."""
+        timeout_s, placement_s = self._settings.timeout_s, self._settings.placement_group_timeout_s
+        seconds = max(timeout_s, placement_s)
+        return seconds, f"{seconds:g} s (the larger of timeout_s={timeout_s:g} and placement_group_timeout_s={placement_s:g})"
 
     @property
     def starting(self) -> int:
@@ -287,7 +314,6 @@ class WorkerGroup:
         build ``executable`` on each. If any step fails the group stops, and what it started with it.
         ``still_feasible`` raises if the placement can no longer be granted (a node died): called about
         every second while workers wait for their bundles, so such a start fails at once."""
-        timeout = self._settings.placement_group_timeout_s
         try:
             for index in range(num_workers):
                 self.launch(str(index), actor_options(index))
@@ -299,17 +325,15 @@ class WorkerGroup:
                 if self._starting:
                     still_feasible()
             workers = [self.workers[str(index)] for index in range(num_workers)]
-            epoch, infos, gpus = ray.get(self.coordinator.assign.remote([w.slot for w in workers]), timeout=timeout)
+            epoch, infos, gpus = self._set_up("given ranks", self.coordinator.assign.remote([w.slot for w in workers]))
             self.epoch = epoch
-            ray.get(
-                [
-                    w.actor.configure.remote(info, epoch, self._worker_settings, self._secret, self.coordinator, node_gpus)
-                    for w, info, node_gpus in zip(workers, infos, gpus)
-                ],
-                timeout=timeout,
-            )
+            self._set_up("configured", [
+                w.actor.configure.remote(info, epoch, self._worker_settings, self._secret, self.coordinator, node_gpus)
+                for w, info, node_gpus in zip(workers, infos, gpus)
+            ])
             cls, args, kwargs = executable
-            ray.get(self.send(workers, lambda actor: actor.start_executable.remote(cls, args, kwargs)), timeout=timeout)
+            self._set_up("given their executable",
+                         self.send(workers, lambda actor: actor.start_executable.remote(cls, args, kwargs)))
         except BaseException:
             self.stop()
             raise

@@ -308,6 +308,38 @@ def test_a_feasible_placement_the_cluster_is_too_busy_for_waits_for_the_timeout_
         ex.shutdown()
 
 
+class _SlowToBuild:
+    """An executable whose construction on each worker takes ``seconds``."""
+
+    def __init__(self, seconds):
+        time.sleep(seconds)
+
+    def ready(self):
+        return True
+
+
+def test_a_short_placement_timeout_does_not_cut_short_the_set_up_of_started_workers(ray_local):
+    """``placement_group_timeout_s`` is the wait for the cluster; workers that started get their ranks,
+    configuration and executable within ``timeout_s`` at least (a slow machine's set-up took longer
+    than a 2 s placement timeout), and a set-up over both says so, leaving nothing behind."""
+    before = _live_placement_groups()
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=1, timeout_s=30), num_workers=2)
+    ex.start(executable_cls=_SlowToBuild, executable_args=[3])  # 3 s: over the placement timeout
+    try:
+        assert ex.execute(lambda worker: worker.ready()) == [True, True]
+    finally:
+        ex.shutdown()
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=1, timeout_s=2), num_workers=2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        ex.start(executable_cls=_SlowToBuild, executable_args=[20])
+    assert time.monotonic() - started < 15  # not the 20 s of the construction
+    message = str(info.value)
+    assert "within 2 s" in message and "timeout_s=2" in message and "placement_group_timeout_s=1" in message, message
+    assert _live_placement_groups() == before
+    ex.shutdown()
+
+
 def test_existing_placement_group_is_reused(ray_local):
     pg = placement_group([{"CPU": 1}, {"CPU": 1}, {"CPU": 0.01}])
     ray.get(pg.ready())
