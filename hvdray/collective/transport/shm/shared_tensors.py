@@ -111,8 +111,8 @@ def copy_peers_parts(
 
 def allreduce_shared_outputs(
     node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[TensorPlace],
-    pieces: list[tuple[int, int]], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
-    exposed: Optional[torch.Tensor] = None,
+    pieces: list[tuple[int, int]], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"],
+    exposed: torch.Tensor,
 ) -> None:
     """Every local rank's block in shared memory (``exposed``: this rank's; the output pool's output
     ``out`` out of place, where the node's ranks share memory; a scratch block in place, ``source`` being
@@ -125,8 +125,7 @@ def allreduce_shared_outputs(
     and two barriers per op. The parts and the reduction order are the copying way's (pieces of a slot,
     this rank's data first, then the peers' in rank order), so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
-    mine = out if exposed is None else exposed
-    others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, mine, places)) if rank != me]
+    others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, exposed, places)) if rank != me]
     addresses = [other.data_ptr() for other in others]
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     for start, stop in pieces:
