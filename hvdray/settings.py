@@ -163,6 +163,14 @@ class Settings(BaseModel):
         "tensor in shared memory is grown (resize_ to a larger size), and an alias taken before the move "
         "(tensor.numpy()) keeps the old memory.",
     )
+    cross_memory_attach: bool = Field(
+        True, description="In flat allreduces of more than 32 KiB among the ranks of one node, each rank reads its "
+        "part of its peers' tensors and writes the sums back into them through the kernel (process_vm_readv and "
+        "process_vm_writev), instead of copying both ways through shared memory: one pass over memory fewer "
+        "each way. The kernel allows it between processes of one user where Yama's ptrace_scope is 0 (or with "
+        "CAP_SYS_PTRACE); the ranks check at their first such allreduce and keep to shared memory where it "
+        "refuses. False: shared memory only.",
+    )
     output_pool_mb: float = Field(
         512.0, ge=0, description="MiB of freed collective outputs (out-of-place allreduce, allgather and broadcast "
         "results of 1 MiB and more) a worker keeps to hand out again warm: a fresh output's first touch of its "

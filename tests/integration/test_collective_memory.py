@@ -1,6 +1,6 @@
 """Where collectives keep memory, on real Ray workers: outputs reused once dropped (never while held),
-by default; private tensors reduced again moved into shared memory with ``share_reduced_tensors``;
-both off by their settings."""
+and private tensors read and written by the peers through the kernel, by default; private tensors
+reduced again moved into shared memory with ``share_reduced_tensors``; each off by its setting."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def _memory_use(steps: int) -> dict:
         "grads kept": bool((grads == rank + 1).all()),
         "sharded shared": sharded.is_shared(),
         "adopted": node.adoption.adopted if node is not None else None,
+        "cross memory": node.cross_memory.usable if node is not None and node.cross_memory is not None else None,
     }
 
 
@@ -73,6 +74,8 @@ def test_outputs_reused_and_tensors_left_private_by_default(make_executor):
         assert not result["bucket shared"] and not result["grads shared"] and result["grads kept"]
         assert not result["sharded shared"]
         assert result["adopted"] in (0, None)
+        # Ray's workers run as one user; the kernel here lets them read each other's memory
+        assert result["cross memory"] is (True if shm.unsupported_reason() is None else None)
 
 
 @pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
@@ -87,11 +90,12 @@ def test_tensors_reduced_again_move_into_shared_memory_when_asked(make_executor)
         assert result["adopted"] == 3
 
 
-def test_the_pool_off_by_its_setting(make_executor):
-    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0)
+def test_the_pool_and_the_cross_memory_way_off_by_their_settings(make_executor):
+    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0, cross_memory_attach=False)
     executor = make_executor(settings=settings, num_workers=2)
     for result in executor.run(_memory_use, args=[4]):
         assert result["wrong"] == []
         assert result["reused"] == 0
         assert not result["bucket shared"] and not result["grads shared"] and not result["sharded shared"]
         assert result["adopted"] in (0, None)
+        assert result["cross memory"] is None

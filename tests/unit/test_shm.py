@@ -796,6 +796,111 @@ def test_in_place_allreduces_of_private_tensors_go_through_scratch_blocks_not_th
     assert sum(r[3] for r in results) == 30_001  # the average's division ran on each part once
 
 
+def _through_the_peers_memory(node, rank, size):
+    """Flat allreduces of private tensors over the one-barrier size with the kernel's cross-memory attach
+    on (checked by the ranks together at the first one): every rank reads its part of the peers' tensors
+    and writes the sums back into them, nothing through the slots (``_reduce_piece`` never runs, the slots
+    keep their marks), in place and out of place, the copying way's results bit for bit, ``finish`` on each
+    part once, a rank in place beside peers out of place; a rank whose tensor lives in torch shared memory
+    (another way) makes every rank copy, and the next op crosses again."""
+    from hvdray.collective.transport.shm.cross_memory import CrossMemory
+
+    node.cross_memory = CrossMemory(node.barrier)
+    first = _inputs(rank, torch.int32, 20_000)
+    node.allreduce(first, ReduceOp.SUM)  # the ranks' check, through the slots, before they are marked
+    total = sum(_inputs(r, torch.int32, 20_000) for r in range(size))
+    usable = node.cross_memory.usable and torch.equal(first, total)
+    copying_pieces = _count_copying_pieces(node, rank)
+    failures = []
+    for dtype, op in DIRECT_CASES:
+        for n in (40_000, 70_001):  # several 8 KiB slots' worth: several pieces, as the copying way cuts them
+            in_place = _inputs(rank, dtype, n)
+            node.allreduce(in_place, op)
+            out = torch.empty(n, dtype=dtype)
+            node.allreduce(out, op, source=_inputs(rank, dtype, n))
+            want = _reduced(dtype, op, n, size)
+            if not (np.array_equal(in_place.double().numpy(), want) and np.array_equal(out.double().numpy(), want)):
+                failures.append((str(dtype), str(op), n))
+    direct = not copying_pieces and _own_slots_untouched(node, rank)
+    # floats: bit-identical with the copying way (with 3 ranks the order of the sum matters), and an average
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(300_001)).float()  # several read blocks
+    crossed = x.clone()
+    node.allreduce(crossed, ReduceOp.SUM)
+    node.cross_memory.usable = False  # every rank alike: the copying way
+    copied = x.clone()
+    node.allreduce(copied, ReduceOp.SUM)
+    node.cross_memory.usable = True
+    seen = []
+    averaged = torch.empty_like(x)
+    node.allreduce(averaged, ReduceOp.SUM, source=x, finish=lambda parts: (
+        seen.append(sum(p.numel() for p in parts)), [p.div_(size) for p in parts]))
+    same_bits = torch.equal(crossed, copied) and torch.equal(averaged, copied / size)
+    # rank 0 in place, the others out of place: all cross
+    before = len(copying_pieces)
+    mixed_in = _inputs(rank, torch.int32, 20_000)
+    mixed_out = mixed_in if rank == 0 else torch.empty(20_000, dtype=torch.int32)
+    node.allreduce(mixed_out, ReduceOp.SUM, source=None if rank == 0 else mixed_in)
+    mixed_ok = torch.equal(mixed_out, total) and len(copying_pieces) == before
+    # rank 0's tensor in torch shared memory (the shared tensors' way), the others' private: every rank copies
+    lone = _inputs(rank, torch.int32, 20_000)
+    if rank == 0:
+        lone.share_memory_()
+    node.allreduce(lone, ReduceOp.SUM)
+    copied_once = len(copying_pieces) > before
+    after = len(copying_pieces)
+    again = _inputs(rank, torch.int32, 20_000)
+    node.allreduce(again, ReduceOp.SUM)
+    disagreement_ok = torch.equal(lone, total) and copied_once and torch.equal(again, total)
+    disagreement_ok = disagreement_ok and len(copying_pieces) == after
+    return usable, failures, direct, same_bits, sum(seen), mixed_ok, disagreement_ok
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_allreduces_of_private_tensors_read_and_write_the_peers_memory_through_the_kernel(local_size):
+    results = _run_node(local_size, _through_the_peers_memory)
+    for usable, failures, direct, same_bits, _, mixed_ok, disagreement_ok in results:
+        assert usable  # processes of one user (root here), no Yama restriction in this machine's kernel
+        assert failures == []
+        assert direct  # every op above crossed, nothing went through the slots
+        assert same_bits and mixed_ok and disagreement_ok
+    assert sum(r[4] for r in results) == 300_001  # the average's division ran on each part once
+
+
+def _kernel_refuses_rank_1(node, rank, size):
+    """The kernel refuses for real: the ranks drop to an unprivileged user (no CAP_SYS_PTRACE; a change of
+    user also makes a process undumpable), then rank 0 becomes dumpable again and rank 1 stays not, so rank
+    1 may read rank 0's memory but rank 0 may not read rank 1's. Every rank keeps to shared memory, from
+    the first allreduce on, with the right results."""
+    import ctypes
+
+    from hvdray.collective.transport.shm.cross_memory import CrossMemory
+
+    pr_set_dumpable = 4
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)  # nobody: the segment stays mapped
+    ctypes.CDLL(None).prctl(pr_set_dumpable, 1 if rank == 0 else 0, 0, 0, 0)
+    node.cross_memory = CrossMemory(node.barrier)
+    results = []
+    for n in (20_000, 70_001):
+        t = _inputs(rank, torch.int32, n)
+        node.allreduce(t, ReduceOp.SUM)
+        results.append(torch.equal(t, sum(_inputs(r, torch.int32, n) for r in range(size))))
+    peer = 1 - rank
+    addresses = node.allgather_bytes(t.data_ptr().to_bytes(8, "little"))
+    refusal = node.cross_memory.refusal(peer, int.from_bytes(addresses[peer], "little"), t[:4].numpy().tobytes())
+    node.barrier.wait()  # the peer's t stays until both have tried
+    return node.cross_memory.usable, refusal, results
+
+
+def test_where_the_kernel_refuses_one_rank_every_rank_keeps_to_shared_memory():
+    (usable_0, refusal_0, results_0), (usable_1, refusal_1, results_1) = _run_node(2, _kernel_refuses_rank_1)
+    assert "refused" in refusal_0 and "Operation not permitted" in refusal_0, refusal_0
+    assert refusal_1 is None  # one-sided: rank 1 may read rank 0
+    assert usable_0 is False and usable_1 is False
+    assert results_0 == results_1 == [True, True]
+
+
 def _allgather_into_shared_outputs(node, rank, size):
     """Allgather outputs in shared memory on every rank: each rank writes its tensor into every output,
     without the slots; then only rank 0's output shared, and a private one on rank 0 only: the slots, in
@@ -963,8 +1068,9 @@ def test_a_peer_tensor_that_cannot_be_mapped_fails_every_rank_fast():
 
 def _reduce_until_killed(way, node, rank, size):
     """Run one path of the node collectives in a loop until a peer's death ends it: through the slots,
-    or straight between tensors in shared memory (in place; outputs of an out-of-place allreduce; outputs
-    of an allgather), where the ranks write into each other's tensors."""
+    straight between tensors in shared memory (in place; outputs of an out-of-place allreduce; outputs
+    of an allgather), or between private tensors through the kernel, where the ranks write into each
+    other's tensors."""
     n = 1 << 18  # 1 MiB of float32: several pieces through the 64 KiB slots, several blocks on the direct ways
     source = torch.ones(n)
     if way == "slots":
@@ -984,6 +1090,15 @@ def _reduce_until_killed(way, node, rank, size):
 
         def op():
             node.allreduce(out, ReduceOp.SUM, source=source)
+    elif way == "cross memory":
+        from hvdray.collective.transport.shm.cross_memory import CrossMemory
+
+        node.cross_memory = CrossMemory(node.barrier)
+        t = torch.ones(n)
+
+        def op():
+            node.allreduce(t, ReduceOp.SUM)
+            t.fill_(1)
     else:
         gathered = torch.empty(size * n).share_memory_()
 
@@ -999,7 +1114,8 @@ def _reduce_until_killed(way, node, rank, size):
         return str(exc), time.monotonic() - started, ops
 
 
-@pytest.mark.parametrize("way", ["slots", "shared tensors", "shared outputs", "allgather into shared outputs"])
+@pytest.mark.parametrize(
+    "way", ["slots", "shared tensors", "shared outputs", "cross memory", "allgather into shared outputs"])
 def test_a_killed_peer_is_an_error_not_a_hang(way):
     """Local rank 2 is killed a second into a loop of ops: the others fail with an error that names it,
     told by the barrier's check of the peer (about 50 ms), not by the 20 s timeout, whichever path the ops

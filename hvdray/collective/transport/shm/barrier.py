@@ -154,7 +154,7 @@ class NodeBarrier:
         finally:
             words[sleeps_on] = 0  # the segment stays mapped while an op runs (NodeCollectives.close)
 
-    def _check_peer(self, peer: int, now: float, deadline: float) -> None:
+    def _check_peer(self, peer: int, now: float, deadline: float, exited: bool = False) -> None:
         states = {rank: self._words[self._word(rank, _STATE)] for rank in range(self._size) if rank != self._me}
         # name a rank that failed by itself first: the others that left did so because of it
         for rank in [r for r, state in states.items() if state == _STATE_LEFT] + list(states):
@@ -168,13 +168,19 @@ class NodeBarrier:
         pid = self._pids.get(peer) or self._words[self._word(peer, _PID)]
         if pid:
             self._pids[peer] = pid
-            if not process_alive(pid):
+            if exited or not process_alive(pid):
                 self._cause = peer
                 raise SharedMemoryError(f"local rank {peer} (pid {pid}) died")
         if now >= deadline:
             raise SharedMemoryError(
                 f"local rank {peer} did not reach the shared-memory barrier within {self._timeout_s} s"
             )
+
+    def check_peer(self, peer: int, exited: bool = False) -> None:
+        """Raise :class:`SharedMemoryError` naming the rank to blame if some local rank left (failed or shut
+        down) or local rank ``peer`` died (``exited``: the caller knows it has, e.g. its memory is gone); the
+        rank blamed is what this rank's leaving then tells the others."""
+        self._check_peer(peer, time.monotonic(), float("inf"), exited)
 
     def peer_pids(self) -> list[int]:
         """The local peers' process ids (each rank writes its own when it joins; 0 for one not joined yet)."""

@@ -17,7 +17,9 @@ Two variants live beside this module: a list of tensors that fits one slot (``fu
 fused gradients, copied straight between the tensors and the slots) and tensors or blocks that every
 local rank holds in torch shared memory (``shared_tensors.py``: reduced without the slots), among them
 the outputs of out-of-place allreduces and the scratch blocks of in-place ones of
-:data:`SCRATCH_MIN_BYTES` and more.
+:data:`SCRATCH_MIN_BYTES` and more. Where the kernel lets the local ranks read and write each other's
+memory (``cross_memory.py``), flat allreduces of private tensors over ``SMALL_ALLREDUCE_BYTES`` take
+neither: each rank reads its part of the peers' tensors and writes the sums back into them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import operator
+import os
+import struct
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
@@ -37,14 +41,16 @@ from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS, r
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
+from hvdray.collective.transport.shm.cross_memory import CrossMemory, allreduce_cross_memory
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, SMALL_ALLREDUCE_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import (
+    CROSS_MEMORY,
     PRIVATE,
     SHARED_INPUT,
     SHARED_OUTPUT,
+    PeerAddresses,
     Segment,
     SharedMemoryError,
-    TensorPlace,
 )
 from hvdray.collective.transport.shm.shared_storage import (
     PEER_STORAGES_PER_RANK,
@@ -92,6 +98,8 @@ _LAYOUT_CACHE_SIZE = 16
 
 #: the length word ahead of a payload in a slot (allgather_bytes)
 _LENGTH_BYTES = 8
+#: how many bytes of a peer's segment the cross-memory check reads
+_PROBE_BYTES = 16
 
 #: a cross-node allreduce of this rank's reduced part (hierarchical allreduce), in place
 CrossReduce = Callable[[torch.Tensor], None]
@@ -102,6 +110,7 @@ class NodeCollectives:
 
     def __init__(
         self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int, adopt_tensors: bool = False,
+        cross_memory: bool = False,
     ) -> None:
         self.segment = segment
         self.local_rank = local_rank
@@ -121,6 +130,8 @@ class NodeCollectives:
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)
         self.scratch_min_bytes = SCRATCH_MIN_BYTES
+        #: reads and writes of the peers' memory through the kernel, if asked (cross_memory.py; None: off)
+        self.cross_memory = CrossMemory(self.barrier) if cross_memory else None
         self._failed: Optional[BaseException] = None
         self._op_lock = threading.Lock()
 
@@ -232,23 +243,33 @@ class NodeCollectives:
         self, flat: torch.Tensor, source: torch.Tensor, reducer: Callable[..., torch.Tensor],
         cross: Optional[CrossReduce], finish: Optional[Finish],
     ) -> None:
-        # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes), else
-        # the output (the output pool's are, where the node's ranks share memory)
+        # in place: the tensor, if it lives in shared memory; out of place: the input (not across nodes)
         place = self.adoption.place(source) if source is flat or cross is None else None
-        # what the peers read this rank's parts from and write their sums into, when not its input: its
-        # output out of place; in place, a scratch block of shared memory (none across nodes)
-        exposed = None
-        if place is None and cross is None:
+        # every rank asks for the same ops (the first such op checks the kernel with the peers)
+        crossing = cross is None and self._cross_memory_ready()
+        # where the peers read this rank's parts and write their sums, when its input is private: its own
+        # tensors, through the kernel; else its output, if in shared memory (the output pool's are, where the
+        # node's ranks share memory), or in place a scratch block of shared memory (none across nodes)
+        exposed, what, published = None, SHARED_INPUT, place
+        if place is None and crossing:
+            what = CROSS_MEMORY
+            published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
+        elif place is None and cross is None:
             exposed = flat if source is not flat else self._scratch_for(flat)
-        out_place = shared_place(exposed) if exposed is not None else None
+            published = shared_place(exposed) if exposed is not None else None
+            what = SHARED_OUTPUT if published is not None else PRIVATE
+        elif place is None:
+            what = PRIVATE
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         agreed = self._agree_on_places(
-            place, lambda h=half: self._expose(source, pieces[0], h), out_place,
+            what, published, lambda h=half: self._expose(source, pieces[0], h),
             lambda: copy_peers_parts(self, exposed, source, pieces))
         if agreed is not None:
             what, places = agreed
-            if what == SHARED_OUTPUT:
+            if what == CROSS_MEMORY:
+                allreduce_cross_memory(self, flat, source, places, pieces, reducer, finish)
+            elif what == SHARED_OUTPUT:
                 allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish, exposed)
                 if exposed is not flat:  # in place: the peers' sums wait in the scratch block
                     copy_peers_parts(self, flat, exposed, pieces)
@@ -273,19 +294,44 @@ class NodeCollectives:
         block = self.scratch.get(nbytes)
         return None if block is None else torch.from_numpy(block).view(flat.dtype)
 
+    def _cross_memory_ready(self) -> bool:
+        """Whether every local rank may read and write its peers' memory through the kernel. Checked with
+        the peers at the first op that asks (every rank asks for the same ops): each rank reads the first
+        bytes of every peer's mapping of the segment (which it sees too), then the ranks AND their answers."""
+        memory = self.cross_memory
+        if memory is None:
+            return False
+        if memory.usable is None:
+            gathered = self._allgather_bytes(struct.pack("<QQ", os.getpid(), self.segment.address))
+            assert gathered is not None  # 16 bytes fit any slot
+            peers = [struct.unpack("<QQ", payload) for payload in gathered]
+            memory.pids = [pid for pid, _ in peers]
+            expected = ctypes.string_at(self.segment.address, _PROBE_BYTES)
+            answer = ctypes.c_uint8(1)
+            for rank, (_, address) in enumerate(peers):
+                refusal = None if rank == self.local_rank else memory.refusal(rank, address, expected)
+                if refusal is not None:
+                    log.warning("local rank %d cannot reach its peers' memory through the kernel (%s); the node's "
+                                "allreduces go through shared memory", self.local_rank, refusal)
+                    answer.value = 0
+                    break
+            self._and_bytes(ctypes.addressof(answer), 1)
+            memory.usable = bool(answer.value)
+        return memory.usable
+
     def _agree_on_places(
-        self, place: Optional[TensorPlace], expose_first: Callable[[], None], out_place: Optional[TensorPlace] = None,
+        self, what: int, place: Optional[tuple[int, ...]], expose_first: Callable[[], None],
         prepare_output: Optional[Callable[[], None]] = None,
-    ) -> Optional[tuple[int, list[TensorPlace]]]:
-        """The first round of an op that may go straight between tensors in shared memory: publish where
-        this rank's input lives (``place``; None: private) or else its output (``out_place``); with both
-        private ``expose_first()`` its first piece into the slots, with a shared output
-        ``prepare_output()`` (if given: what the direct path needs before the barrier); then wait for
-        every rank. Returns what every rank published and where, when all published the same (the caller
-        takes that direct path: :data:`SHARED_INPUT` or :data:`SHARED_OUTPUT`), else None once the first
-        piece of every rank is in the slots (ranks that skipped it expose it now, then one more barrier)."""
-        what = SHARED_INPUT if place is not None else SHARED_OUTPUT if out_place is not None else PRIVATE
-        self.segment.publish_tensor(self.local_rank, place or out_place, what)
+    ) -> Optional[tuple[int, list]]:
+        """The first round of an op that may go straight between the ranks' tensors: publish ``what`` way
+        this rank can take and ``place`` (its input in shared memory, :data:`SHARED_INPUT`; its output there,
+        :data:`SHARED_OUTPUT`; its input's and output's addresses, :data:`CROSS_MEMORY`; None with
+        :data:`PRIVATE`); when private, ``expose_first()`` its first piece into the slots, with a shared
+        output ``prepare_output()`` (if given: what the direct path needs before the barrier); then wait for
+        every rank. Returns what every rank published and where, when all published the same direct way
+        (the caller takes it), else None once the first piece of every rank is in the slots (ranks that
+        skipped it expose it now, then one more barrier)."""
+        self.segment.publish_tensor(self.local_rank, place, what)
         if what == PRIVATE:
             expose_first()
         elif what == SHARED_OUTPUT and prepare_output is not None:
@@ -293,8 +339,8 @@ class NodeCollectives:
         self.barrier.wait()
         published = [self.segment.published_tensor(r) for r in range(self.local_size)]
         kinds = {kind for kind, _ in published}
-        if kinds == {SHARED_INPUT} or kinds == {SHARED_OUTPUT}:
-            return what, [p for _, p in published]  # type: ignore[misc]
+        if len(kinds) == 1 and what != PRIVATE:
+            return what, [p for _, p in published]
         if kinds != {PRIVATE}:  # the ranks disagree, and some did not expose: they do now
             if what != PRIVATE:
                 expose_first()
@@ -471,8 +517,9 @@ class NodeCollectives:
         if not pieces:  # empty chunks on every rank alike
             return
         half = self.next_half()
+        place = self.adoption.place(chunks)
         agreed = self._agree_on_places(
-            self.adoption.place(chunks), lambda h=half: self._expose_chunks(rows, pieces[0], h))
+            PRIVATE if place is None else SHARED_INPUT, place, lambda h=half: self._expose_chunks(rows, pieces[0], h))
         if agreed is not None:
             reducescatter_shared_inputs(self, rows, out, agreed[1], reducer)
             return
@@ -512,7 +559,9 @@ class NodeCollectives:
         def expose(piece: tuple[int, int], half: int) -> None:
             memmove(self._base + self._slot_offset(half, me), src + piece[0] * isz, (piece[1] - piece[0]) * isz)
 
-        agreed = self._agree_on_places(None, lambda: expose(pieces[0], half), shared_place(out))
+        place = shared_place(out)
+        agreed = self._agree_on_places(
+            PRIVATE if place is None else SHARED_OUTPUT, place, lambda: expose(pieces[0], half))
         if agreed is not None:
             allgather_shared_outputs(self, flat, out, agreed[1])
             return

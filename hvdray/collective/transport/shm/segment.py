@@ -27,7 +27,7 @@ import platform
 import secrets
 import sys
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ CONTROL_STRIDE_BYTES = 64
 OTHER_JOBS_STALE_S = 3600.0
 HEADER_BYTES = 4096
 #: what a rank publishes for its op (:meth:`Segment.publish_tensor`): nothing in shared memory, its input
-#: there, or only its output there
-PRIVATE, SHARED_INPUT, SHARED_OUTPUT = 0, 1, 2
+#: there, only its output there, or where its input and output lie in its own memory (for the peers to
+#: read and write through the kernel: ``cross_memory.py``)
+PRIVATE, SHARED_INPUT, SHARED_OUTPUT, CROSS_MEMORY = 0, 1, 2, 3
 _MAGIC = 0x68766472  # "hvdr"
 #: syscall numbers of futex(2); the counters' memory ordering also relies on x86-64's total store order
 SYS_FUTEX = {"x86_64": 202, "amd64": 202}
@@ -191,23 +192,28 @@ class Segment:
             except FileNotFoundError:
                 pass
 
-    def publish_tensor(self, local_rank: int, place: Optional["TensorPlace"], what: int) -> None:
+    def publish_tensor(
+        self, local_rank: int, place: Optional[Union["TensorPlace", "PeerAddresses"]], what: int,
+    ) -> None:
         """Say in ``local_rank``'s control block where its next op's tensor lives: ``place`` is its input
-        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory; None: both private.
+        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory, or the addresses of
+        its input and output in its own memory (:data:`CROSS_MEMORY`); None: private, and neither.
         Peers read it after the op's first barrier (:meth:`published_tensor`)."""
         at = _token_qword(local_rank)
         if place is None:
             self._qwords[at] = PRIVATE
         else:
-            self._qwords[at + 1 : at + 6] = array.array("Q", place)
+            self._qwords[at + 1 : at + 1 + len(place)] = array.array("Q", place)
             self._qwords[at] = what
 
-    def published_tensor(self, local_rank: int) -> tuple[int, Optional["TensorPlace"]]:
+    def published_tensor(self, local_rank: int) -> tuple[int, Optional[Union["TensorPlace", "PeerAddresses"]]]:
         """What ``local_rank`` last published with :meth:`publish_tensor`: which tensor, and where."""
         at = _token_qword(local_rank)
         what = self._qwords[at]
         if what == PRIVATE:
             return PRIVATE, None
+        if what == CROSS_MEMORY:
+            return what, PeerAddresses(*self._qwords[at + 1 : at + 4])
         return what, TensorPlace(*self._qwords[at + 1 : at + 6])
 
     def buffer(self) -> memoryview:
@@ -239,6 +245,15 @@ class TensorPlace(NamedTuple):
     fd: int
     inode: int
     offset: int
+    nbytes: int
+
+
+class PeerAddresses(NamedTuple):
+    """Where a rank's allreduce reads its data and writes its result in its own address space, and the
+    message's size in bytes: what the peers read and write through the kernel (``cross_memory.py``)."""
+
+    source: int
+    output: int
     nbytes: int
 
 
