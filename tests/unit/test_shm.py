@@ -800,9 +800,10 @@ def _through_the_peers_memory(node, rank, size):
     """Flat allreduces of private tensors over the one-barrier size with the kernel's cross-memory attach
     on (checked by the ranks together at the first one): every rank reads its part of the peers' tensors
     and writes the sums back into them, nothing through the slots (``_reduce_piece`` never runs, the slots
-    keep their marks), in place and out of place, the copying way's results bit for bit, ``finish`` on each
-    part once, a rank in place beside peers out of place; a rank whose tensor lives in torch shared memory
-    (another way) makes every rank copy, and the next op crosses again."""
+    keep their marks), in place and out of place into private outputs, the copying way's results bit for
+    bit, ``finish`` on each part once, a rank in place beside peers out of place; outputs in shared memory
+    keep their own way; a rank whose tensor lives in torch shared memory (another way) makes every rank
+    copy, and the next op crosses again."""
     from hvdray.collective.transport.shm.cross_memory import CrossMemory
 
     node.cross_memory = CrossMemory(node.barrier)
@@ -835,6 +836,12 @@ def _through_the_peers_memory(node, rank, size):
     node.allreduce(averaged, ReduceOp.SUM, source=x, finish=lambda parts: (
         seen.append(sum(p.numel() for p in parts)), [p.div_(size) for p in parts]))
     same_bits = torch.equal(crossed, copied) and torch.equal(averaged, copied / size)
+    # out of place into outputs in shared memory (the output pool's): the shared outputs' way, as without
+    # the kernel's help (it measured as fast), not the slots
+    before = len(copying_pieces)
+    pooled = torch.empty_like(x).share_memory_()
+    node.allreduce(pooled, ReduceOp.SUM, source=x)
+    shared_out_ok = torch.equal(pooled, copied) and len(copying_pieces) == before
     # rank 0 in place, the others out of place: all cross
     before = len(copying_pieces)
     mixed_in = _inputs(rank, torch.int32, 20_000)
@@ -852,7 +859,7 @@ def _through_the_peers_memory(node, rank, size):
     node.allreduce(again, ReduceOp.SUM)
     disagreement_ok = torch.equal(lone, total) and copied_once and torch.equal(again, total)
     disagreement_ok = disagreement_ok and len(copying_pieces) == after
-    return usable, failures, direct, same_bits, sum(seen), mixed_ok, disagreement_ok
+    return usable, failures, direct, same_bits and shared_out_ok, sum(seen), mixed_ok, disagreement_ok
 
 
 @pytest.mark.parametrize("local_size", [2, 3])

@@ -19,7 +19,8 @@ local rank holds in torch shared memory (``shared_tensors.py``: reduced without 
 the outputs of out-of-place allreduces and the scratch blocks of in-place ones of
 :data:`SCRATCH_MIN_BYTES` and more. Where the kernel lets the local ranks read and write each other's
 memory (``cross_memory.py``), flat allreduces of private tensors over ``SMALL_ALLREDUCE_BYTES`` take
-neither: each rank reads its part of the peers' tensors and writes the sums back into them.
+neither (but out of place into outputs in shared memory): each rank reads its part of the peers'
+tensors and writes the sums back into them.
 """
 
 from __future__ import annotations
@@ -247,19 +248,22 @@ class NodeCollectives:
         place = self.adoption.place(source) if source is flat or cross is None else None
         # every rank asks for the same ops (the first such op checks the kernel with the peers)
         crossing = cross is None and self._cross_memory_ready()
-        # where the peers read this rank's parts and write their sums, when its input is private: its own
-        # tensors, through the kernel; else its output, if in shared memory (the output pool's are, where the
-        # node's ranks share memory), or in place a scratch block of shared memory (none across nodes)
+        # where the peers read this rank's parts and write their sums, when its input is private: out of
+        # place, its output if in shared memory (the output pool's are, where the node's ranks share memory);
+        # else its own tensors, through the kernel; else in place a scratch block of shared memory
         exposed, what, published = None, SHARED_INPUT, place
-        if place is None and crossing:
-            what = CROSS_MEMORY
-            published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
-        elif place is None and cross is None:
-            exposed = flat if source is not flat else self._scratch_for(flat)
-            published = shared_place(exposed) if exposed is not None else None
-            what = SHARED_OUTPUT if published is not None else PRIVATE
-        elif place is None:
+        if place is None:
             what = PRIVATE
+            out_place = shared_place(flat) if cross is None and source is not flat else None
+            if out_place is not None:
+                exposed, what, published = flat, SHARED_OUTPUT, out_place
+            elif crossing:
+                what = CROSS_MEMORY
+                published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
+            elif cross is None and source is flat:
+                exposed = self._scratch_for(flat)
+                published = shared_place(exposed) if exposed is not None else None
+                what = SHARED_OUTPUT if published is not None else PRIVATE
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         agreed = self._agree_on_places(
