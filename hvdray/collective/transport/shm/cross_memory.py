@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds
 from hvdray.collective.transport.shm.barrier import NodeBarrier
+from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds
 from hvdray.collective.transport.shm.segment import PeerAddresses, SharedMemoryError
 
 if TYPE_CHECKING:
