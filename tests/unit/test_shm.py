@@ -873,6 +873,33 @@ def test_allreduces_of_private_tensors_read_and_write_the_peers_memory_through_t
     assert sum(r[4] for r in results) == 300_001  # the average's division ran on each part once
 
 
+def _sizes_differ(way, node, rank, size):
+    """Rank 1 reduces a longer tensor than rank 0 on a way that goes straight between the ranks' tensors:
+    every rank refuses before it reads or writes a peer's, naming both sizes."""
+    from hvdray.collective.transport.shm.cross_memory import CrossMemory
+
+    node.cross_memory = CrossMemory(node.barrier)
+    node.allreduce(torch.ones(20_000), ReduceOp.SUM)  # the ranks' check, alike on every rank
+    if way == "cross memory":
+        node.cross_memory.usable = True
+    t = torch.ones(20_000 + 5_000 * rank)
+    if way == "shared tensors":
+        t.share_memory_()
+    try:
+        node.allreduce(t, ReduceOp.SUM)
+    except shm.SharedMemoryError as exc:
+        return str(exc), bool((t == 1).all())
+    return "no error", None
+
+
+@pytest.mark.parametrize("way", ["cross memory", "shared tensors"])
+def test_ranks_whose_tensors_differ_in_size_fail_before_touching_each_others(way):
+    for message, untouched in _run_node(2, functools.partial(_sizes_differ, way)):
+        assert "local rank 1's tensor has 100000 bytes, local rank 0's 80000" in message or (
+            "local rank 0's tensor has 80000 bytes, local rank 1's 100000" in message), message
+        assert untouched
+
+
 def _kernel_refuses_rank_1(node, rank, size):
     """The kernel refuses for real: the ranks drop to an unprivileged user (no CAP_SYS_PTRACE; a change of
     user also makes a process undumpable), then rank 0 becomes dumpable again and rank 1 stays not, so rank

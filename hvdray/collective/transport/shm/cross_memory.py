@@ -26,7 +26,7 @@ import torch
 
 from hvdray.collective.transport.shm.barrier import NodeBarrier
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds
-from hvdray.collective.transport.shm.segment import PeerAddresses, SharedMemoryError
+from hvdray.collective.transport.shm.segment import PeerAddresses, SharedMemoryError, check_published_sizes
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import NodeCollectives
@@ -114,10 +114,7 @@ def allreduce_cross_memory(
     memory = node.cross_memory
     assert memory is not None
     me, size, isz = node.local_rank, node.local_size, out.element_size()
-    nbytes = out.numel() * isz
-    for rank, published in enumerate(addresses):
-        if published.nbytes != nbytes:
-            raise SharedMemoryError(f"local rank {rank}'s tensor has {published.nbytes} bytes, local rank {me}'s {nbytes}")
+    check_published_sizes(addresses, me, out.numel() * isz)
     peers = [(rank, published) for rank, published in enumerate(addresses) if rank != me]
     buffer = memory.buffer(out.dtype)
     into = buffer.data_ptr()

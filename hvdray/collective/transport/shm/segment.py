@@ -257,6 +257,14 @@ class PeerAddresses(NamedTuple):
     nbytes: int
 
 
+def check_published_sizes(published: "list[TensorPlace] | list[PeerAddresses]", local_rank: int, nbytes: int) -> None:
+    """Raise :class:`SharedMemoryError` unless every local rank published a tensor of ``nbytes`` bytes,
+    this rank's (``local_rank``) size: a direct way between the ranks' tensors must not read or write past one."""
+    for rank, place in enumerate(published):
+        if place.nbytes != nbytes:
+            raise SharedMemoryError(f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {local_rank}'s {nbytes}")
+
+
 def _token_qword(local_rank: int) -> int:
     """Index (in 8-byte words) of the tensor token in ``local_rank``'s control block: bytes 16-63 (the
     barrier's words take bytes 0-15)."""

@@ -33,7 +33,7 @@ import torch
 
 from hvdray.collective.transport.reductions import reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace
+from hvdray.collective.transport.shm.segment import TensorPlace, check_published_sizes
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
@@ -173,12 +173,6 @@ def reducescatter_shared_inputs(
 def _every_ranks_tensor(node: "NodeCollectives", mine: torch.Tensor, places: list[TensorPlace]) -> list[torch.Tensor]:
     """Every local rank's shared tensor in rank order (``mine`` for this rank, the peers' mapped), after
     checking that all have ``mine``'s size."""
-    me, nbytes = node.local_rank, mine.numel() * mine.element_size()
-    tensors = []
-    for rank, place in enumerate(places):
-        if place.nbytes != nbytes:
-            raise SharedMemoryError(
-                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {me}'s {nbytes}"
-            )
-        tensors.append(mine if rank == me else node.peer_tensors.view(place, mine.dtype))
-    return tensors
+    me = node.local_rank
+    check_published_sizes(places, me, mine.numel() * mine.element_size())
+    return [mine if rank == me else node.peer_tensors.view(place, mine.dtype) for rank, place in enumerate(places)]
