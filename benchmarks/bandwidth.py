@@ -25,7 +25,9 @@ division), measured against the same ideal, which has no division in it.
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool, and
+smallest sizes. "hvdray in place, transport alone" is the same allreduce with the engine's communicator
+called directly (no negotiation, submission or handle): the gap to "hvdray in place" is the engine's
+work around an op, paid with the cache just emptied by the previous op. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool, and
 with reduced tensors moved into shared memory, are::
 
     HVDRAY_OUTPUT_POOL_MB=0 python benchmarks/bandwidth.py
@@ -65,15 +67,22 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     import torch.distributed as dist
 
     import hvdray.torch as hvd
+    from hvdray.collective.protocol import ReduceOp
+    from hvdray.collective.session import engine
 
     numel = max(16, int(size_mb * (1 << 20)) // 4)
     tensor, other = torch.ones(numel), torch.ones(numel)
+    communicator = engine().comm  # every rank calls it in the same order, as the engine would after agreeing
     times = {
         "copy": timed(lambda: other.copy_(tensor), iterations),
         "copy into a fresh tensor": timed(lambda: torch.empty(numel).copy_(tensor), iterations),
         "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
+        # the engine's communicator called directly: the same op without the negotiation, the submission
+        # and the handle (what the engine's work around an op costs, not a way for users)
+        "allreduce hvdray in place, transport alone": timed(lambda: communicator.allreduce(tensor, ReduceOp.SUM),
+                                                            iterations),
         "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),
         # an average: Gloo has no such op (all_reduce, then divide); hvdray divides each rank's part as it
         # reduces it

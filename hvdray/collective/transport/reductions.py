@@ -4,13 +4,15 @@ The engine speaks hvdray's :class:`~hvdray.collective.protocol.ReduceOp`; the st
 op as :data:`TRANSPORT_OPS` maps it: Gloo's reduction for the elementwise ones (averaging is a sum
 here: the engine divides afterwards) and hvdray's ``ADASUM`` itself, which is no Gloo op. Strategies
 that reduce in this process (shared memory, Gloo's small-message gather) use torch's elementwise op
-for each Gloo reduction (:data:`REDUCERS`).
+for each Gloo reduction (:data:`REDUCERS`), and numpy's where they reduce a message block by block
+(:func:`block_operands`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence, Union
 
+import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
@@ -49,15 +51,71 @@ FOREACH_REDUCERS: dict[ReduceOp.RedOpType, Callable[..., None]] = {
 }
 
 
+#: numpy's function for those of :data:`REDUCERS` where it gives torch's bits (``tests/unit/test_reductions.py``).
+#: Not the minimum and maximum: numpy's NaNs carry other bits than torch's, and its float16 minimum of
+#: 0 and -0 is 0 where torch's is -0.
+_UFUNCS: dict[Callable[..., torch.Tensor], np.ufunc] = {
+    torch.add: np.add,
+    torch.mul: np.multiply,
+    torch.bitwise_and: np.bitwise_and,
+}
+
+#: numpy's dtype of each torch dtype that goes numpy's way: not bfloat16 (numpy has none), nor complex
+#: numbers (numpy multiplies them otherwise, to other bits)
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    dtype: np.dtype(name) for dtype, name in (
+        (torch.bool, "bool"), (torch.uint8, "uint8"), (torch.int8, "int8"), (torch.int16, "int16"),
+        (torch.int32, "int32"), (torch.int64, "int64"), (torch.float16, "float16"), (torch.float32, "float32"),
+        (torch.float64, "float64"),
+    )
+}
+
+#: a tensor, or a numpy view of one: what a reducer from :func:`block_operands` takes (and slices alike)
+Operand = Union[torch.Tensor, np.ndarray]
+
+
+class _RawMemory:
+    """Memory at an address as numpy takes it (its array interface)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, count: int, dtype: np.dtype) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (count,), "typestr": dtype.str, "version": 3}
+
+
+def block_operands(
+    reducer: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor],
+) -> tuple[Callable[..., Operand], list[Operand]]:
+    """``reducer`` (one of :data:`REDUCERS`) and the contiguous 1-D ``tensors`` (one dtype) as the operands of
+    a reduction that goes block by block: numpy's function and numpy views of the tensors' memory where
+    numpy has their dtype, else ``reducer`` and the tensors. Slicing an array and calling numpy costs a
+    fraction of torch's per call, above all with the cache cold after the previous block's memory traffic
+    (a 512 KiB block's add and three views: about 45 us against 155 us, warm 3 us against 18 us on the
+    development machine), for the same bits; the loops themselves run at one speed.
+
+    The views do not keep the tensors' memory alive (the caller holds the tensors while it reduces), and
+    leave their storages as they are (``Tensor.numpy()`` would mark them unresizable for good). Call the
+    reducer inside ``numpy.errstate(all="ignore")``: torch's ops do not warn of an overflow either.
+    ``torch.as_tensor`` turns a block back into a tensor on the same memory."""
+    ufunc = _UFUNCS.get(reducer)
+    dtype = _NUMPY_DTYPES.get(tensors[0].dtype) if tensors else None
+    if ufunc is None or dtype is None or any(t.is_neg() or t.is_conj() or not t.is_contiguous() for t in tensors):
+        return reducer, list(tensors)
+    return ufunc, [np.asarray(_RawMemory(t.data_ptr(), t.numel(), dtype)) for t in tensors]
+
+
 def reduce_in_order(
-    reducer: Callable[..., torch.Tensor], first: torch.Tensor, others: Sequence[torch.Tensor], out: torch.Tensor,
-) -> torch.Tensor:
+    reducer: Callable[..., Operand], first: Operand, others: Sequence[Operand], out: Operand,
+) -> Operand:
     """``out`` = ``first`` reduced with each of ``others`` in turn, left to right (``first`` may be ``out``;
     with no ``others``, a copy of ``first``). Every rank that reduces the same operands in the same order
     gets the same bits, whichever rank computed them: the strategies that reduce in this process keep to
-    one order (local rank order) for that reason."""
+    one order (local rank order) for that reason. Tensors with a reducer of :data:`REDUCERS`, or numpy
+    arrays with its numpy function (:func:`block_operands`)."""
     if not others:
-        return out if first is out else out.copy_(first)
+        if first is not out:
+            out[...] = first
+        return out
     reducer(first, others[0], out=out)
     for other in others[1:]:
         reducer(out, other, out=out)

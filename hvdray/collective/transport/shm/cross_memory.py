@@ -22,8 +22,10 @@ import errno
 import os
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
 import torch
 
+from hvdray.collective.transport.reductions import block_operands
 from hvdray.collective.transport.shm.barrier import NodeBarrier
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds
 from hvdray.collective.transport.shm.segment import PeerAddresses, SharedMemoryError, check_published_sizes
@@ -117,21 +119,21 @@ def allreduce_cross_memory(
     check_published_sizes(addresses, me, out.numel() * isz)
     peers = [(rank, published) for rank, published in enumerate(addresses) if rank != me]
     buffer = memory.buffer(out.dtype)
-    into = buffer.data_ptr()
-    step = buffer.numel()
-    for start, stop in pieces:
-        bounds = part_bounds(stop - start, size, isz)
-        for a in range(start + bounds[me], start + bounds[me + 1], step):
-            b = min(a + step, start + bounds[me + 1])
-            length, offset = (b - a) * isz, a * isz
-            acc, first = out[a:b], source[a:b]
-            for rank, published in peers:
-                memory.read(rank, into, published.source + offset, length)
-                reducer(first, buffer[: b - a], out=acc)
-                first = acc
-            if finish is not None:
-                finish([acc])
-            at = acc.data_ptr()
-            for rank, published in peers:
-                memory.write(rank, published.output + offset, at, length)
+    into, out_at, step = buffer.data_ptr(), out.data_ptr(), buffer.numel()
+    reduce, (out, source, buffer) = block_operands(reducer, [out, source, buffer])
+    with np.errstate(all="ignore"):
+        for start, stop in pieces:
+            bounds = part_bounds(stop - start, size, isz)
+            for a in range(start + bounds[me], start + bounds[me + 1], step):
+                b = min(a + step, start + bounds[me + 1])
+                length, offset = (b - a) * isz, a * isz
+                acc, first = out[a:b], source[a:b]
+                for rank, published in peers:
+                    memory.read(rank, into, published.source + offset, length)
+                    reduce(first, buffer[: b - a], out=acc)
+                    first = acc
+                if finish is not None:
+                    finish([torch.as_tensor(acc)])
+                for rank, published in peers:
+                    memory.write(rank, published.output + offset, out_at + offset, length)
     node.barrier.wait()

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
 import torch
 
-from hvdray.collective.transport.reductions import reduce_in_order
+from hvdray.collective.transport.reductions import block_operands, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import TensorPlace, check_published_sizes
 
@@ -55,23 +56,25 @@ def allreduce_shared_tensors(
     peers = [view for rank, view in enumerate(views) if rank != me]
     bounds = part_bounds(flat.numel(), size, isz)
     lo, hi = bounds[me], bounds[me + 1]
-    acc = flat[lo:hi]
-    others = [peer[lo:hi] for peer in peers]
+    own_at, peers_at = flat.data_ptr() + lo * isz, [peer.data_ptr() + lo * isz for peer in peers]
+    reduce, (acc, *others) = block_operands(reducer, [flat[lo:hi]] + [peer[lo:hi] for peer in peers])
     step = max(1, REDUCE_BLOCK_BYTES // isz)
-    for a in range(0, hi - lo, step):
-        block = acc[a : a + step]
-        reduce_in_order(reducer, block, [other[a : a + step] for other in others], block)
-        if cross is None:
-            if finish is not None:
-                finish([block])
-            for other in others:
-                memmove(other.data_ptr() + a * isz, block.data_ptr(), block.numel() * isz)
+    with np.errstate(all="ignore"):
+        for a in range(0, hi - lo, step):
+            block = acc[a : a + step]
+            reduce_in_order(reduce, block, [other[a : a + step] for other in others], block)
+            if cross is None:
+                if finish is not None:
+                    finish([torch.as_tensor(block)])
+                for peer_at in peers_at:
+                    memmove(peer_at + a * isz, own_at + a * isz, len(block) * isz)
     if cross is not None and hi > lo:
-        cross(acc)
+        part = flat[lo:hi]
+        cross(part)
         if finish is not None:
-            finish([acc])
-        for other in others:
-            memmove(other.data_ptr(), acc.data_ptr(), (hi - lo) * isz)
+            finish([part])
+        for peer_at in peers_at:
+            memmove(peer_at, own_at, (hi - lo) * isz)
     node.barrier.wait()
 
 
@@ -126,18 +129,20 @@ def allreduce_shared_outputs(
     this rank's data first, then the peers' in rank order), so the results are the same bit for bit."""
     me, size, isz = node.local_rank, node.local_size, out.element_size()
     others = [tensor for rank, tensor in enumerate(_every_ranks_tensor(node, exposed, places)) if rank != me]
-    addresses = [other.data_ptr() for other in others]
+    addresses, out_at = [other.data_ptr() for other in others], out.data_ptr()
+    reduce, (out, source, *others) = block_operands(reducer, [out, source, *others])
     step = max(1, REDUCE_BLOCK_BYTES // isz)
-    for start, stop in pieces:
-        bounds = part_bounds(stop - start, size, isz)
-        lo, hi = start + bounds[me], start + bounds[me + 1]
-        for a in range(lo, hi, step):
-            b = min(a + step, hi)
-            acc = reduce_in_order(reducer, source[a:b], [other[a:b] for other in others], out[a:b])
-            if finish is not None:
-                finish([acc])
-            for address in addresses:
-                memmove(address + a * isz, acc.data_ptr(), (b - a) * isz)
+    with np.errstate(all="ignore"):
+        for start, stop in pieces:
+            bounds = part_bounds(stop - start, size, isz)
+            lo, hi = start + bounds[me], start + bounds[me + 1]
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                acc = reduce_in_order(reduce, source[a:b], [other[a:b] for other in others], out[a:b])
+                if finish is not None:
+                    finish([torch.as_tensor(acc)])
+                for address in addresses:
+                    memmove(address + a * isz, out_at + a * isz, (b - a) * isz)
     node.barrier.wait()
 
 

@@ -1,0 +1,132 @@
+"""The shared-memory transport's allreduce of two source trees, side by side, without Ray or the engine.
+
+Run to run, this machine's memory speed moves by more than most changes to the transport gain, so two
+runs of ``bandwidth.py``, one per tree, rarely tell them apart. Here every round starts a fresh pair of
+processes for each tree in turn (``PYTHONPATH`` set to the tree), and each pair measures, alternating op
+by op: one core's copy and add (the memory ideal: S/2 at add speed plus S/2 at copy speed per rank, as
+in ``bandwidth.py``), raw ``torch.distributed`` Gloo's allreduce (a FileStore group), and the tree's
+``NodeCollectives.allreduce`` of a private tensor in place and out of place into an output of the
+output pool (in shared memory, as the workers' are), with the settings' defaults (cross-memory attach
+on, where the tree has it). Prints, per tree and size, the median over rounds of each allreduce's
+fraction of the memory ideal and its speed against raw Gloo.
+
+    python benchmarks/transport_trees.py --trees /path/to/other/tree . --sizes-mb 4 16 64 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_REPEATS = 5  # ops per timing: a time is the mean of these
+
+
+def _pair_main(rank: int, segment: str, data_bytes: int, slot_bytes: int, store: str, sizes_mb: list[float]) -> None:
+    """One rank of a pair (run as ``python transport_trees.py --rank R ...`` with the tree on PYTHONPATH)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    from hvdray.collective.output_pool import OutputPool
+    from hvdray.collective.transport import shm
+    from hvdray.collective.transport.shm import NodeCollectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    options = {"cross_memory": True} if "cross_memory" in inspect.signature(NodeCollectives).parameters else {}
+    node = NodeCollectives(shm.Segment.attach(segment, 2, data_bytes), rank, 60.0, slot_bytes, **options)
+    pool = OutputPool(1 << 30, shared=True)
+    results = {}
+    for size_mb in sizes_mb:
+        numel = int(size_mb * (1 << 20)) // 4
+        tensor, other = torch.ones(numel), torch.ones(numel)
+        ops = {
+            "copy": lambda: other.copy_(tensor),
+            "add": lambda: torch.add(tensor, other, out=other),
+            "raw gloo": lambda: dist.all_reduce(tensor),
+            "in place": lambda: node.allreduce(tensor, ReduceOp.SUM),
+            "out of place": lambda: node.allreduce(pool.empty((numel,), torch.float32), ReduceOp.SUM, source=tensor),
+        }
+        for op in ops.values():
+            op()
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for _ in range(3):
+            for name, op in ops.items():
+                node.barrier.wait()
+                started = time.perf_counter()
+                for _ in range(_REPEATS):
+                    op()
+                node.barrier.wait()
+                times[name].append((time.perf_counter() - started) / _REPEATS)
+        results[str(size_mb)] = {name: statistics.median(values) for name, values in times.items()}
+    node.barrier.wait()
+    node.close()
+    dist.destroy_process_group()
+    print(json.dumps(results))
+
+
+def _run_pair(tree: Path, sizes_mb: list[float]) -> dict[str, dict[str, float]]:
+    """Start one pair of processes on ``tree``; rank 0's times per size and op."""
+    from hvdray.collective.transport import shm
+    from hvdray.collective.transport.shm import slot_bytes_for
+
+    slot_bytes = slot_bytes_for(32 << 20, 2)
+    data_bytes = 4 * slot_bytes
+    segment = shm.Segment.create(shm.job_tag(os.urandom(32)), 2, data_bytes)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as scratch:
+        store = os.path.join(scratch, "store")
+        command = [sys.executable, __file__, "--segment", segment.name, "--data-bytes", str(data_bytes),
+                   "--slot-bytes", str(slot_bytes), "--store", store, "--sizes-mb", *map(str, sizes_mb)]
+        procs = [subprocess.Popen([*command, "--rank", str(rank)], env=env, stdout=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        outputs = [proc.communicate(timeout=900)[0] for proc in procs]
+    segment.close()
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"a rank on {tree} failed (exit codes {[proc.returncode for proc in procs]})")
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", nargs="+", type=Path, default=[Path(".")])
+    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[4, 16, 64])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--segment", help=argparse.SUPPRESS)
+    parser.add_argument("--data-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--slot-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank is not None:
+        _pair_main(args.rank, args.segment, args.data_bytes, args.slot_bytes, args.store, args.sizes_mb)
+        return 0
+    trees = [tree.resolve() for tree in args.trees]
+    rounds: dict[Path, list[dict[str, dict[str, float]]]] = {tree: [] for tree in trees}
+    for _ in range(args.rounds):
+        for tree in trees:
+            rounds[tree].append(_run_pair(tree, args.sizes_mb))
+    for size_mb in args.sizes_mb:
+        key = str(size_mb)
+        for tree in trees:
+            runs = [run[key] for run in rounds[tree]]
+            ideal = [(run["copy"] + run["add"]) / 2 for run in runs]  # n=2: S/2 at each speed, a whole S each
+            for way in ("in place", "out of place"):
+                of_ideal = statistics.median(i / run[way] for i, run in zip(ideal, runs))
+                vs_gloo = statistics.median(run["raw gloo"] / run[way] for run in runs)
+                print(f"{size_mb:g} MB allreduce, 2 ranks  {way:13s} {of_ideal:5.2f}x memory ideal  "
+                      f"{vs_gloo:5.2f}x raw gloo  {tree}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
