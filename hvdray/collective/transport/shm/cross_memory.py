@@ -60,7 +60,7 @@ class CrossMemory:
         self.usable: Optional[bool] = None
         #: local rank -> process id (this rank's own included), known from the ranks' check on
         self.pids: list[int] = []
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # one block, viewed as each dtype asked for
 
     def refusal(self, rank: int, address: int, expected: bytes) -> Optional[str]:
         """Why this rank cannot read ``expected`` (bytes it sees in shared memory too) at ``address`` of local
@@ -95,9 +95,13 @@ class CrossMemory:
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """A block of :data:`REDUCE_BLOCK_BYTES` as a 1-D tensor of ``dtype``, what the peers' parts are read into."""
-        if self._buffer is None:
-            self._buffer = torch.empty(REDUCE_BLOCK_BYTES, dtype=torch.uint8)
-        return self._buffer.view(dtype)
+        buffer = self._buffers.get(dtype)
+        if buffer is None:
+            block = next(iter(self._buffers.values()), None)
+            if block is None:
+                block = torch.empty(REDUCE_BLOCK_BYTES, dtype=torch.uint8)
+            buffer = self._buffers[dtype] = block.view(dtype)
+        return buffer
 
 
 def allreduce_cross_memory(

@@ -19,6 +19,7 @@ from hvdray.collective.transport.strategy import (
     BroadcastStrategy,
     Finish,
     ReducescatterStrategy,
+    flat_view,
     on_contiguous,
 )
 
@@ -43,7 +44,7 @@ class SharedMemoryAllreduce(AllreduceStrategy):
         self, source: torch.Tensor, output: torch.Tensor, op: TransportOp, finish: Optional[Finish] = None,
     ) -> None:
         if source.is_contiguous() and output.is_contiguous():  # no copy of source into output first
-            self._node.allreduce(output.view(-1), op, source=source.view(-1), finish=finish)
+            self._node.allreduce(flat_view(output), op, source=flat_view(source), finish=finish)
         else:
             super().run_into(source, output, op, finish)
 
@@ -67,7 +68,7 @@ class SharedMemoryAllgather(AllgatherStrategy):
 
     def run(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         if tensor.numel():
-            self._node.allgather(tensor.contiguous().view(-1), out.view(-1))
+            self._node.allgather(flat_view(tensor.contiguous()), flat_view(out))
 
 
 class SharedMemoryBroadcast(BroadcastStrategy):
@@ -100,4 +101,4 @@ class SharedMemoryReducescatter(ReducescatterStrategy):
 
     def run(self, tensor: torch.Tensor, out: torch.Tensor, op: TransportOp) -> None:
         if out.numel():
-            self._node.reducescatter(tensor.view(-1), out.view(-1), op)
+            self._node.reducescatter(flat_view(tensor), flat_view(out), op)
