@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -44,6 +44,19 @@ ALIGNMENT = 64
 #: outputs of this size and more go in shared memory in a shared pool: each such block holds a file
 #: descriptor, so that a peer can map it, and 4 MiB blocks keep a full pool to ~128 of them
 SHARED_MIN_BYTES = 4 << 20
+
+
+_NUMPY_DTYPES: dict[torch.dtype, Optional[np.dtype]] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Optional[np.dtype]:
+    """numpy's dtype of the same name, None where numpy has none (bfloat16, float8, ...)."""
+    if dtype not in _NUMPY_DTYPES:
+        try:
+            _NUMPY_DTYPES[dtype] = np.dtype(str(dtype).removeprefix("torch."))
+        except TypeError:
+            _NUMPY_DTYPES[dtype] = None
+    return _NUMPY_DTYPES[dtype]
 
 
 class OutputPool:
@@ -76,9 +89,13 @@ class OutputPool:
             raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
             start = -raw.ctypes.data % ALIGNMENT
             block = raw[start : start + nbytes]
-        lease = block[:]  # a view of its own: its life is the output storage's
+        # a view of its own, whose life is the output storage's: numpy's, shaped and typed, where numpy has
+        # the dtype (a torch view costs tens of microseconds with the cache cold after a large op)
+        as_numpy = _numpy_dtype(dtype)
+        lease = block[:] if as_numpy is None else block.view(as_numpy).reshape(shape)
         weakref.finalize(lease, self._give_back, block).atexit = False  # nothing to give back at exit
-        return torch.from_numpy(lease).view(dtype).view(shape)
+        output = torch.from_numpy(lease)
+        return output if as_numpy is not None else output.view(dtype).view(shape)
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous output shaped and typed like ``tensor``."""

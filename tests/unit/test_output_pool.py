@@ -38,20 +38,25 @@ def test_a_dropped_output_is_handed_out_again_with_its_shape_and_dtype(dtype):
     assert other_shape.shape == (shape[0] * shape[1],) and other_shape.data_ptr() != address
 
 
-def test_memory_still_seen_through_a_view_is_never_handed_out():
+@pytest.mark.parametrize("dtype,shape", [
+    (torch.uint8, (MIN_BYTES,)),
+    (torch.float32, (MIN_BYTES // 16, 4)),  # shaped and typed by numpy
+    (torch.bfloat16, (MIN_BYTES // 8, 4)),  # numpy has no bfloat16: shaped and typed by torch
+])
+def test_memory_still_seen_through_a_view_is_never_handed_out(dtype, shape):
     pool = OutputPool(64 * MB)
-    out = pool.empty((MIN_BYTES,), torch.uint8)
+    out = pool.empty(shape, dtype)
     out.fill_(7)
     view = out[10:20]
     address = out.data_ptr()
     del out
     gc.collect()
-    again = pool.empty((MIN_BYTES,), torch.uint8)
+    again = pool.empty(shape, dtype)
     assert again.data_ptr() != address and pool.reused == 0
     again.fill_(1)
     assert bool((view == 7).all())
     del view
-    third = pool.empty((MIN_BYTES,), torch.uint8)  # the view was the last holder: now its block is back
+    third = pool.empty(shape, dtype)  # the view was the last holder: now its block is back
     assert third.data_ptr() == address and pool.reused == 1
 
 
