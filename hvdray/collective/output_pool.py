@@ -46,17 +46,20 @@ ALIGNMENT = 64
 SHARED_MIN_BYTES = 4 << 20
 
 
-_NUMPY_DTYPES: dict[torch.dtype, Optional[np.dtype]] = {}
+#: numpy's dtype of each torch dtype that ``torch.from_numpy`` takes back (by name: not every torch has the
+#: unsigned 16-64-bit ones). Not bfloat16 even where numpy knows one: TensorFlow's ml_dtypes registers a
+#: bfloat16 with numpy, which torch does not take.
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    getattr(torch, name): np.dtype(name)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64", "complex64", "complex128")
+    if hasattr(torch, name)
+}
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Optional[np.dtype]:
-    """numpy's dtype of the same name, None where numpy has none (bfloat16, float8, ...)."""
-    if dtype not in _NUMPY_DTYPES:
-        try:
-            _NUMPY_DTYPES[dtype] = np.dtype(str(dtype).removeprefix("torch."))
-        except TypeError:
-            _NUMPY_DTYPES[dtype] = None
-    return _NUMPY_DTYPES[dtype]
+    """numpy's dtype for ``dtype``, None where torch cannot take it back from numpy (bfloat16, float8, ...)."""
+    return _NUMPY_DTYPES.get(dtype)
 
 
 class OutputPool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -165,3 +167,21 @@ def test_a_shared_pool_hands_out_shared_memory_registered_while_it_lives(monkeyp
     full = OutputPool(4 * size, shared=True).empty((size,), torch.uint8)
     private = OutputPool(4 * size).empty((size,), torch.uint8)
     assert shared_place(full) is None and shared_place(private) is None and len(SHARED_BLOCKS) == 0
+
+
+def test_bfloat16_outputs_while_numpy_knows_a_bfloat16_of_its_own():
+    # TensorFlow's ml_dtypes gives numpy a bfloat16 (any module that imports TensorFlow does it), which
+    # torch.from_numpy does not take: the pool keeps shaping bfloat16 outputs through torch. In a fresh
+    # interpreter, so that ml_dtypes is in before the pool's first bfloat16 output.
+    pytest.importorskip("ml_dtypes")
+    code = (
+        "import ml_dtypes, numpy, torch\n"
+        "from hvdray.collective.output_pool import MIN_BYTES, OutputPool\n"
+        "assert numpy.dtype('bfloat16') == ml_dtypes.bfloat16\n"
+        "out = OutputPool(64 << 20).empty((MIN_BYTES // 8, 4), torch.bfloat16)\n"
+        "assert out.dtype == torch.bfloat16 and out.shape == (MIN_BYTES // 8, 4)\n"
+        "out.fill_(1.5)\n"
+        "assert float(out.sum()) == 1.5 * out.numel()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
