@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 import torch
 
+from hvdray.collective.transport.reductions import NUMPY_DTYPES
 from hvdray.collective.transport.shm.shared_storage import SHARED_BLOCKS
 
 #: outputs smaller than this come from torch.empty (glibc keeps small blocks warm by itself)
@@ -44,22 +45,6 @@ ALIGNMENT = 64
 #: outputs of this size and more go in shared memory in a shared pool: each such block holds a file
 #: descriptor, so that a peer can map it, and 4 MiB blocks keep a full pool to ~128 of them
 SHARED_MIN_BYTES = 4 << 20
-
-
-#: numpy's dtype of each torch dtype that ``torch.from_numpy`` takes back (by name: not every torch has the
-#: unsigned 16-64-bit ones). Not bfloat16 even where numpy knows one: TensorFlow's ml_dtypes registers a
-#: bfloat16 with numpy, which torch does not take.
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    getattr(torch, name): np.dtype(name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-                 "float16", "float32", "float64", "complex64", "complex128")
-    if hasattr(torch, name)
-}
-
-
-def _numpy_dtype(dtype: torch.dtype) -> Optional[np.dtype]:
-    """numpy's dtype for ``dtype``, None where torch cannot take it back from numpy (bfloat16, float8, ...)."""
-    return _NUMPY_DTYPES.get(dtype)
 
 
 class OutputPool:
@@ -94,11 +79,12 @@ class OutputPool:
             block = raw[start : start + nbytes]
         # a view of its own, whose life is the output storage's: numpy's, shaped and typed, where numpy has
         # the dtype (a torch view costs tens of microseconds with the cache cold after a large op)
-        as_numpy = _numpy_dtype(dtype)
+        as_numpy = NUMPY_DTYPES.get(dtype)
         lease = block[:] if as_numpy is None else block.view(as_numpy).reshape(shape)
         weakref.finalize(lease, self._give_back, block).atexit = False  # nothing to give back at exit
-        output = torch.from_numpy(lease)
-        return output if as_numpy is not None else output.view(dtype).view(shape)
+        if as_numpy is None:
+            return torch.from_numpy(lease).view(dtype).view(shape)
+        return torch.from_numpy(lease)
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous output shaped and typed like ``tensor``."""

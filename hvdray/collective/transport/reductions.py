@@ -60,15 +60,22 @@ _UFUNCS: dict[Callable[..., torch.Tensor], np.ufunc] = {
     torch.bitwise_and: np.bitwise_and,
 }
 
-#: numpy's dtype of each torch dtype that goes numpy's way: not bfloat16 (numpy has none), nor complex
-#: numbers (numpy multiplies them otherwise, to other bits)
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    dtype: np.dtype(name) for dtype, name in (
-        (torch.bool, "bool"), (torch.uint8, "uint8"), (torch.int8, "int8"), (torch.int16, "int16"),
-        (torch.int32, "int32"), (torch.int64, "int64"), (torch.float16, "float16"), (torch.float32, "float32"),
-        (torch.float64, "float64"),
-    )
+#: numpy's dtype of each torch dtype that ``torch.from_numpy`` takes back (by name: not every torch has the
+#: unsigned 16-64-bit ones). Not bfloat16 even where numpy knows one: TensorFlow's ml_dtypes registers a
+#: bfloat16 with numpy, which torch does not take.
+NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    getattr(torch, name): np.dtype(name)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64", "complex64", "complex128")
+    if hasattr(torch, name)
 }
+
+#: the dtypes whose blocks go numpy's way: not complex numbers (numpy multiplies them otherwise, to other
+#: bits), nor the unsigned 16-64-bit ones (torch reduces few of them; untested against numpy)
+_NUMPY_REDUCED = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64,
+})
 
 #: a tensor, or a numpy view of one: what a reducer from :func:`block_operands` takes (and slices alike)
 Operand = Union[torch.Tensor, np.ndarray]
@@ -98,7 +105,7 @@ def block_operands(
     reducer inside ``numpy.errstate(all="ignore")``: torch's ops do not warn of an overflow either.
     ``torch.as_tensor`` turns a block back into a tensor on the same memory."""
     ufunc = _UFUNCS.get(reducer)
-    dtype = _NUMPY_DTYPES.get(tensors[0].dtype) if tensors else None
+    dtype = NUMPY_DTYPES[tensors[0].dtype] if tensors and tensors[0].dtype in _NUMPY_REDUCED else None
     if ufunc is None or dtype is None or any(t.is_neg() or t.is_conj() or not t.is_contiguous() for t in tensors):
         return reducer, list(tensors)
     return ufunc, [np.asarray(_RawMemory(t.data_ptr(), t.numel(), dtype)) for t in tensors]
