@@ -3,6 +3,7 @@ worker may run on, which its node's ranks share."""
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -103,3 +104,36 @@ def engine_threads_have_cores(local_size: int) -> bool:
     """Whether each of a node's ``local_size`` ranks can have a core for its engine thread beside the one
     its own thread computes on (``Settings.steps_on_waiting_thread``'s "auto")."""
     return 2 * local_size <= usable_cores()
+
+
+def shared_cache_bytes(cpus_root: str = "/sys/devices/system/cpu") -> int:
+    """The size of the largest cache that every core this process may run on shares (the last level, L3 on
+    most machines), from Linux's sysfs; 0 where it is unknown or no one cache spans those cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    largest = 0
+    for index in sorted(glob.glob(os.path.join(cpus_root, f"cpu{cores[0]}", "cache", "index*"))):
+        try:
+            with open(os.path.join(index, "size")) as size_file, open(os.path.join(index, "shared_cpu_list")) as shared:
+                size, sharers = _cache_size(size_file.read()), _cpu_list(shared.read())
+        except (OSError, ValueError):
+            continue
+        if set(cores) <= sharers:
+            largest = max(largest, size)
+    return largest
+
+
+def _cache_size(text: str) -> int:
+    """sysfs's cache size ("32768K", "8M") in bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def _cpu_list(text: str) -> set[int]:
+    """sysfs's CPU list ("0-3,8,10-11") as a set."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        if item:
+            first, _, last = item.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus

@@ -1378,3 +1378,43 @@ def test_scratch_blocks_keep_the_sizes_in_use_and_make_room_only_from_stale_ones
     assert blocks.get(4 << 10) is small and blocks.get(6 << 10) is middle
     blocks.clear()
     assert len(blocks) == 0 and len(SHARED_BLOCKS) == 0
+
+
+def _scratch_or_kernel_by_cache(node, rank, size):
+    """With the kernel's cross-memory attach usable, an in-place allreduce of a private tensor whose every
+    rank's tensor and scratch block fit the shared cache takes the scratch blocks (no read through the
+    kernel, nothing through the slots); one that does not fit it goes through the kernel. Out of place into
+    a private output always goes through the kernel. Results are the sums either way."""
+    from hvdray.collective.transport.shm.cross_memory import CrossMemory
+
+    node.cross_memory = CrossMemory(node.barrier)
+    node.allreduce(_inputs(rank, torch.int32, 20_000), ReduceOp.SUM)  # the ranks' check, through the slots
+    reads = []
+    read = node.cross_memory.read
+    node.cross_memory.read = lambda *args: (reads.append(args), read(*args))
+    copying_pieces = _count_copying_pieces(node, rank)
+    node.scratch_min_bytes = 0
+    total = sum(_inputs(r, torch.float32, 40_000) for r in range(size))
+    ways = {}
+    for label, cache_bytes in (("fits", 2 * size * 40_000 * 4), ("too big", 2 * size * 40_000 * 4 - 1)):
+        node.cache_bytes = cache_bytes
+        before = len(reads)
+        t = _inputs(rank, torch.float32, 40_000)
+        node.allreduce(t, ReduceOp.SUM)
+        out = torch.empty(40_000)
+        in_place_reads = len(reads) - before
+        node.allreduce(out, ReduceOp.SUM, source=_inputs(rank, torch.float32, 40_000))
+        ways[label] = (in_place_reads, len(reads) - before - in_place_reads, torch.equal(t, total), torch.equal(out, total))
+    node.scratch.clear()
+    return ways, not copying_pieces and _own_slots_untouched(node, rank)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_in_place_allreduces_that_fit_the_shared_cache_take_scratch_blocks_over_the_kernel(local_size):
+    for ways, direct in _run_node(local_size, _scratch_or_kernel_by_cache):
+        fits_in_place, fits_out_of_place, *fits_right = ways["fits"]
+        big_in_place, big_out_of_place, *big_right = ways["too big"]
+        assert fits_in_place == 0 and fits_out_of_place > 0  # the scratch blocks in place; out of place the kernel
+        assert big_in_place > 0 and big_out_of_place > 0  # through the kernel both
+        assert all(fits_right) and all(big_right)
+        assert direct  # nothing went through the slots

@@ -49,3 +49,23 @@ def test_visible_devices_is_the_union_per_node():
 def test_reducescatter_rows(rows, size, expected):
     assert reducescatter_rows(rows, size) == expected
     assert sum(reducescatter_rows(rows, size)) == rows
+
+
+def _sysfs_cache(root, cpu, index, size, shared):
+    folder = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    folder.mkdir(parents=True)
+    (folder / "size").write_text(size + "\n")
+    (folder / "shared_cpu_list").write_text(shared + "\n")
+
+
+def test_shared_cache_bytes_is_the_largest_cache_every_usable_core_shares(tmp_path, monkeypatch):
+    from hvdray.collective import topology
+
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: {2, 3})
+    _sysfs_cache(tmp_path, 2, 0, "32K", "2")  # per core: not shared by core 3
+    _sysfs_cache(tmp_path, 2, 2, "1024K", "2-3")
+    _sysfs_cache(tmp_path, 2, 3, "32M", "0-3,8")
+    assert topology.shared_cache_bytes(str(tmp_path)) == 32 << 20
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: {2, 5})  # no cache spans cores 2 and 5
+    assert topology.shared_cache_bytes(str(tmp_path)) == 0
+    assert topology.shared_cache_bytes(str(tmp_path / "missing")) == 0  # no sysfs: unknown

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
-from hvdray.collective.topology import usable_cores
+from hvdray.collective.topology import shared_cache_bytes, usable_cores
 from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS, block_operands, reduce_in_order
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
@@ -132,6 +132,9 @@ class NodeCollectives:
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)
         self.scratch_min_bytes = SCRATCH_MIN_BYTES
+        #: the cache the local ranks share: an in-place allreduce whose tensors and scratch blocks all fit in it
+        #: takes the scratch blocks even where the kernel's copies are to be had (``_scratch_stays_cached``)
+        self.cache_bytes = shared_cache_bytes()
         #: reads and writes of the peers' memory through the kernel, if asked (cross_memory.py; None: off)
         self.cross_memory = CrossMemory(self.barrier) if cross_memory else None
         self._failed: Optional[BaseException] = None
@@ -251,20 +254,24 @@ class NodeCollectives:
         crossing = cross is None and self._cross_memory_ready()
         # where the peers read this rank's parts and write their sums, when its input is private: out of
         # place, its output if in shared memory (the output pool's are, where the node's ranks share memory);
-        # else its own tensors, through the kernel; else in place a scratch block of shared memory
+        # in place, a scratch block of shared memory when every rank's tensor and block stay in the shared
+        # cache (user-space copies there outrun the kernel's, which take each page in turn), else its own
+        # tensors through the kernel; else (the kernel refuses) in place a scratch block all the same
         exposed, what, published = None, SHARED_INPUT, place
         if place is None:
             what = PRIVATE
             out_place = shared_place(flat) if cross is None and source is not flat else None
             if out_place is not None:
                 exposed, what, published = flat, SHARED_OUTPUT, out_place
-            elif crossing:
-                what = CROSS_MEMORY
-                published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
-            elif cross is None and source is flat:
-                exposed = self._scratch_for(flat)
+            else:
+                if cross is None and source is flat and (not crossing or self._scratch_stays_cached(flat)):
+                    exposed = self._scratch_for(flat)
                 published = shared_place(exposed) if exposed is not None else None
-                what = SHARED_OUTPUT if published is not None else PRIVATE
+                if published is not None:
+                    what = SHARED_OUTPUT
+                elif crossing:
+                    exposed, what = None, CROSS_MEMORY
+                    published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         agreed = self._agree_on_places(
@@ -298,6 +305,11 @@ class NodeCollectives:
             return None
         block = self.scratch.get(nbytes)
         return None if block is None else torch.from_numpy(block).view(flat.dtype)
+
+    def _scratch_stays_cached(self, flat: torch.Tensor) -> bool:
+        """Whether an in-place allreduce of ``flat`` through the scratch blocks keeps every local rank's tensor
+        and block in the cache the ranks share (:attr:`cache_bytes`): then it beats the kernel's copies."""
+        return 2 * self.local_size * flat.numel() * flat.element_size() <= self.cache_bytes
 
     def _cross_memory_ready(self) -> bool:
         """Whether every local rank may read and write its peers' memory through the kernel. Checked with
