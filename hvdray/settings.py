@@ -169,7 +169,9 @@ class Settings(BaseModel):
         "process_vm_writev), instead of copying both ways through shared memory: one pass over memory fewer "
         "each way. The kernel allows it between processes of one user where Yama's ptrace_scope is 0 (or with "
         "CAP_SYS_PTRACE); the ranks check at their first such allreduce and keep to shared memory where it "
-        "refuses. False: shared memory only.",
+        "refuses. In-place allreduces of 4 MiB and more whose every local rank's tensor and scratch block fit "
+        "together in the cache the ranks' cores share go through shared memory all the same: copies within the "
+        "cache outrun the kernel's. False: shared memory only.",
     )
     output_pool_mb: float = Field(
         512.0, ge=0, description="MiB of freed collective outputs (out-of-place allreduce, allgather and broadcast "
