@@ -93,11 +93,16 @@ def _gpu_sort_key(gpu_id: str) -> tuple[int, str]:
     return (int(gpu_id), gpu_id) if gpu_id.isdigit() else (1 << 30, gpu_id)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
+def usable_cpus() -> set[int]:
+    """The cores this process may run on (its CPU affinity; all of the machine's where that is unknown)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (:func:`usable_cpus`)."""
+    return len(usable_cpus())
 
 
 def engine_threads_have_cores(local_size: int) -> bool:
@@ -109,15 +114,15 @@ def engine_threads_have_cores(local_size: int) -> bool:
 def shared_cache_bytes(cpus_root: str = "/sys/devices/system/cpu") -> int:
     """The size of the largest cache that every core this process may run on shares (the last level, L3 on
     most machines), from Linux's sysfs; 0 where it is unknown or no one cache spans those cores."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cpus()
     largest = 0
-    for index in sorted(glob.glob(os.path.join(cpus_root, f"cpu{cores[0]}", "cache", "index*"))):
+    for index in sorted(glob.glob(os.path.join(cpus_root, f"cpu{min(cores)}", "cache", "index*"))):
         try:
             with open(os.path.join(index, "size")) as size_file, open(os.path.join(index, "shared_cpu_list")) as shared:
                 size, sharers = _cache_size(size_file.read()), _cpu_list(shared.read())
         except (OSError, ValueError):
             continue
-        if set(cores) <= sharers:
+        if cores <= sharers:
             largest = max(largest, size)
     return largest
 
