@@ -11,6 +11,14 @@ on, where the tree has it). Prints, per tree and size, the median over rounds of
 fraction of the memory ideal and its speed against raw Gloo.
 
     python benchmarks/transport_trees.py --trees /path/to/other/tree . --sizes-mb 4 16 64 --rounds 4
+
+``--ways`` also times, in the same processes, each way an in-place allreduce of a private tensor can take
+in the tree (forced by the ``NodeCollectives`` attributes that choose it, so only for trees that have
+them, as this one does): through the kernel's cross-memory attach, through a scratch block of shared
+memory, through the segment's slots, and, for comparison, the same allreduce of a tensor that lives in
+torch shared memory (the shared tensors' way, ``share_reduced_tensors``):
+
+    python benchmarks/transport_trees.py --ways --sizes-mb 2 4 8 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,11 +32,40 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 _REPEATS = 5  # ops per timing: a time is the mean of these
 
 
-def _pair_main(rank: int, segment: str, data_bytes: int, slot_bytes: int, store: str, sizes_mb: list[float]) -> None:
+#: ``--ways``: each way of an in-place allreduce of a private tensor, and the NodeCollectives attributes
+#: that force it (cross-memory attach usable or not, the scratch blocks' minimum size, the shared cache)
+_WAYS = {
+    "in place, through the kernel": {"usable": True, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
+    "in place, scratch block": {"usable": False, "scratch_min_bytes": 0, "cache_bytes": 0},
+    "in place, slots": {"usable": False, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
+}
+_SHARED_WAY = "in place, tensor in shared memory"
+
+
+def _forced(node: object, way: dict[str, int], op: Callable[[], None]) -> Callable[[], None]:
+    """``op`` with ``node`` set to take ``way`` (its attributes restored afterwards; every rank alike)."""
+    memory = node.cross_memory  # type: ignore[attr-defined]
+
+    def run() -> None:
+        saved = (memory.usable, node.scratch_min_bytes, node.cache_bytes)  # type: ignore[attr-defined]
+        memory.usable, node.scratch_min_bytes, node.cache_bytes = (  # type: ignore[attr-defined]
+            way["usable"] and saved[0], way["scratch_min_bytes"], way["cache_bytes"])
+        try:
+            op()
+        finally:
+            memory.usable, node.scratch_min_bytes, node.cache_bytes = saved  # type: ignore[attr-defined]
+
+    return run
+
+
+def _pair_main(
+    rank: int, segment: str, data_bytes: int, slot_bytes: int, store: str, sizes_mb: list[float], ways: bool,
+) -> None:
     """One rank of a pair (run as ``python transport_trees.py --rank R ...`` with the tree on PYTHONPATH)."""
     import time
 
@@ -56,6 +93,11 @@ def _pair_main(rank: int, segment: str, data_bytes: int, slot_bytes: int, store:
             "in place": lambda: node.allreduce(tensor, ReduceOp.SUM),
             "out of place": lambda: node.allreduce(pool.empty((numel,), torch.float32), ReduceOp.SUM, source=tensor),
         }
+        if ways:
+            for name, way in _WAYS.items():
+                ops[name] = _forced(node, way, lambda: node.allreduce(tensor, ReduceOp.SUM))
+            shared = torch.ones(numel).share_memory_()
+            ops[_SHARED_WAY] = lambda: node.allreduce(shared, ReduceOp.SUM)
         for op in ops.values():
             op()
         times: dict[str, list[float]] = {name: [] for name in ops}
@@ -68,13 +110,15 @@ def _pair_main(rank: int, segment: str, data_bytes: int, slot_bytes: int, store:
                 node.barrier.wait()
                 times[name].append((time.perf_counter() - started) / _REPEATS)
         results[str(size_mb)] = {name: statistics.median(values) for name, values in times.items()}
+    if ways:  # whether the kernel's way was taken at all (where the kernel refuses, its row is the slots')
+        results["kernel usable"] = bool(node.cross_memory.usable)
     node.barrier.wait()
     node.close()
     dist.destroy_process_group()
     print(json.dumps(results))
 
 
-def _run_pair(tree: Path, sizes_mb: list[float]) -> dict[str, dict[str, float]]:
+def _run_pair(tree: Path, sizes_mb: list[float], ways: bool) -> dict[str, Any]:
     """Start one pair of processes on ``tree``; rank 0's times per size and op."""
     from hvdray.collective.transport import shm
     from hvdray.collective.transport.shm import slot_bytes_for
@@ -86,7 +130,8 @@ def _run_pair(tree: Path, sizes_mb: list[float]) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         store = os.path.join(scratch, "store")
         command = [sys.executable, __file__, "--segment", segment.name, "--data-bytes", str(data_bytes),
-                   "--slot-bytes", str(slot_bytes), "--store", store, "--sizes-mb", *map(str, sizes_mb)]
+                   "--slot-bytes", str(slot_bytes), "--store", store, "--sizes-mb", *map(str, sizes_mb),
+                   *(["--ways"] if ways else [])]
         procs = [subprocess.Popen([*command, "--rank", str(rank)], env=env, stdout=subprocess.PIPE, text=True)
                  for rank in range(2)]
         outputs = [proc.communicate(timeout=900)[0] for proc in procs]
@@ -101,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", type=Path, default=[Path(".")])
     parser.add_argument("--sizes-mb", nargs="+", type=float, default=[4, 16, 64])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ways", action="store_true", help="also time each way an in-place allreduce can take")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--segment", help=argparse.SUPPRESS)
     parser.add_argument("--data-bytes", type=int, help=argparse.SUPPRESS)
@@ -108,23 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank is not None:
-        _pair_main(args.rank, args.segment, args.data_bytes, args.slot_bytes, args.store, args.sizes_mb)
+        _pair_main(args.rank, args.segment, args.data_bytes, args.slot_bytes, args.store, args.sizes_mb, args.ways)
         return 0
     trees = [tree.resolve() for tree in args.trees]
-    rounds: dict[Path, list[dict[str, dict[str, float]]]] = {tree: [] for tree in trees}
+    rounds: dict[Path, list[dict[str, Any]]] = {tree: [] for tree in trees}
     for _ in range(args.rounds):
         for tree in trees:
-            rounds[tree].append(_run_pair(tree, args.sizes_mb))
+            rounds[tree].append(_run_pair(tree, args.sizes_mb, args.ways))
     for size_mb in args.sizes_mb:
         key = str(size_mb)
         for tree in trees:
             runs = [run[key] for run in rounds[tree]]
             ideal = [(run["copy"] + run["add"]) / 2 for run in runs]  # n=2: S/2 at each speed, a whole S each
-            for way in ("in place", "out of place"):
+            for way in ("in place", "out of place", *([*_WAYS, _SHARED_WAY] if args.ways else [])):
                 of_ideal = statistics.median(i / run[way] for i, run in zip(ideal, runs))
                 vs_gloo = statistics.median(run["raw gloo"] / run[way] for run in runs)
-                print(f"{size_mb:g} MB allreduce, 2 ranks  {way:13s} {of_ideal:5.2f}x memory ideal  "
+                print(f"{size_mb:g} MB allreduce, 2 ranks  {way:33s} {of_ideal:5.2f}x memory ideal  "
                       f"{vs_gloo:5.2f}x raw gloo  {tree}", flush=True)
+    if args.ways and not all(run["kernel usable"] for runs in rounds.values() for run in runs):
+        print("the kernel refused cross-memory attach: the rows 'through the kernel' went through the slots")
     return 0
 
 

@@ -84,6 +84,22 @@ def test_shared_memory_rows_switch_the_transport_in_the_same_workers():
     assert all(float(us) > 0 for _, _, us in rows), rows
 
 
+def test_transport_trees_times_every_way_of_an_in_place_allreduce():
+    """``transport_trees.py --ways`` times, in one pair of bare processes, each way an in-place allreduce of
+    a private tensor can take beside the default ways, and says nothing of a refusal where the kernel
+    allows cross-memory attach (processes of one user here)."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "transport_trees.py"), "--ways", "--sizes-mb", "0.25", "--rounds", "1"],
+        capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = re.findall(r"^0.25 MB allreduce, 2 ranks  (\S.*?) +([\d.]+)x memory ideal", done.stdout, re.M)
+    assert [way for way, _ in rows] == [
+        "in place", "out of place", "in place, through the kernel", "in place, scratch block", "in place, slots",
+        "in place, tensor in shared memory"], done.stdout
+    assert all(float(ratio) > 0 for _, ratio in rows) and "refused" not in done.stdout
+
+
 def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from bench import resnet50_gradient_shapes
