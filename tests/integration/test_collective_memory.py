@@ -99,3 +99,34 @@ def test_the_pool_and_the_cross_memory_way_off_by_their_settings(make_executor):
         assert not result["bucket shared"] and not result["grads shared"] and not result["sharded shared"]
         assert result["adopted"] in (0, None)
         assert result["cross memory"] is None
+
+
+def _outputs_outlive_nothing() -> dict:
+    """Out-of-place outputs dropped by the caller, blocking and through a handle: does anything in hvdray
+    still hold them, and does the next op of the size get the same block back?"""
+    import weakref
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    tensor = torch.ones(MB)  # 4 MB: a block of the pool, in shared memory where the ranks share it
+    held, addresses = [], set()
+    for step in range(6):
+        out = hvd.allreduce(tensor, op=hvd.Sum, name="dropped") if step % 2 else hvd.synchronize(
+            hvd.allreduce_async(tensor, op=hvd.Sum, name="dropped.async"))
+        addresses.add(out.data_ptr())
+        ref = weakref.ref(out)
+        del out
+        held.append(ref() is not None)  # no gc.collect(): a reference cycle would keep it as well
+    return {"held": held, "addresses": len(addresses)}
+
+
+def test_an_output_the_caller_dropped_is_held_by_nothing(make_executor):
+    """The engine lets go of an op once it has run: an output kept until the next op would make the pool
+    hand out a second block, colder, for every other op of a size."""
+    executor = make_executor(settings=RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    for result in executor.run(_outputs_outlive_nothing):
+        assert result["held"] == [False] * 6
+        assert result["addresses"] == 1

@@ -581,6 +581,11 @@ class Engine:
         with self._lock:
             local = self._local
             requests = [local.pop(name, None) for name in action.names]
+            if self._blocked_on:
+                # an op that runs is no longer one a caller waits on; kept until the next tick's collect, it
+                # would keep its output alive past the caller's use, and an out-of-place op's next output
+                # would then come from a second block of the pool instead of this one, warm
+                self._blocked_on = [r for r in self._blocked_on if local.get(r.name) is r]
         if action.problem:
             if requests[0] is not None:
                 requests[0].handle._finish(error=TensorMismatchError(action.problem))
