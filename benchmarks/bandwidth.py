@@ -25,9 +25,13 @@ division), measured against the same ideal, which has no division in it.
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. "hvdray in place, transport alone" is the same allreduce with the engine's communicator
-called directly (no negotiation, submission or handle): the gap to "hvdray in place" is the engine's
-work around an op, paid with the cache just emptied by the previous op. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool, and
+smallest sizes. "hvdray in place, transport alone" and "hvdray out of place, transport alone" are the same
+allreduces through the shared-memory transport called directly (no negotiation, submission or handle;
+out of place into an output of the engine's pool): the gap to the engine's rows is the engine's work
+around an op, paid with the cache just emptied by the previous op. They need every rank on one node
+(else they are left out), and they go through a segment of the benchmark's own, with the transport's
+defaults, not the engine's: the engine thread runs idle ticks through its segment, which would pair with
+direct calls there in another order on each rank. Settings come from the ``HVDRAY_*`` environment, so the same run without the pool, and
 with reduced tensors moved into shared memory, are::
 
     HVDRAY_OUTPUT_POOL_MB=0 python benchmarks/bandwidth.py
@@ -65,24 +69,21 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     """Seconds per call of every implementation, and of one core's copy and add of ``size_mb``."""
     import torch
     import torch.distributed as dist
+    from torch.distributed import ReduceOp
 
     import hvdray.torch as hvd
-    from hvdray.collective.protocol import ReduceOp
     from hvdray.collective.session import engine
 
     numel = max(16, int(size_mb * (1 << 20)) // 4)
     tensor, other = torch.ones(numel), torch.ones(numel)
-    communicator = engine().comm  # every rank calls it in the same order, as the engine would after agreeing
+    outputs = engine().outputs
+    node = _transport_of_our_own()
     times = {
         "copy": timed(lambda: other.copy_(tensor), iterations),
         "copy into a fresh tensor": timed(lambda: torch.empty(numel).copy_(tensor), iterations),
         "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
-        # the engine's communicator called directly: the same op without the negotiation, the submission
-        # and the handle (what the engine's work around an op costs, not a way for users)
-        "allreduce hvdray in place, transport alone": timed(lambda: communicator.allreduce(tensor, ReduceOp.SUM),
-                                                            iterations),
         "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),
         # an average: Gloo has no such op (all_reduce, then divide); hvdray divides each rank's part as it
         # reduces it
@@ -101,7 +102,41 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     tiny = torch.ones(1)
     times["4 bytes raw gloo"] = timed(lambda: dist.all_reduce(tiny), 20)
     times["4 bytes hvdray"] = timed(lambda: hvd.allreduce_(tiny, op=hvd.Sum, name="bw.tiny"), 20)
+    if node is not None:
+        # the transport called directly: the same ops without the negotiation, the submission and the handle
+        # (what the engine's work around an op costs, not a way for users)
+        times["allreduce hvdray in place, transport alone"] = timed(
+            lambda: node.allreduce(tensor, ReduceOp.SUM), iterations)
+        times["allreduce hvdray out of place, transport alone"] = timed(
+            lambda: node.allreduce(outputs.empty_like(tensor), ReduceOp.SUM, source=tensor), iterations)
+        node.close()
     return times
+
+
+def _transport_of_our_own():
+    """The shared-memory transport of the node's ranks over a segment of the benchmark's own, with the
+    settings' defaults (cross-memory attach on, no tensors moved into shared memory); None unless every
+    rank is on this node and the transport runs here. Not the engine's: its thread runs idle ticks through
+    its segment, which would meet direct calls there in another order on each rank."""
+    import os
+
+    import hvdray.torch as hvd
+    from hvdray.collective.transport import shm
+    from hvdray.settings import Settings
+
+    size = hvd.size()
+    if hvd.local_size() != size or shm.unsupported_reason() is not None:
+        return None
+    defaults = Settings()
+    slot_bytes = shm.slot_bytes_for(int(defaults.shm_buffer_mb * (1 << 20)), size)
+    data_bytes = 2 * size * slot_bytes
+    segment = shm.Segment.create(shm.job_tag(os.urandom(32)), size, data_bytes) if hvd.local_rank() == 0 else None
+    name = hvd.broadcast_object(segment.name if segment is not None else None, root_rank=0, name="bw.segment")
+    if segment is None:
+        segment = shm.Segment.attach(name, size, data_bytes)
+    hvd.barrier()  # every rank has mapped it: the name can go
+    segment.unlink()
+    return shm.NodeCollectives(segment, hvd.local_rank(), 120.0, slot_bytes, cross_memory=defaults.cross_memory_attach)
 
 
 def ideal_seconds(collective: str, size_bytes: float, ranks: int, copy_s: float, add_s: float) -> float:
