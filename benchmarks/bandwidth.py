@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         for impl, values in samples.items():
             median = statistics.median(values)
             ratio = median / base if higher else base / median
-            print(f"{section:40s} {impl:22s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}", flush=True)
+            print(f"{section:40s} {impl:38s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}", flush=True)
 
     from hvdray import RayExecutor
 

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"section": section, "impl": impl, "median": median, "unit": unit,
                          "samples": values, "vs": baseline, "speed ratio": ratio})
             versus = f"{ratio:6.2f}x vs {baseline}" if ratio is not None else ""
-            print(f"{section:42s} {impl:30s} {median:12.4g} {unit:10s} {versus}", flush=True)
+            print(f"{section:42s} {impl:38s} {median:12.4g} {unit:10s} {versus}", flush=True)
 
     started = time.perf_counter()
     try:
