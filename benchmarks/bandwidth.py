@@ -76,8 +76,6 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
 
     numel = max(16, int(size_mb * (1 << 20)) // 4)
     tensor, other = torch.ones(numel), torch.ones(numel)
-    outputs = engine().outputs
-    node = _transport_of_our_own()
     times = {
         "copy": timed(lambda: other.copy_(tensor), iterations),
         "copy into a fresh tensor": timed(lambda: torch.empty(numel).copy_(tensor), iterations),
@@ -102,14 +100,18 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     tiny = torch.ones(1)
     times["4 bytes raw gloo"] = timed(lambda: dist.all_reduce(tiny), 20)
     times["4 bytes hvdray"] = timed(lambda: hvd.allreduce_(tiny, op=hvd.Sum, name="bw.tiny"), 20)
+    node = _transport_of_our_own()
     if node is not None:
         # the transport called directly: the same ops without the negotiation, the submission and the handle
         # (what the engine's work around an op costs, not a way for users)
-        times["allreduce hvdray in place, transport alone"] = timed(
-            lambda: node.allreduce(tensor, ReduceOp.SUM), iterations)
-        times["allreduce hvdray out of place, transport alone"] = timed(
-            lambda: node.allreduce(outputs.empty_like(tensor), ReduceOp.SUM, source=tensor), iterations)
-        node.close()
+        outputs = engine().outputs
+        try:
+            times["allreduce hvdray in place, transport alone"] = timed(
+                lambda: node.allreduce(tensor, ReduceOp.SUM), iterations)
+            times["allreduce hvdray out of place, transport alone"] = timed(
+                lambda: node.allreduce(outputs.empty_like(tensor), ReduceOp.SUM, source=tensor), iterations)
+        finally:
+            node.close()
     return times
 
 
