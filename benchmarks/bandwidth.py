@@ -117,7 +117,8 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
 
 def _transport_of_our_own():
     """The shared-memory transport of the node's ranks over a segment of the benchmark's own, with the
-    settings' defaults (cross-memory attach on, no tensors moved into shared memory); None unless every
+    settings' defaults (cross-memory attach on, a reduced tensor's pages moved into shared memory, no tensor
+    moved into torch's); None unless every
     rank is on this node and the transport runs here. Not the engine's: its thread runs idle ticks through
     its segment, which would meet direct calls there in another order on each rank."""
     import os
@@ -138,7 +139,8 @@ def _transport_of_our_own():
         segment = shm.Segment.attach(name, size, data_bytes)
     hvd.barrier()  # every rank has mapped it: the name can go
     segment.unlink()
-    return shm.NodeCollectives(segment, hvd.local_rank(), 120.0, slot_bytes, cross_memory=defaults.cross_memory_attach)
+    return shm.NodeCollectives(segment, hvd.local_rank(), 120.0, slot_bytes, cross_memory=defaults.cross_memory_attach,
+                               share_pages=defaults.share_reduced_pages)
 
 
 def ideal_seconds(collective: str, size_bytes: float, ranks: int, copy_s: float, add_s: float) -> float:

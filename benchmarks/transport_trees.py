@@ -7,14 +7,15 @@ by op: one core's copy and add (the memory ideal: S/2 at add speed plus S/2 at c
 in ``bandwidth.py``), raw ``torch.distributed`` Gloo's allreduce (a FileStore group), and the tree's
 ``NodeCollectives.allreduce`` of a private tensor in place and out of place into an output of the
 output pool (in shared memory, as the workers' are), with the settings' defaults (cross-memory attach
-on, where the tree has it). Prints, per tree and size, the median over rounds of each allreduce's
+and moving a reduced tensor's pages into shared memory on, where the tree has them). Prints, per tree and size, the median over rounds of each allreduce's
 fraction of the memory ideal and its speed against raw Gloo.
 
     python benchmarks/transport_trees.py --trees /path/to/other/tree . --sizes-mb 4 16 64 --rounds 4
 
 ``--ways`` also times, in the same processes, each way an in-place allreduce of a private tensor can take
 in the tree (forced by the ``NodeCollectives`` attributes that choose it, so only for trees that have
-them, as this one does): through the kernel's cross-memory attach, through a scratch block of shared
+them, as this one does): with the tensor's pages moved into shared memory where they lie
+(``share_reduced_pages``), through the kernel's cross-memory attach, through a scratch block of shared
 memory, through the segment's slots, and, for comparison, the same allreduce of a tensor that lives in
 torch shared memory (the shared tensors' way, ``share_reduced_tensors``):
 
@@ -38,27 +39,30 @@ _REPEATS = 5  # ops per timing: a time is the mean of these
 
 
 #: ``--ways``: each way of an in-place allreduce of a private tensor, and the NodeCollectives attributes
-#: that force it (cross-memory attach usable or not, the scratch blocks' minimum size, the shared cache)
+#: that force it (moving its pages on or off, cross-memory attach usable or not, the scratch blocks' minimum
+#: size, the shared cache)
 _WAYS = {
-    "in place, through the kernel": {"usable": True, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
-    "in place, scratch block": {"usable": False, "scratch_min_bytes": 0, "cache_bytes": 0},
-    "in place, slots": {"usable": False, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
+    "in place, its pages in shared memory": {"pages": True, "usable": False, "scratch_min_bytes": 1 << 62,
+                                             "cache_bytes": 0},
+    "in place, through the kernel": {"pages": False, "usable": True, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
+    "in place, scratch block": {"pages": False, "usable": False, "scratch_min_bytes": 0, "cache_bytes": 0},
+    "in place, slots": {"pages": False, "usable": False, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
 }
 _SHARED_WAY = "in place, tensor in shared memory"
 
 
 def _forced(node: object, way: dict[str, int], op: Callable[[], None]) -> Callable[[], None]:
     """``op`` with ``node`` set to take ``way`` (its attributes restored afterwards; every rank alike)."""
-    memory = node.cross_memory  # type: ignore[attr-defined]
+    memory, pages = node.cross_memory, node.shared_pages  # type: ignore[attr-defined]
 
     def run() -> None:
-        saved = (memory.usable, node.scratch_min_bytes, node.cache_bytes)  # type: ignore[attr-defined]
-        memory.usable, node.scratch_min_bytes, node.cache_bytes = (  # type: ignore[attr-defined]
-            way["usable"] and saved[0], way["scratch_min_bytes"], way["cache_bytes"])
+        saved = (pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes)  # type: ignore[attr-defined]
+        pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes = (  # type: ignore[attr-defined]
+            way["pages"] and saved[0], way["usable"] and saved[1], way["scratch_min_bytes"], way["cache_bytes"])
         try:
             op()
         finally:
-            memory.usable, node.scratch_min_bytes, node.cache_bytes = saved  # type: ignore[attr-defined]
+            pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes = saved  # type: ignore[attr-defined]
 
     return run
 
@@ -79,7 +83,8 @@ def _pair_main(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    options = {"cross_memory": True} if "cross_memory" in inspect.signature(NodeCollectives).parameters else {}
+    parameters = inspect.signature(NodeCollectives).parameters
+    options = {name: True for name in ("cross_memory", "share_pages") if name in parameters}
     node = NodeCollectives(shm.Segment.attach(segment, 2, data_bytes), rank, 60.0, slot_bytes, **options)
     pool = OutputPool(1 << 30, shared=True)
     results = {}
@@ -94,8 +99,9 @@ def _pair_main(
             "out of place": lambda: node.allreduce(pool.empty((numel,), torch.float32), ReduceOp.SUM, source=tensor),
         }
         if ways:
-            for name, way in _WAYS.items():
-                ops[name] = _forced(node, way, lambda: node.allreduce(tensor, ReduceOp.SUM))
+            for name, way in _WAYS.items():  # a tensor of each way's own: pages once moved stay in shared memory
+                private = torch.ones(numel)
+                ops[name] = _forced(node, way, lambda t=private: node.allreduce(t, ReduceOp.SUM))
             shared = torch.ones(numel).share_memory_()
             ops[_SHARED_WAY] = lambda: node.allreduce(shared, ReduceOp.SUM)
         for op in ops.values():

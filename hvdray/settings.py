@@ -163,6 +163,15 @@ class Settings(BaseModel):
         "tensor in shared memory is grown (resize_ to a larger size), and an alias taken before the move "
         "(tensor.numpy()) keeps the old memory.",
     )
+    share_reduced_pages: bool = Field(
+        True, description="A private tensor of 4 MiB or more that an in-place allreduce among the ranks of one node "
+        "reduces a second time (the same storage) has its whole memory pages moved into shared memory where they "
+        "lie (one copy; the same addresses, so every view and alias, tensor.numpy() included, stays valid and torch "
+        "frees and resizes it as before): from then on the node's ranks reduce straight between each other's "
+        "tensors; the bytes before its first and after its last page boundary go through the shared buffer. As with "
+        "any shared memory, a process forked afterwards shares those pages with its parent instead of copying them. "
+        "False: such tensors stay private.",
+    )
     cross_memory_attach: bool = Field(
         True, description="In flat allreduces of more than 32 KiB among the ranks of one node, each rank reads its "
         "part of its peers' tensors and writes the sums back into them through the kernel (process_vm_readv and "

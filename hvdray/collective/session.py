@@ -227,6 +227,7 @@ class Session:
             buffer_bytes=int(settings.shm_buffer_mb * (1 << 20)),
             job_tag=shm.job_tag(job.secret),
             adopt_tensors=settings.share_reduced_tensors,
+            share_pages=settings.share_reduced_pages,
             cross_memory=settings.cross_memory_attach,
         )
         try:

@@ -5,6 +5,7 @@ left in /dev/shm after a shutdown or a killed worker."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -111,6 +112,64 @@ def test_out_of_place_results_live_in_shared_memory_and_are_reduced_there(node_e
     for transport, ok, shared, blocks in node_ex.run(run):
         assert ok == [True, True]
         assert shared == [n > 1] * 3 and (blocks > 0) == (n > 1)
+
+
+def test_a_tensor_reduced_again_in_place_is_reduced_in_its_own_pages(node_ex):
+    """With the defaults, a private tensor that hvd.allreduce_ reduces again (12 MiB, larger than the 1 MiB
+    segment) has its whole pages moved into shared memory where they lie: the same address, a numpy array
+    on its memory sees every result, sums and averages stay exact, and every rank gets the same bits;
+    freed, its file closes on every rank. A job of one rank keeps private memory."""
+
+    def run():
+        import gc
+        import time
+
+        import numpy as np
+        import torch
+
+        def files():  # descriptors of the files pages moved into: this rank's own, and the peers' it maps
+            found = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    found += "memfd:hvdray-tensor-pages" in os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    pass
+            return found
+
+        hvd = checks.init()
+        n, r = hvd.size(), hvd.rank()
+        values = (torch.arange(3 << 20) % 4096).float()
+        x = values * (r + 1)
+        address = x.data_ptr()
+        ok = []
+        for i in range(4):
+            x.copy_(values * (r + 1))
+            hvd.allreduce_(x, name="in place", op=hvd.Sum if i % 2 else hvd.Average)
+            want = values * (n * (n + 1) // 2) / (1 if i % 2 else n)
+            seen = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_float * x.numel()).from_address(address)))
+            ok.append(torch.equal(x, want) and x.data_ptr() == address and torch.equal(seen, want))
+        y = torch.from_numpy(np.random.default_rng(r).standard_normal(3 << 20)).float()
+        for _ in range(3):
+            hvd.allreduce_(y, name="floats", op=hvd.Sum)
+        mapped = files()
+        del x, seen
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # every rank alike: until x's file is gone from every rank
+            gone = torch.tensor([float(files() == mapped - n)])
+            if hvd.allreduce(gone, name="gone", op=hvd.Min).item():
+                break
+            time.sleep(0.2)
+        return checks.transport(), ok, mapped, files(), y.numpy().tobytes()
+
+    n = node_ex.num_workers
+    results = node_ex.run(run)
+    for transport, ok, mapped, after, _ in results:
+        assert ok == [True] * 4
+        # every rank's x and y moved: each rank holds its own two files and maps its peers'; once x is freed, its
+        # file and every peer's mapping of it are closed within a second or two
+        assert (mapped, after) == ((2 * n, n) if transport == "shm" else (0, 0))
+    assert len({y for *_, y in results}) == 1
 
 
 def test_shm_transport_off_uses_gloo(make_executor):

@@ -3,6 +3,7 @@ failure modes, the node collectives against numpy in real processes, the transpo
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_
 from hvdray.collective.transport.shm import barrier, segment, shared_storage
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
+from hvdray.collective.transport.shm.shared_tensors import PAGES_SLOT_BYTES
 from hvdray.settings import make_settings
 
 pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
@@ -1021,6 +1023,174 @@ def test_private_tensors_reduced_again_move_into_shared_memory(local_size):
     assert len({r[1] for r in results}) == 1
 
 
+def _memfds():
+    """The open descriptors of files that a tensor's pages moved into (this process's, or mapped peers')."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "hvdray-tensor-pages" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.append(fd)
+        except OSError:
+            pass
+    return found
+
+
+def _on_another_page_offset(n, offset):
+    """A fresh float32 tensor of ``n`` whose address is not ``offset`` bytes into a page: glibc serves it
+    from its heap (anywhere) once a freed larger block has raised its mmap threshold."""
+    held = []
+    pad = torch.empty(4 * n)
+    del pad
+    t = torch.empty(n)
+    while t.data_ptr() % 4096 == offset and len(held) < 16:
+        held.append(t)
+        t = torch.empty(n)
+    return t
+
+
+def _pages_of_tensors_reduced_again(node, rank, size):
+    """share_reduced_pages: an allreduce of a private tensor (in place, or an out-of-place input) reduced a
+    second time moves its whole pages into shared memory where they lie; from then on the slots carry only
+    the bytes outside them."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    node.shared_pages = SharedPages(True)
+    pages = node.shared_pages
+    n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001  # a tail beyond the last whole page
+    checks = {}
+    t = _inputs(rank, torch.float32, n) if rank == 0 else _on_another_page_offset(n, 64)
+    address, head = t.data_ptr(), -t.data_ptr() % 4096
+    t.copy_(_inputs(rank, torch.float32, n))
+    view = t[n // 2 :]
+    checks["first stays private"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 0
+    t.copy_(_inputs(rank, torch.float32, n))
+    checks["second moves"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1 and len(pages) == 1
+    checks["same address"] = t.data_ptr() == address and view.data_ptr() == address + (n // 2) * 4
+    raw = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
+    node.barrier.wait()
+    for half in range(2):  # mark the slots beyond the edges and the output's place that this way uses
+        at = node._slot_offset(half, rank) + PAGES_SLOT_BYTES
+        node._data[at : node._slot_offset(half, rank) + node.slot_bytes] = 0xAB
+    t.copy_(_inputs(rank, torch.float32, n))
+    checks["third"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1
+    checks["slots beyond the edges untouched"] = all(
+        bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
+              == 0xAB).all()) for h in range(2))
+    checks["raw alias and view see the result"] = (
+        torch.equal(torch.from_numpy(raw), t) and torch.equal(view, t[n // 2 :]))  # (t.numpy() would pin its size)
+    # an out-of-place input reduced again: its pages move too; every rank reduces all inputs into its output
+    source = _on_another_page_offset(n, 64) if rank == 1 else torch.empty(n)
+    source.copy_(_inputs(rank, torch.float32, n))
+    for i, out in enumerate((torch.empty(n), torch.empty(n), torch.empty(n).share_memory_(), torch.empty(n))):
+        if i == 2:
+            _mark_own_slots(node, rank)
+        checks[f"out of place {i}"] = _reduce_and_check(node, rank, size, out, n, source) and pages.moved == (
+            1 if i == 0 else 2)
+        if i == 2:
+            checks["out of place: slots beyond the edges untouched"] = all(
+                bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
+                      == 0xAB).all()) for h in range(2))
+    checks["out of place: input kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
+    # every dtype the reductions take (bfloat16 and float16 through torch), and a finish on every element once
+    for dtype in (torch.float64, torch.bfloat16, torch.int32, torch.uint8):
+        m = shared_storage.ADOPT_MIN_BYTES // torch.tensor([], dtype=dtype).element_size() + 777
+        x = torch.empty(m, dtype=dtype)
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.SUM):
+            x.copy_(_inputs(rank, dtype, m))
+            node.allreduce(x, op)
+            stack = np.stack([_inputs(r, dtype, m).double().numpy() for r in range(size)])
+            checks[f"{dtype} {op}"] = np.array_equal(x.double().numpy(), OPS[op](stack, axis=0))
+        x.copy_(_inputs(rank, dtype, m) * 2)
+        node.allreduce(x, ReduceOp.SUM, finish=lambda parts: [p.div_(2, rounding_mode="trunc") for p in parts])
+        checks[f"{dtype} finished once"] = torch.equal(x, sum(_inputs(r, dtype, m) for r in range(size)).to(dtype))
+    # floats in random order: the same bits on every rank
+    y = torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float()
+    for _ in range(3):
+        y.copy_(torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float())
+        node.allreduce(y, ReduceOp.SUM)
+    # grown after the move: torch allocates anew and frees the moved pages; no crash, still right
+    t.resize_(n + 4096)
+    t.copy_(_inputs(rank, torch.float32, n + 4096))
+    checks["grown"] = _reduce_and_check(node, rank, size, t, n + 4096)
+    t.copy_(_inputs(rank, torch.float32, n + 4096))
+    checks["grown, moved again"] = _reduce_and_check(node, rank, size, t, n + 4096) and pages.moved == 7
+    # freed: its files close (the one before it grew, the one after); a new tensor at the same address is new
+    before = len(pages)
+    del t, view, raw
+    u = torch.empty(n + 4096)
+    u.copy_(_inputs(rank, torch.float32, n + 4096))
+    checks["a new tensor where one was"] = _reduce_and_check(node, rank, size, u, n + 4096) and pages.moved == 7
+    checks["its files closed"] = len(pages) == before - 2
+    # a rank whose tensor is new every time: the ranks disagree and take the slots, rightly
+    kept = _inputs(rank, torch.float32, n)
+    for _ in range(3):
+        mixed = kept if rank == 0 else _inputs(rank, torch.float32, n)
+        mixed.copy_(_inputs(rank, torch.float32, n))
+        checks["mixed"] = _reduce_and_check(node, rank, size, mixed, n)
+    return checks, head, y.numpy().tobytes()
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_pages_of_private_tensors_reduced_again_move_into_shared_memory_where_they_lie(local_size):
+    results = _run_node(local_size, _pages_of_tensors_reduced_again, slot_bytes=1 << 20)
+    for checks, _, _ in results:
+        assert all(checks.values()), checks
+    assert len({head for _, head, _ in results}) > 1  # the ranks' tensors start at different page offsets
+    assert len({y for _, _, y in results}) == 1
+
+
+def test_a_tensor_whose_pages_are_no_longer_the_file_is_not_taken_for_the_moved_one():
+    """What a resize that lands at the old address, or a freed tensor's address reused, leaves behind: the
+    same address, other pages. Each use checks the pages are still the file's before publishing it."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    pages = SharedPages(True)
+    t = torch.arange(shared_storage.ADOPT_MIN_BYTES // 4 + 1001, dtype=torch.float32)
+    assert pages.place(t) is None  # the first reduction
+    moved = pages.place(t)
+    assert moved is not None and pages.moved == 1 and pages.place(t) == moved
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
+    os.pwrite(moved.fd, b"\0" * 8, 0)  # the file is the tensor's memory: a write through it shows there
+    assert t[moved.head // 4].item() == 0 and t[moved.head // 4 + 2].item() == moved.head // 4 + 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    at = t.data_ptr() + moved.head
+    fixed_private_anonymous = 0x10 | 0x02 | 0x20
+    assert libc.mmap(at, moved.interior, 3, fixed_private_anonymous, -1, 0) == at  # fresh private pages there
+    again = pages.place(t)
+    assert again is None and len(pages) == 0  # not the old file; the next reduction counts as a first
+    moved_again = pages.place(t)
+    assert moved_again is not None and pages.moved == 2 and len(pages) == 1
+    pages.clear()
+    lo, hi = moved.head // 4, (moved.head + moved.interior) // 4
+    assert len(pages) == 0 and not t[lo:hi].any()  # the fresh pages were zero, and are still the tensor's memory
+    assert torch.equal(t[:lo], torch.arange(lo, dtype=torch.float32))  # the head never moved
+
+
+def _pages_stay_private(node, rank, size):
+    """Off by default; small slots, small tensors, views and numpy's memory never move."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    checks = {"off by default": not node.shared_pages.enabled}
+    n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001
+    node.shared_pages = SharedPages(True)
+    whole = torch.zeros(n + 16)
+    aliased = torch.from_numpy(np.zeros(n, dtype=np.float32))
+    small = torch.zeros(n // 2)
+    for t, name in ((whole[16:], "view"), (aliased, "numpy memory"), (small, "small")):
+        for _ in range(3):
+            t.copy_(_inputs(rank, torch.float32, t.numel()))
+            checks[name] = _reduce_and_check(node, rank, size, t, t.numel())
+    checks["none moved"] = node.shared_pages.moved == 0 and _memfds() == []
+    return checks
+
+
+def test_pages_stay_private_where_they_must():
+    for checks in _run_node(2, _pages_stay_private, slot_bytes=1 << 20):
+        assert all(checks.values()), checks
+
+
 def _adoption_declined(node, rank, size):
     """No move without room in /dev/shm for the tensor and the headroom, nor with the setting off."""
     n = shared_storage.ADOPT_MIN_BYTES // 4
@@ -1348,6 +1518,9 @@ def test_transport_settings_defaults_env_and_validation(monkeypatch):
     assert (s.shm_transport, s.hierarchical_allreduce, s.shm_buffer_mb) == (False, None, 8.0)
     monkeypatch.setenv("HVDRAY_HIERARCHICAL_ALLREDUCE", "true")
     assert make_settings().hierarchical_allreduce is True
+    assert make_settings().share_reduced_pages is True
+    monkeypatch.setenv("HVDRAY_SHARE_REDUCED_PAGES", "false")
+    assert make_settings().share_reduced_pages is False
     for kwargs, field in [({"shm_transport": "maybe"}, "shm_transport"), ({"shm_buffer_mb": 0.5}, "shm_buffer_mb"),
                           ({"hierarchical_allreduce": "sometimes"}, "hierarchical_allreduce")]:
         with pytest.raises(ValueError, match=field):

@@ -184,7 +184,8 @@ class Communicator:
                     raise shm.SharedMemoryError("local rank 0 could not create the node's segment")
                 segment = shm.Segment.attach(name, info.local_size, data_bytes)
             return shm.NodeCollectives(
-                segment, info.local_rank, timeout_s, slot_bytes, transport.adopt_tensors, transport.cross_memory)
+                segment, info.local_rank, timeout_s, slot_bytes, transport.adopt_tensors, transport.cross_memory,
+                transport.share_pages)
         except Exception as exc:  # noqa: BLE001 - any failure here means plain Gloo for everyone
             log.warning(
                 "rank %d cannot use the shared-memory transport (%s); the job falls back to Gloo. "

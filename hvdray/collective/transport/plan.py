@@ -23,6 +23,7 @@ class TransportOptions:
     buffer_bytes: int = 32 << 20
     job_tag: str = ""
     adopt_tensors: bool = False  # share_reduced_tensors: see shm.SharedMemoryAdoption
+    share_pages: bool = True  # share_reduced_pages: see shm.shared_pages
     cross_memory: bool = True  # cross_memory_attach: see shm.cross_memory
 
 

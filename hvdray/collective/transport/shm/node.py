@@ -17,7 +17,8 @@ Two variants live beside this module: a list of tensors that fits one slot (``fu
 fused gradients, copied straight between the tensors and the slots) and tensors or blocks that every
 local rank holds in torch shared memory (``shared_tensors.py``: reduced without the slots), among them
 the outputs of out-of-place allreduces and the scratch blocks of in-place ones of
-:data:`SCRATCH_MIN_BYTES` and more. Where the kernel lets the local ranks read and write each other's
+:data:`SCRATCH_MIN_BYTES` and more, and private tensors reduced again whose pages moved into shared
+memory where they lie (``shared_pages.py``). Where the kernel lets the local ranks read and write each other's
 memory (``cross_memory.py``), flat allreduces of private tensors over ``SMALL_ALLREDUCE_BYTES`` take
 neither (but out of place into outputs in shared memory): each rank reads its part of the peers'
 tensors and writes the sums back into them.
@@ -50,6 +51,7 @@ from hvdray.collective.transport.shm.segment import (
     PRIVATE,
     SHARED_INPUT,
     SHARED_OUTPUT,
+    SHARED_PAGES,
     PeerAddresses,
     Segment,
     SharedMemoryError,
@@ -61,11 +63,15 @@ from hvdray.collective.transport.shm.shared_storage import (
     SharedMemoryAdoption,
     shared_place,
 )
+from hvdray.collective.transport.shm.shared_pages import SharedPages
 from hvdray.collective.transport.shm.shared_tensors import (
     allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
+    allreduce_shared_pages,
     allreduce_shared_tensors,
+    PAGES_SLOT_BYTES,
+    copy_edges,
     copy_peers_parts,
     reducescatter_shared_inputs,
 )
@@ -112,7 +118,7 @@ class NodeCollectives:
 
     def __init__(
         self, segment: Segment, local_rank: int, timeout_s: float, slot_bytes: int, adopt_tensors: bool = False,
-        cross_memory: bool = False,
+        cross_memory: bool = False, share_pages: bool = False,
     ) -> None:
         self.segment = segment
         self.local_rank = local_rank
@@ -129,6 +135,9 @@ class NodeCollectives:
             PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
         #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
+        #: moves the pages of private tensors an in-place allreduce reduces again into shared memory, where
+        #: they lie, if asked (shared_pages.py); needs room for a page from each end of a tensor in a slot
+        self.shared_pages = SharedPages(share_pages and slot_bytes >= PAGES_SLOT_BYTES)
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)
         self.scratch_min_bytes = SCRATCH_MIN_BYTES
@@ -155,6 +164,7 @@ class NodeCollectives:
             self._layouts.clear()
             self.peer_tensors.clear()
             self.scratch.clear()
+            self.shared_pages.clear()
             self._data = None
             self._base = 0
             self.segment.close()
@@ -176,6 +186,8 @@ class NodeCollectives:
                 raise
             if self.peer_tensors:
                 self.peer_tensors.drop_released_now_and_then()
+            if self.shared_pages:
+                self.shared_pages.close_gone_now_and_then()
 
     def slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""
@@ -252,13 +264,20 @@ class NodeCollectives:
         place = self.adoption.place(source) if source is flat or cross is None else None
         # every rank asks for the same ops (the first such op checks the kernel with the peers)
         crossing = cross is None and self._cross_memory_ready()
-        # where the peers read this rank's parts and write their sums, when its input is private: out of
-        # place, its output if in shared memory (the output pool's are, where the node's ranks share memory);
-        # in place, a scratch block of shared memory when every rank's tensor and block stay in the shared
-        # cache (user-space copies there outrun the kernel's, which take each page in turn), else its own
-        # tensors through the kernel; else (the kernel refuses) in place a scratch block all the same
-        exposed, what, published = None, SHARED_INPUT, place
-        if place is None:
+        # where the peers read this rank's parts (and in place write their sums), when its input is private: its
+        # input's own pages once moved into shared memory (shared_pages.py); out of place, its output if
+        # in shared memory (the output pool's are, where the node's ranks share memory); in place, a scratch
+        # block of shared memory when every rank's tensor and block stay in the shared cache (user-space
+        # copies there outrun the kernel's, which take each page in turn), else its own tensors through the
+        # kernel; else (the kernel refuses) in place a scratch block all the same
+        exposed, what, published, prepare = None, SHARED_INPUT, place, None
+        pieces = self._pieces(flat.numel(), flat.element_size())
+        half = self.next_half()
+        pages = self.shared_pages.place(source) if place is None and cross is None else None
+        if pages is not None:
+            what, published = SHARED_PAGES, pages
+            prepare = lambda h=half: copy_edges(source, self.slot_views(torch.uint8)[h][self.local_rank])  # noqa: E731
+        elif place is None:
             what = PRIVATE
             out_place = shared_place(flat) if cross is None and source is not flat else None
             if out_place is not None:
@@ -272,15 +291,15 @@ class NodeCollectives:
                 elif crossing:
                     exposed, what = None, CROSS_MEMORY
                     published = PeerAddresses(source.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size())
-        pieces = self._pieces(flat.numel(), flat.element_size())
-        half = self.next_half()
-        agreed = self._agree_on_places(
-            what, published, lambda h=half: self._expose(source, pieces[0], h),
-            lambda: copy_peers_parts(self, exposed, source, pieces))
+            if what == SHARED_OUTPUT:
+                prepare = lambda: copy_peers_parts(self, exposed, source, pieces)  # noqa: E731
+        agreed = self._agree_on_places(what, published, lambda h=half: self._expose(source, pieces[0], h), prepare)
         if agreed is not None:
             what, places = agreed
             if what == CROSS_MEMORY:
                 allreduce_cross_memory(self, flat, source, places, pieces, reducer, finish)
+            elif what == SHARED_PAGES:
+                allreduce_shared_pages(self, flat, source, places, self.slot_views(torch.uint8)[half], reducer, finish)
             elif what == SHARED_OUTPUT:
                 allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish, exposed)
                 if exposed is not flat:  # in place: the peers' sums wait in the scratch block
@@ -338,21 +357,21 @@ class NodeCollectives:
 
     def _agree_on_places(
         self, what: int, place: Optional[tuple[int, ...]], expose_first: Callable[[], None],
-        prepare_output: Optional[Callable[[], None]] = None,
+        prepare: Optional[Callable[[], None]] = None,
     ) -> Optional[tuple[int, list]]:
         """The first round of an op that may go straight between the ranks' tensors: publish ``what`` way
         this rank can take and ``place`` (its input in shared memory, :data:`SHARED_INPUT`; its output there,
-        :data:`SHARED_OUTPUT`; its input's and output's addresses, :data:`CROSS_MEMORY`; None with
-        :data:`PRIVATE`); when private, ``expose_first()`` its first piece into the slots, with a shared
-        output ``prepare_output()`` (if given: what the direct path needs before the barrier); then wait for
-        every rank. Returns what every rank published and where, when all published the same direct way
-        (the caller takes it), else None once the first piece of every rank is in the slots (ranks that
-        skipped it expose it now, then one more barrier)."""
+        :data:`SHARED_OUTPUT`; its input's and output's addresses, :data:`CROSS_MEMORY`; its tensor's whole
+        pages in shared memory, :data:`SHARED_PAGES`; None with :data:`PRIVATE`); when private,
+        ``expose_first()`` its first piece into the slots, else ``prepare()`` (if given: what the direct way
+        needs before the barrier); then wait for every rank. Returns what every rank published and where,
+        when all published the same direct way (the caller takes it), else None once the first piece of
+        every rank is in the slots (ranks that skipped it expose it now, then one more barrier)."""
         self.segment.publish_tensor(self.local_rank, place, what)
         if what == PRIVATE:
             expose_first()
-        elif what == SHARED_OUTPUT and prepare_output is not None:
-            prepare_output()
+        elif prepare is not None:
+            prepare()
         self.barrier.wait()
         published = [self.segment.published_tensor(r) for r in range(self.local_size)]
         kinds = {kind for kind, _ in published}

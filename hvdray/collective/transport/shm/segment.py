@@ -40,8 +40,10 @@ OTHER_JOBS_STALE_S = 3600.0
 HEADER_BYTES = 4096
 #: what a rank publishes for its op (:meth:`Segment.publish_tensor`): nothing in shared memory, its input
 #: there, only its output there, or where its input and output lie in its own memory (for the peers to
-#: read and write through the kernel: ``cross_memory.py``)
-PRIVATE, SHARED_INPUT, SHARED_OUTPUT, CROSS_MEMORY = 0, 1, 2, 3
+#: read and write through the kernel: ``cross_memory.py``), or where its tensor's whole pages lie in shared
+#: memory (``shared_pages.py``)
+PRIVATE, SHARED_INPUT, SHARED_OUTPUT, CROSS_MEMORY, SHARED_PAGES = 0, 1, 2, 3, 4
+PAGE_BYTES = mmap.PAGESIZE
 _MAGIC = 0x68766472  # "hvdr"
 #: syscall numbers of futex(2); the counters' memory ordering also relies on x86-64's total store order
 SYS_FUTEX = {"x86_64": 202, "amd64": 202}
@@ -193,11 +195,12 @@ class Segment:
                 pass
 
     def publish_tensor(
-        self, local_rank: int, place: Optional[Union["TensorPlace", "PeerAddresses"]], what: int,
+        self, local_rank: int, place: Optional[Union["TensorPlace", "PeerAddresses", "PagesPlace"]], what: int,
     ) -> None:
         """Say in ``local_rank``'s control block where its next op's tensor lives: ``place`` is its input
-        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory, or the addresses of
-        its input and output in its own memory (:data:`CROSS_MEMORY`); None: private, and neither.
+        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory, the addresses of
+        its input and output in its own memory (:data:`CROSS_MEMORY`), or where its tensor's whole pages
+        lie in shared memory (:data:`SHARED_PAGES`); None: private, and neither.
         Peers read it after the op's first barrier (:meth:`published_tensor`)."""
         at = _token_qword(local_rank)
         if place is None:
@@ -206,7 +209,9 @@ class Segment:
             self._qwords[at + 1 : at + 1 + len(place)] = array.array("Q", place)
             self._qwords[at] = what
 
-    def published_tensor(self, local_rank: int) -> tuple[int, Optional[Union["TensorPlace", "PeerAddresses"]]]:
+    def published_tensor(
+        self, local_rank: int,
+    ) -> tuple[int, Optional[Union["TensorPlace", "PeerAddresses", "PagesPlace"]]]:
         """What ``local_rank`` last published with :meth:`publish_tensor`: which tensor, and where."""
         at = _token_qword(local_rank)
         what = self._qwords[at]
@@ -214,6 +219,8 @@ class Segment:
             return PRIVATE, None
         if what == CROSS_MEMORY:
             return what, PeerAddresses(*self._qwords[at + 1 : at + 4])
+        if what == SHARED_PAGES:
+            return what, PagesPlace(*self._qwords[at + 1 : at + 6])
         return what, TensorPlace(*self._qwords[at + 1 : at + 6])
 
     def buffer(self) -> memoryview:
@@ -257,7 +264,31 @@ class PeerAddresses(NamedTuple):
     nbytes: int
 
 
-def check_published_sizes(published: "list[TensorPlace] | list[PeerAddresses]", local_rank: int, nbytes: int) -> None:
+class PagesPlace(NamedTuple):
+    """Where a rank's private tensor's whole pages lie in shared memory (``shared_pages.py``): the owner's
+    pid, the file's descriptor in that process and its inode (as in :class:`TensorPlace`), ``head``: how
+    many bytes of the tensor lie before its first page boundary (where the file starts), and the tensor's
+    size in bytes."""
+
+    pid: int
+    fd: int
+    inode: int
+    head: int
+    nbytes: int
+
+    @property
+    def interior(self) -> int:
+        """How many bytes of the tensor lie in the file: its whole pages."""
+        return max(0, (self.nbytes - self.head) // PAGE_BYTES * PAGE_BYTES)
+
+    def span(self, start: int, stop: int) -> TensorPlace:
+        """The tensor's bytes ``start:stop``, which must lie in its whole pages, as a place in the file."""
+        if not self.head <= start <= stop <= self.head + self.interior:
+            raise ValueError(f"bytes {start}:{stop} do not lie in the whole pages of the tensor ({self})")
+        return TensorPlace(self.pid, self.fd, self.inode, start - self.head, stop - start)
+
+
+def check_published_sizes(published: "list[TensorPlace] | list[PeerAddresses] | list[PagesPlace]", local_rank: int, nbytes: int) -> None:
     """Raise :class:`SharedMemoryError` unless every local rank published a tensor of ``nbytes`` bytes,
     this rank's (``local_rank``) size: a direct way between the ranks' tensors must not read or write past one."""
     for rank, place in enumerate(published):

@@ -9,7 +9,8 @@
 - :func:`map_peer_storage` and :class:`PeerTensors`: a local peer's storage mapped through
   ``/proc/<pid>/fd``, and the few that stay mapped between ops.
 - :class:`SharedMemoryAdoption`: moving a private tensor that is reduced again and again into shared
-  memory (``share_reduced_tensors``).
+  memory (``share_reduced_tensors``); :class:`RecentStorages`: noticing a storage's second reduction
+  (for it and ``shared_pages.py``).
 - :func:`room_in_shared_memory`: whether ``/dev/shm`` keeps room for more.
 """
 
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.multiprocessing
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
 
@@ -135,7 +137,7 @@ class SharedMemoryAdoption:
         self.adopted = 0  # tensors moved into shared memory (for tests and benchmarks)
         self._peer_pids = peer_pids
         self._shm_dir = shm_dir
-        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._recent = RecentStorages()
         self._peers_open: Optional[bool] = None
 
     def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
@@ -158,14 +160,7 @@ class SharedMemoryAdoption:
             return False
         if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
             return False
-        key = (flat.data_ptr(), nbytes)
-        if key in self._recent:
-            del self._recent[key]
-            return True
-        self._recent[key] = None
-        while len(self._recent) > _RECENT_STORAGES:
-            self._recent.popitem(last=False)
-        return False
+        return self._recent.seen_before(flat)
 
     def _room_for(self, nbytes: int) -> bool:
         return room_in_shared_memory(nbytes, self._shm_dir)
@@ -182,6 +177,28 @@ class SharedMemoryAdoption:
             except OSError:
                 self._peers_open = False
         return self._peers_open
+
+
+class RecentStorages:
+    """The storages reduced lately, to notice a storage's second reduction: by the tensor's address and
+    size, and the storage itself (weakly), so that a new tensor at a freed one's address is not taken
+    for it. The last :data:`_RECENT_STORAGES` are kept."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[tuple[int, int], StorageWeakRef] = OrderedDict()
+
+    def seen_before(self, flat: torch.Tensor) -> bool:
+        """True at the second reduction of ``flat``'s storage (as a tensor of this address and size), which
+        starts the count again; else remembers this one."""
+        key = (flat.data_ptr(), flat.numel() * flat.element_size())
+        storage = StorageWeakRef(flat.untyped_storage())
+        seen = self._seen.pop(key, None)
+        if seen is not None and seen == storage and not seen.expired():
+            return True
+        self._seen[key] = storage
+        while len(self._seen) > _RECENT_STORAGES:
+            self._seen.popitem(last=False)
+        return False
 
 
 def room_in_shared_memory(nbytes: int, shm_dir: str = "/dev/shm") -> bool:

@@ -21,8 +21,12 @@ it in every rank's output (:func:`allreduce_shared_outputs`), and an allgather w
 tensor straight into every rank's output (:func:`allgather_shared_outputs`). An in-place allreduce of
 private tensors takes the allreduce's way through a scratch block of shared memory per rank
 (:class:`~hvdray.collective.transport.shm.shared_storage.ScratchBlocks`) and copies the peers' sums
-out of it at the end. Where tensors live, and how a
-rank maps its peers', is ``shared_storage.py``'s.
+out of it at the end, until it is reduced a second time: then (``share_reduced_pages``, on by default)
+its whole pages move into shared memory where they lie
+(:class:`~hvdray.collective.transport.shm.shared_pages.SharedPages`), and from then on it is reduced
+straight between the ranks' tensors, only the bytes outside those pages going through the slots
+(:func:`allreduce_shared_pages`); so is an out-of-place input. Where tensors live, and how a rank maps
+its peers', is ``shared_storage.py``'s and ``shared_pages.py``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ import torch
 
 from hvdray.collective.transport.reductions import block_operands, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import TensorPlace, check_published_sizes
+from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
+
+#: the slot an allreduce of tensors whose pages moved into shared memory needs (allreduce_shared_pages)
+PAGES_SLOT_BYTES = 2 * PAGE_BYTES
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
@@ -45,14 +52,72 @@ def allreduce_shared_tensors(
     node: "NodeCollectives", flat: torch.Tensor, places: list[TensorPlace], reducer: Callable[..., torch.Tensor],
     cross: Optional["CrossReduce"], finish: Optional["Finish"] = None,
 ) -> None:
-    """Every local rank's tensor lives in shared memory: no slots, no second barrier. Each rank
-    reduces its part block by block (its own block plus that block of every peer's tensor) and
-    writes the sum, still in the core's cache, into every peer's tensor; the ranks touch disjoint
-    parts, so the only wait is the last barrier, after which every tensor holds the whole result.
-    With ``cross`` the part is reduced whole, handed to it, then written to the peers. ``finish`` runs
-    on each reduced block (after ``cross``) before it is written to the peers."""
-    me, size, isz = node.local_rank, node.local_size, flat.element_size()
-    views = _every_ranks_tensor(node, flat, places)
+    """Every local rank's tensor lives in shared memory: no slots, no second barrier
+    (:func:`_reduce_parts_into_every_tensor`)."""
+    _reduce_parts_into_every_tensor(node, _every_ranks_tensor(node, flat, places), reducer, cross, finish)
+
+
+def allreduce_shared_pages(
+    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace],
+    slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
+) -> None:
+    """Every local rank's input (``source``; in place, ``out`` itself) with its whole pages in shared memory
+    (``shared_pages.py``: ``places``, in rank order), and its first and last :data:`PAGE_BYTES` copied to the
+    start of its slot before the op's first barrier (:func:`copy_edges`; ``slots``: every rank's, as
+    bytes). The elements that lie in every rank's whole pages are reduced as between tensors in shared
+    memory: in place each rank reduces its part and writes it into every peer's tensor (as
+    :func:`allreduce_shared_tensors` does), out of place each rank reduces all of them into its own output
+    (as :func:`allreduce_shared_inputs` does). The few before and after them (less than a page at each
+    end), which share their pages with other memory and stay private, every rank reduces for itself from
+    the slots, in rank order. Every rank gets the same bits. One barrier, at the end."""
+    me, isz, numel = node.local_rank, out.element_size(), out.numel()
+    check_published_sizes(places, me, numel * isz)
+    lo = -(-max(place.head for place in places) // isz)
+    hi = min(place.head + place.interior for place in places) // isz
+    page = PAGE_BYTES // isz
+    tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
+    reduce, (mine, *edges) = block_operands(reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
+    with np.errstate(all="ignore"):
+        for own, theirs in ((mine[:lo], [edge[:lo] for edge in edges]), (mine[hi:], [edge[tail] for edge in edges])):
+            if len(own):
+                reduce_in_order(reduce, theirs[0], theirs[1:], own)
+                if finish is not None:
+                    finish([torch.as_tensor(own)])
+    inputs = [
+        source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
+        for rank, place in enumerate(places)
+    ]
+    if source is out:
+        _reduce_parts_into_every_tensor(node, inputs, reducer, None, finish)
+        return
+    interior = out[lo:hi]
+    reduce_in_order(reducer, inputs[0], inputs[1:], interior)
+    if finish is not None:
+        finish([interior])
+    node.barrier.wait()
+
+
+def copy_edges(source: torch.Tensor, slot: torch.Tensor) -> None:
+    """Put ``source``'s first and last :data:`PAGE_BYTES` (it has at least twice that) at the start of
+    ``slot`` (bytes), one after the other: what :func:`allreduce_shared_pages` reads from a rank's slot."""
+    nbytes = source.numel() * source.element_size()
+    memmove(slot.data_ptr(), source.data_ptr(), PAGE_BYTES)
+    memmove(slot.data_ptr() + PAGE_BYTES, source.data_ptr() + nbytes - PAGE_BYTES, PAGE_BYTES)
+
+
+def _reduce_parts_into_every_tensor(
+    node: "NodeCollectives", views: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+    cross: Optional["CrossReduce"], finish: Optional["Finish"],
+) -> None:
+    """``views``: every local rank's tensor (of one size), in rank order, this rank's its own. Each rank
+    reduces its part block by block (its own block plus that block of every peer's tensor) and writes the
+    sum, still in the core's cache, into every peer's tensor; the ranks touch disjoint parts, so the only
+    wait is the last barrier, after which every tensor holds the whole result. With ``cross`` the part is
+    reduced whole, handed to it, then written to the peers. ``finish`` runs on each reduced block (after
+    ``cross``) before it is written to the peers."""
+    me, size = node.local_rank, node.local_size
+    flat = views[me]
+    isz = flat.element_size()
     peers = [view for rank, view in enumerate(views) if rank != me]
     bounds = part_bounds(flat.numel(), size, isz)
     lo, hi = bounds[me], bounds[me + 1]
