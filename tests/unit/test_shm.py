@@ -1168,6 +1168,27 @@ def test_a_tensor_whose_pages_are_no_longer_the_file_is_not_taken_for_the_moved_
     assert torch.equal(t[:lo], torch.arange(lo, dtype=torch.float32))  # the head never moved
 
 
+def test_a_process_forked_after_the_move_shares_the_moved_pages():
+    """What the setting's description warns of: pages in shared memory stay shared with a forked child
+    (written there, seen here), while the bytes outside them are copied on write as private memory is."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    pages = SharedPages(True)
+    t = torch.zeros(shared_storage.ADOPT_MIN_BYTES // 4 + 1001)
+    pages.place(t)
+    moved = pages.place(t)
+    assert moved is not None
+    lo = moved.head // 4
+    child = os.fork()
+    if child == 0:  # write one element in the moved pages and the last one (in the tail), then leave at once
+        t[lo] = 7.0
+        t[-1] = 7.0
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert (t[lo].item(), t[-1].item()) == (7.0, 0.0)
+    pages.clear()
+
+
 def _pages_stay_private(node, rank, size):
     """Off by default; small slots, small tensors, views and numpy's memory never move."""
     from hvdray.collective.transport.shm.shared_pages import SharedPages
