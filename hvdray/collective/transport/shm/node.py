@@ -63,7 +63,7 @@ from hvdray.collective.transport.shm.shared_storage import (
     SharedMemoryAdoption,
     shared_place,
 )
-from hvdray.collective.transport.shm.shared_pages import SharedPages
+from hvdray.collective.transport.shm.shared_pages import SHARED_PAGES_KEPT, SharedPages
 from hvdray.collective.transport.shm.shared_tensors import (
     allgather_shared_outputs,
     allreduce_shared_inputs,
@@ -132,7 +132,7 @@ class NodeCollectives:
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
         self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped for shared_tensors.py
-            PEER_STORAGES_PER_RANK * max(1, self.local_size - 1))
+            (PEER_STORAGES_PER_RANK + SHARED_PAGES_KEPT) * max(1, self.local_size - 1))
         #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
         #: moves the pages of private tensors an in-place allreduce reduces again into shared memory, where

@@ -37,8 +37,9 @@ from hvdray.collective.transport.shm.shared_storage import ADOPT_MIN_BYTES, RELE
 
 log = logging.getLogger(__name__)
 
-#: how many storages keep their moved pages' files open (least recently reduced first out)
-SHARED_PAGES_KEPT = 16
+#: how many storages keep their moved pages' files open (least recently reduced first out): a loop over more
+#: large tensors than this moves each again at every second reduction (a copy), and the peers map it anew
+SHARED_PAGES_KEPT = 64
 
 _MAP_FIXED = 0x10  # Linux; Python's mmap module does not export it
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)

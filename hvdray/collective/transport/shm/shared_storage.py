@@ -39,8 +39,9 @@ RELEASE_CHECK_S = 1.0
 ADOPT_MIN_BYTES = 4 << 20
 #: /dev/shm must keep this much free beside a tensor moved into it
 SHM_HEADROOM_BYTES = 256 << 20
-#: how many recently reduced storages are remembered to notice the second reduction of one
-_RECENT_STORAGES = 16
+#: how many recently reduced storages are remembered to notice the second reduction of one (a loop over more
+#: large tensors than this never reduces one a second time while it is remembered)
+_RECENT_STORAGES = 64
 
 
 def map_peer_storage(place: TensorPlace) -> mmap.mmap:
