@@ -132,7 +132,7 @@ def _transport_of_our_own():
         return None
     defaults = Settings()
     slot_bytes = shm.slot_bytes_for(int(defaults.shm_buffer_mb * (1 << 20)), size)
-    data_bytes = 2 * size * slot_bytes
+    data_bytes = shm.data_bytes_for(slot_bytes, size)
     segment = shm.Segment.create(shm.job_tag(os.urandom(32)), size, data_bytes) if hvd.local_rank() == 0 else None
     name = hvd.broadcast_object(segment.name if segment is not None else None, root_rank=0, name="bw.segment")
     if segment is None:

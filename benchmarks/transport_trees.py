@@ -130,7 +130,7 @@ def _run_pair(tree: Path, sizes_mb: list[float], ways: bool) -> dict[str, Any]:
     from hvdray.collective.transport.shm import slot_bytes_for
 
     slot_bytes = slot_bytes_for(32 << 20, 2)
-    data_bytes = 4 * slot_bytes
+    data_bytes = shm.data_bytes_for(slot_bytes, 2)
     segment = shm.Segment.create(shm.job_tag(os.urandom(32)), 2, data_bytes)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as scratch:

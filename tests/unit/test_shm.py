@@ -139,7 +139,7 @@ def _node_worker(name, local_rank, local_size, data_bytes, slot_bytes, task, que
 def _run_node(local_size, task, slot_bytes=8192, kill=None, timeout=120):
     """Run ``task(node, local_rank, local_size)`` in ``local_size`` fresh processes on one segment."""
     tag = shm.job_tag(secrets.token_bytes(32))
-    data_bytes = 2 * local_size * slot_bytes
+    data_bytes = shm.data_bytes_for(slot_bytes, local_size)
     seg = shm.Segment.create(tag, local_size, data_bytes)
     ctx = multiprocessing.get_context("forkserver")  # imports torch once, not once per process
     ctx.set_forkserver_preload(["torch", "numpy", "hvdray.collective.transport.shm.node"])

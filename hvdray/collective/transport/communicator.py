@@ -169,7 +169,7 @@ class Communicator:
         """Local rank 0 creates the segment and publishes its name through the job's store; the others
         map it. Returns None on this rank's failure (the caller agrees with every rank before use)."""
         slot_bytes = shm.slot_bytes_for(transport.buffer_bytes, info.local_size)
-        data_bytes = 2 * info.local_size * slot_bytes
+        data_bytes = shm.data_bytes_for(slot_bytes, info.local_size)
         key = f"hvdray-shm/{layout.first_rank(layout.node_of(self.rank))}"
         segment = None
         try:

@@ -11,7 +11,7 @@ and ``strategies.py`` (their entries in the communicator's lists).
 """
 
 from hvdray.collective.transport.shm.node import NodeCollectives
-from hvdray.collective.transport.shm.parts import slot_bytes_for
+from hvdray.collective.transport.shm.parts import data_bytes_for, slot_bytes_for
 from hvdray.collective.transport.shm.segment import (
     NAME_PREFIX,
     SHM_DIR,
@@ -28,6 +28,7 @@ __all__ = [
     "NodeCollectives",
     "Segment",
     "SharedMemoryError",
+    "data_bytes_for",
     "job_tag",
     "segment_path",
     "slot_bytes_for",

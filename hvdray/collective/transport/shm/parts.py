@@ -22,6 +22,11 @@ def slot_bytes_for(buffer_bytes: int, local_size: int) -> int:
     return max(4096, (buffer_bytes // (2 * local_size)) // 4096 * 4096)
 
 
+def data_bytes_for(slot_bytes: int, local_size: int) -> int:
+    """The data area of a node's segment whose ``local_size`` ranks have a slot of ``slot_bytes`` in each half."""
+    return 2 * local_size * slot_bytes
+
+
 def part_bounds(numel: int, parts: int, itemsize: int) -> list[int]:
     """``parts + 1`` offsets splitting ``numel`` elements as evenly as whole cache lines allow."""
     unit = max(1, _ALIGN_BYTES // itemsize)
