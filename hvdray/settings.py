@@ -164,8 +164,9 @@ class Settings(BaseModel):
         "(tensor.numpy()) keeps the old memory.",
     )
     share_reduced_pages: bool = Field(
-        True, description="A private tensor of 4 MiB or more that an in-place allreduce among the ranks of one node "
-        "reduces a second time (the same storage) has its whole memory pages moved into shared memory where they "
+        True, description="A private tensor of 4 MiB or more that an allreduce among the ranks of one node reduces a "
+        "second time (the same storage; in place, or as an out-of-place input), or a reducescatter's input read a "
+        "second time, has its whole memory pages moved into shared memory where they "
         "lie (one copy; the same addresses, so every view and alias, tensor.numpy() included, stays valid and torch "
         "frees and resizes it as before): from then on the node's ranks reduce straight between each other's "
         "tensors; the bytes before its first and after its last page boundary go through the shared buffer. As with "

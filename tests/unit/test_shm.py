@@ -1049,9 +1049,9 @@ def _on_another_page_offset(n, offset):
 
 
 def _pages_of_tensors_reduced_again(node, rank, size):
-    """share_reduced_pages: an allreduce of a private tensor (in place, or an out-of-place input) reduced a
-    second time moves its whole pages into shared memory where they lie; from then on the slots carry only
-    the bytes outside them."""
+    """share_reduced_pages: a private tensor reduced a second time (in place, an out-of-place input, a
+    reducescatter's input) has its whole pages moved into shared memory where they lie; from then on the
+    slots carry only the bytes outside them."""
     from hvdray.collective.transport.shm.shared_pages import SharedPages
 
     node.shared_pages = SharedPages(True)
@@ -1091,6 +1091,26 @@ def _pages_of_tensors_reduced_again(node, rank, size):
                 bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
                       == 0xAB).all()) for h in range(2))
     checks["out of place: input kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
+    # a reducescatter's input reduced again: its pages move; the same bits as through the slots
+    m = (shared_storage.ADOPT_MIN_BYTES // 4 // size + 333) * size
+    chunks = _on_another_page_offset(m, 64) if rank == 1 else torch.empty(m)
+    floats = torch.from_numpy(np.random.default_rng(rank).standard_normal(m)).float()
+    results = []
+    for i in range(3):
+        chunks.copy_(floats)
+        if i == 2:
+            _mark_own_slots(node, rank)
+        out = torch.empty(m // size)
+        node.reducescatter(chunks, out, ReduceOp.SUM)
+        results.append(out)
+    checks["reducescatter moved"] = pages.moved == 3
+    checks["reducescatter: the slots' bits"] = torch.equal(results[0], results[2]) and torch.equal(results[1], results[2])
+    checks["reducescatter: slots beyond the edges untouched"] = all(
+        bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
+              == 0xAB).all()) for h in range(2))
+    want = sum(torch.from_numpy(np.random.default_rng(r).standard_normal(m)).double() for r in range(size))
+    checks["reducescatter: right"] = torch.allclose(results[2].double(), want.view(size, -1)[rank], atol=1e-4)
+    checks["reducescatter: input kept"] = torch.equal(chunks, floats)
     # every dtype the reductions take (bfloat16 and float16 through torch), and a finish on every element once
     for dtype in (torch.float64, torch.bfloat16, torch.int32, torch.uint8):
         m = shared_storage.ADOPT_MIN_BYTES // torch.tensor([], dtype=dtype).element_size() + 777
@@ -1113,13 +1133,13 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     t.copy_(_inputs(rank, torch.float32, n + 4096))
     checks["grown"] = _reduce_and_check(node, rank, size, t, n + 4096)
     t.copy_(_inputs(rank, torch.float32, n + 4096))
-    checks["grown, moved again"] = _reduce_and_check(node, rank, size, t, n + 4096) and pages.moved == 7
+    checks["grown, moved again"] = _reduce_and_check(node, rank, size, t, n + 4096) and pages.moved == 8
     # freed: its files close (the one before it grew, the one after); a new tensor at the same address is new
     before = len(pages)
     del t, view, raw
     u = torch.empty(n + 4096)
     u.copy_(_inputs(rank, torch.float32, n + 4096))
-    checks["a new tensor where one was"] = _reduce_and_check(node, rank, size, u, n + 4096) and pages.moved == 7
+    checks["a new tensor where one was"] = _reduce_and_check(node, rank, size, u, n + 4096) and pages.moved == 8
     checks["its files closed"] = len(pages) == before - 2
     # a rank whose tensor is new every time: the ranks disagree and take the slots, rightly
     kept = _inputs(rank, torch.float32, n)

@@ -74,6 +74,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     copy_edges,
     copy_peers_parts,
     reducescatter_shared_inputs,
+    reducescatter_shared_pages,
 )
 
 log = logging.getLogger(__name__)
@@ -551,7 +552,9 @@ class NodeCollectives:
         (one after another, by chunk), then reduces its own chunk's piece from its tensor and the peers'
         slots, in one pass per peer; only the peers' chunks are copied. When every local rank's ``chunks``
         lives in shared memory (or moves there, ``share_reduced_tensors``), each rank reduces its chunk
-        straight from the peers' tensors (:func:`reducescatter_shared_inputs`), in the same order."""
+        straight from the peers' tensors (:func:`reducescatter_shared_inputs`), in the same order; so when
+        their whole pages moved there (``share_reduced_pages``), the few bytes outside them through the
+        slots (:func:`reducescatter_shared_pages`)."""
         me, size, isz = self.local_rank, self.local_size, chunks.element_size()
         rows = chunks.view(size, -1)
         pieces = self._pieces(rows.shape[1], isz * size)
@@ -559,10 +562,18 @@ class NodeCollectives:
             return
         half = self.next_half()
         place = self.adoption.place(chunks)
-        agreed = self._agree_on_places(
-            PRIVATE if place is None else SHARED_INPUT, place, lambda h=half: self._expose_chunks(rows, pieces[0], h))
+        what, prepare = PRIVATE if place is None else SHARED_INPUT, None
+        if place is None:
+            place = self.shared_pages.place(chunks)
+            if place is not None:
+                what = SHARED_PAGES
+                prepare = lambda: copy_edges(chunks, self.slot_views(torch.uint8)[half][me])  # noqa: E731
+        agreed = self._agree_on_places(what, place, lambda h=half: self._expose_chunks(rows, pieces[0], h), prepare)
         if agreed is not None:
-            reducescatter_shared_inputs(self, rows, out, agreed[1], reducer)
+            if what == SHARED_PAGES:
+                reducescatter_shared_pages(self, rows, out, agreed[1], self.slot_views(torch.uint8)[half], reducer)
+            else:
+                reducescatter_shared_inputs(self, rows, out, agreed[1], reducer)
             return
         for i, (start, stop) in enumerate(pieces):
             if i:

@@ -71,9 +71,7 @@ def allreduce_shared_pages(
     end), which share their pages with other memory and stay private, every rank reduces for itself from
     the slots, in rank order. Every rank gets the same bits. One barrier, at the end."""
     me, isz, numel = node.local_rank, out.element_size(), out.numel()
-    check_published_sizes(places, me, numel * isz)
-    lo = -(-max(place.head for place in places) // isz)
-    hi = min(place.head + place.interior for place in places) // isz
+    lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
     page = PAGE_BYTES // isz
     tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
     reduce, (mine, *edges) = block_operands(reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
@@ -95,6 +93,45 @@ def allreduce_shared_pages(
     if finish is not None:
         finish([interior])
     node.barrier.wait()
+
+
+def reducescatter_shared_pages(
+    node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[PagesPlace],
+    slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+) -> None:
+    """Every local rank's chunks (``rows``, one per local rank) with their whole pages in shared memory
+    (``places``) and their first and last :data:`PAGE_BYTES` in its slot (:func:`copy_edges`; ``slots``:
+    every rank's, as bytes): each rank reduces its own chunk into ``out``, its own data first and then the
+    peers' in local-rank order, as the slots' way does (so the results are the same bit for bit), reading
+    the peers' elements that lie in every rank's whole pages straight from their tensors and the few
+    outside them (at the start of chunk 0 and the end of the last) from their slots. The last barrier
+    keeps every input unchanged until all ranks have read it."""
+    me, flat = node.local_rank, rows.reshape(-1)
+    isz, numel, width = flat.element_size(), flat.numel(), rows.shape[1]
+    lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
+    page = PAGE_BYTES // isz
+    edges = [slot[: 2 * PAGE_BYTES].view(flat.dtype) for slot in slots]
+    start, stop = me * width, (me + 1) * width
+    peers = [rank for rank in range(node.local_size) if rank != me]
+    for a, b, where in ((start, min(stop, lo), "head"), (max(start, lo), min(stop, hi), "pages"),
+                        (max(start, hi), stop, "tail")):
+        if a >= b:
+            continue
+        if where == "head":
+            theirs = [edges[rank][a:b] for rank in peers]
+        elif where == "tail":
+            theirs = [edges[rank][a - numel + 2 * page : b - numel + 2 * page] for rank in peers]
+        else:
+            theirs = [node.peer_tensors.view(places[rank].span(a * isz, b * isz), flat.dtype) for rank in peers]
+        reduce_in_order(reducer, flat[a:b], theirs, out[a - start : b - start])
+    node.barrier.wait()
+
+
+def _whole_pages_of_all(places: list[PagesPlace], me: int, nbytes: int, isz: int) -> tuple[int, int]:
+    """The elements ``lo:hi`` of every rank's tensor (of ``nbytes`` bytes, this rank's size: checked) that lie
+    in the whole pages of all of them."""
+    check_published_sizes(places, me, nbytes)
+    return -(-max(place.head for place in places) // isz), min(place.head + place.interior for place in places) // isz
 
 
 def copy_edges(source: torch.Tensor, slot: torch.Tensor) -> None:
