@@ -505,10 +505,11 @@ def _mark_own_slots(node, rank):
         node._data[at : at + node.slot_bytes] = 0xAB
 
 
-def _own_slots_untouched(node, rank):
+def _own_slots_untouched(node, rank, skip=0):
+    """Whether this rank's slots still hold :func:`_mark_own_slots`' marks, past their first ``skip`` bytes."""
     data = node._data
-    return all(bool((data[node._slot_offset(h, rank) : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB).all())
-               for h in range(2))
+    return all(bool((data[node._slot_offset(h, rank) + skip : node._slot_offset(h, rank) + node.slot_bytes] == 0xAB)
+                    .all()) for h in range(2))
 
 
 def _and_bytes_rounds(node, rank, size):
@@ -1067,15 +1068,10 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     checks["second moves"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1 and len(pages) == 1
     checks["same address"] = t.data_ptr() == address and view.data_ptr() == address + (n // 2) * 4
     raw = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
-    node.barrier.wait()
-    for half in range(2):  # mark the slots beyond the edges and the output's place that this way uses
-        at = node._slot_offset(half, rank) + PAGES_SLOT_BYTES
-        node._data[at : node._slot_offset(half, rank) + node.slot_bytes] = 0xAB
+    _mark_own_slots(node, rank)  # this way writes only the bytes outside the whole pages there
     t.copy_(_inputs(rank, torch.float32, n))
     checks["third"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1
-    checks["slots beyond the edges untouched"] = all(
-        bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
-              == 0xAB).all()) for h in range(2))
+    checks["slots beyond the edges untouched"] = _own_slots_untouched(node, rank, skip=PAGES_SLOT_BYTES)
     checks["raw alias and view see the result"] = (
         torch.equal(torch.from_numpy(raw), t) and torch.equal(view, t[n // 2 :]))  # (t.numpy() would pin its size)
     # an out-of-place input reduced again: its pages move too; every rank reduces all inputs into its output
@@ -1087,9 +1083,8 @@ def _pages_of_tensors_reduced_again(node, rank, size):
         checks[f"out of place {i}"] = _reduce_and_check(node, rank, size, out, n, source) and pages.moved == (
             1 if i == 0 else 2)
         if i == 2:
-            checks["out of place: slots beyond the edges untouched"] = all(
-                bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
-                      == 0xAB).all()) for h in range(2))
+            checks["out of place: slots beyond the edges untouched"] = _own_slots_untouched(
+                node, rank, skip=PAGES_SLOT_BYTES)
     checks["out of place: input kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
     # a reducescatter's input reduced again: its pages move; the same bits as through the slots
     m = (shared_storage.ADOPT_MIN_BYTES // 4 // size + 333) * size
@@ -1104,10 +1099,9 @@ def _pages_of_tensors_reduced_again(node, rank, size):
         node.reducescatter(chunks, out, ReduceOp.SUM)
         results.append(out)
     checks["reducescatter moved"] = pages.moved == 3
-    checks["reducescatter: the slots' bits"] = torch.equal(results[0], results[2]) and torch.equal(results[1], results[2])
-    checks["reducescatter: slots beyond the edges untouched"] = all(
-        bool((node._data[node._slot_offset(h, rank) + PAGES_SLOT_BYTES : node._slot_offset(h, rank) + node.slot_bytes]
-              == 0xAB).all()) for h in range(2))
+    checks["reducescatter: the slots' bits"] = torch.equal(results[0], results[2]) and torch.equal(
+        results[1], results[2])
+    checks["reducescatter: slots beyond the edges untouched"] = _own_slots_untouched(node, rank, skip=PAGES_SLOT_BYTES)
     want = sum(torch.from_numpy(np.random.default_rng(r).standard_normal(m)).double() for r in range(size))
     checks["reducescatter: right"] = torch.allclose(results[2].double(), want.view(size, -1)[rank], atol=1e-4)
     checks["reducescatter: input kept"] = torch.equal(chunks, floats)

@@ -65,12 +65,12 @@ from hvdray.collective.transport.shm.shared_storage import (
 )
 from hvdray.collective.transport.shm.shared_pages import SHARED_PAGES_KEPT, SharedPages
 from hvdray.collective.transport.shm.shared_tensors import (
+    PAGES_SLOT_BYTES,
     allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
     allreduce_shared_pages,
     allreduce_shared_tensors,
-    PAGES_SLOT_BYTES,
     copy_edges,
     copy_peers_parts,
     reducescatter_shared_inputs,
@@ -136,8 +136,8 @@ class NodeCollectives:
             (PEER_STORAGES_PER_RANK + SHARED_PAGES_KEPT) * max(1, self.local_size - 1))
         #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
-        #: moves the pages of private tensors an in-place allreduce reduces again into shared memory, where
-        #: they lie, if asked (shared_pages.py); needs room for a page from each end of a tensor in a slot
+        #: moves the pages of private tensors an allreduce or a reducescatter reduces again into shared memory,
+        #: where they lie, if asked (shared_pages.py); needs room for a page from each end of a tensor in a slot
         self.shared_pages = SharedPages(share_pages and slot_bytes >= PAGES_SLOT_BYTES)
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)

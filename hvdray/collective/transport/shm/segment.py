@@ -288,7 +288,9 @@ class PagesPlace(NamedTuple):
         return TensorPlace(self.pid, self.fd, self.inode, start - self.head, stop - start)
 
 
-def check_published_sizes(published: "list[TensorPlace] | list[PeerAddresses] | list[PagesPlace]", local_rank: int, nbytes: int) -> None:
+def check_published_sizes(
+    published: "list[TensorPlace] | list[PeerAddresses] | list[PagesPlace]", local_rank: int, nbytes: int,
+) -> None:
     """Raise :class:`SharedMemoryError` unless every local rank published a tensor of ``nbytes`` bytes,
     this rank's (``local_rank``) size: a direct way between the ranks' tensors must not read or write past one."""
     for rank, place in enumerate(published):

@@ -25,7 +25,8 @@ out of it at the end, until it is reduced a second time: then (``share_reduced_p
 its whole pages move into shared memory where they lie
 (:class:`~hvdray.collective.transport.shm.shared_pages.SharedPages`), and from then on it is reduced
 straight between the ranks' tensors, only the bytes outside those pages going through the slots
-(:func:`allreduce_shared_pages`); so is an out-of-place input. Where tensors live, and how a rank maps
+(:func:`allreduce_shared_pages`); so is an out-of-place input, and a reducescatter's
+(:func:`reducescatter_shared_pages`). Where tensors live, and how a rank maps
 its peers', is ``shared_storage.py``'s and ``shared_pages.py``'s.
 """
 
