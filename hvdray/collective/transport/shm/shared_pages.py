@@ -70,19 +70,19 @@ class SharedPages:
     """This process's tensors whose whole pages it moved into shared memory, by address (module
     docstring), used by the node's ops (one thread). A tensor qualifies when it is its whole storage,
     allocated by torch, not in shared memory already, of :data:`ADOPT_MIN_BYTES` or more, and reduced a
-    second time while its storage lives; :meth:`place` moves it then. Before every later use the pages
-    are checked to be still the file's (a storage that was resized, or freed and its address reused, is
-    not); a file is closed when its storage is gone or when more than :data:`SHARED_PAGES_KEPT` are kept.
+    second time while its storage lives; :meth:`place` moves it then. Before every later use it must be
+    the same storage at the same address, its first whole page still a file's (a storage that was resized,
+    or freed and its address reused, is not); a file is closed when its storage is gone or when more than :data:`SHARED_PAGES_KEPT` are kept.
     Any failure leaves the tensor private."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.moved = 0  # tensors whose pages moved (for tests and benchmarks)
         self._libc = _Libc() if enabled else None
-        #: by the tensor's address: its storage, where its pages are, and the file's first page mapped once more
-        self._kept: OrderedDict[int, tuple[StorageWeakRef, PagesPlace, int]] = OrderedDict()
+        self._kept: OrderedDict[int, tuple[StorageWeakRef, PagesPlace]] = OrderedDict()  # by the tensor's address
         self._recent = RecentStorages()
         self._next_check = 0.0
+        self._pagemap: Optional[int] = None  # /proc/self/pagemap, opened at the first check (-1: unreadable)
 
     def place(self, flat: torch.Tensor) -> Optional[PagesPlace]:
         """Where ``flat``'s whole pages live in shared memory, after moving them there if this is its storage's
@@ -93,8 +93,8 @@ class SharedPages:
         storage = StorageWeakRef(flat.untyped_storage())
         kept = self._kept.get(address)
         if kept is not None:
-            held, place, probe = kept
-            if held == storage and not held.expired() and _still_mapped(address + place.head, probe):
+            held, place = kept
+            if held == storage and not held.expired() and self._file_page_at(address + place.head):
                 self._kept.move_to_end(address)
                 return place
             self._close(address)
@@ -102,11 +102,11 @@ class SharedPages:
         if not self._recent.seen_before(flat):
             return None
         try:
-            place, probe = self._move(flat)
+            place = self._move(flat)
         except OSError as exc:
             log.debug("the pages of a %d-byte tensor stay private: %s", flat.numel() * flat.element_size(), exc)
             return None
-        self._kept[address] = (storage, place, probe)
+        self._kept[address] = (storage, place)
         self.moved += 1
         while len(self._kept) > SHARED_PAGES_KEPT:
             self._close(next(iter(self._kept)))
@@ -122,9 +122,8 @@ class SharedPages:
             and not storage.is_shared()
         )
 
-    def _move(self, flat: torch.Tensor) -> tuple[PagesPlace, int]:
-        """Copy ``flat``'s whole pages into a new file and map it over them; the file's place, and where its
-        first page is mapped once more (for :func:`_still_mapped`)."""
+    def _move(self, flat: torch.Tensor) -> PagesPlace:
+        """Copy ``flat``'s whole pages into a new file and map it over them; the file's place."""
         assert self._libc is not None
         address, nbytes = flat.data_ptr(), flat.numel() * flat.element_size()
         head = -address % PAGE_BYTES
@@ -137,13 +136,8 @@ class SharedPages:
                 memmove(staging, address + head, length)
             finally:
                 self._libc.munmap(staging, length)
-            probe = self._libc.map(fd, PAGE_BYTES)
-            try:
-                self._libc.map(fd, length, at=address + head)
-            except OSError:
-                self._libc.munmap(probe, PAGE_BYTES)
-                raise
-            return PagesPlace(os.getpid(), fd, os.fstat(fd).st_ino, head, nbytes), probe
+            self._libc.map(fd, length, at=address + head)
+            return PagesPlace(os.getpid(), fd, os.fstat(fd).st_ino, head, nbytes)
         except BaseException:
             os.close(fd)
             raise
@@ -158,36 +152,35 @@ class SharedPages:
             self._close_gone()
 
     def _close_gone(self) -> None:
-        for gone in [address for address, (held, _, _) in self._kept.items() if held.expired()]:
+        for gone in [address for address, (held, _) in self._kept.items() if held.expired()]:
             self._close(gone)
 
     def _close(self, address: int) -> None:
-        _, place, probe = self._kept.pop(address)
-        assert self._libc is not None
-        self._libc.munmap(probe, PAGE_BYTES)
+        _, place = self._kept.pop(address)
         os.close(place.fd)
+
+    def _file_page_at(self, at: int) -> bool:
+        """Whether the page at ``at`` is a present page of a file (Linux's ``/proc/self/pagemap``: bits 63 and
+        61), as the moved pages are and fresh private memory is not: what tells a tensor whose storage got new
+        memory at the same address (resized twice, say) from the moved one, without touching the memory a
+        caller may be reading. Where pagemap cannot be read, the storage and its address alone tell."""
+        if self._pagemap is None:
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._pagemap = -1
+        if self._pagemap < 0:
+            return True
+        entry = int.from_bytes(os.pread(self._pagemap, 8, at // PAGE_BYTES * 8), "little")
+        return bool(entry >> 63 & 1 and entry >> 61 & 1)
 
     def clear(self) -> None:
         """Close every file (moved pages stay where they are, in the tensors that hold them)."""
         for address in list(self._kept):
             self._close(address)
+        if self._pagemap is not None and self._pagemap >= 0:
+            os.close(self._pagemap)
+        self._pagemap = None
 
     def __len__(self) -> int:
         return len(self._kept)
-
-
-def _still_mapped(at: int, probe: int) -> bool:
-    """Whether the page at ``at`` (mapped: the caller's tensor lies there) is still the file whose first page
-    is mapped at ``probe`` too: write two different words there, read each back at ``at``, then put the word
-    back. The caller's op has not started, so no peer reads the page meanwhile."""
-    word = ctypes.c_uint64.from_address(probe)
-    seen = ctypes.c_uint64.from_address(at)
-    was = word.value
-    try:
-        for mask in (0x5555555555555555, 0xAAAAAAAAAAAAAAAA):
-            word.value = was ^ mask
-            if seen.value != was ^ mask:
-                return False
-        return True
-    finally:
-        word.value = was
