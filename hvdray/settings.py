@@ -167,11 +167,12 @@ class Settings(BaseModel):
         True, description="A private tensor of 4 MiB or more that an allreduce among the ranks of one node reduces a "
         "second time (the same storage; in place, or as an out-of-place input), or a reducescatter's input read a "
         "second time, has its whole memory pages moved into shared memory where they "
-        "lie (one copy; the same addresses, so every view and alias, tensor.numpy() included, stays valid and torch "
-        "frees and resizes it as before): from then on the node's ranks reduce straight between each other's "
-        "tensors; the bytes before its first and after its last page boundary go through the shared buffer. As with "
-        "any shared memory, a process forked afterwards shares those pages with its parent instead of copying them. "
-        "False: such tensors stay private.",
+        "lie (one copy; the same addresses, so every view and raw alias stays valid): from then on the node's ranks "
+        "reduce straight between each other's tensors; the bytes before its first and after its last page boundary "
+        "go through the shared buffer. Such a tensor can no longer be grown (resize_ raises, as for a tensor numpy "
+        "sees); hvdray holds its storage until the tensor is gone, gives it private memory back and then lets torch "
+        "free it (within about a second); a process forked meanwhile shares those pages with its parent instead of "
+        "copying them. False: such tensors stay private.",
     )
     cross_memory_attach: bool = Field(
         True, description="In flat allreduces of more than 32 KiB among the ranks of one node, each rank reads its "

@@ -127,11 +127,14 @@ def test_a_tensor_reduced_again_in_place_is_reduced_in_its_own_pages(node_ex):
         import numpy as np
         import torch
 
-        def files():  # descriptors of the files pages moved into: this rank's own, and the peers' it maps
+        from hvdray.collective.transport.shm.shared_pages import MOVED_PAGES
+
+        def files(inodes):  # descriptors of these files: this rank's own, and the peers' it maps
             found = 0
             for fd in os.listdir("/proc/self/fd"):
                 try:
-                    found += "memfd:hvdray-tensor-pages" in os.readlink(f"/proc/self/fd/{fd}")
+                    found += os.stat(f"/proc/self/fd/{fd}").st_ino in inodes and "memfd:hvdray-tensor-pages" in (
+                        os.readlink(f"/proc/self/fd/{fd}"))
                 except OSError:
                     pass
             return found
@@ -151,24 +154,26 @@ def test_a_tensor_reduced_again_in_place_is_reduced_in_its_own_pages(node_ex):
         y = torch.from_numpy(np.random.default_rng(r).standard_normal(3 << 20)).float()
         for _ in range(3):
             hvd.allreduce_(y, name="floats", op=hvd.Sum)
-        mapped = files()
+        place = MOVED_PAGES.place(x)
+        inodes = set(hvd.allgather_object(place.inode if place is not None else None, name="inodes")) - {None}
+        mapped = files(inodes)  # x's file on every rank
         del x, seen
         gc.collect()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # every rank alike: until x's file is gone from every rank
-            gone = torch.tensor([float(files() == mapped - n)])
+            gone = torch.tensor([float(files(inodes) == 0)])
             if hvd.allreduce(gone, name="gone", op=hvd.Min).item():
                 break
             time.sleep(0.2)
-        return checks.transport(), ok, mapped, files(), y.numpy().tobytes()
+        return checks.transport(), ok, len(inodes), mapped, files(inodes), y.numpy().tobytes()
 
     n = node_ex.num_workers
     results = node_ex.run(run)
-    for transport, ok, mapped, after, _ in results:
+    for transport, ok, moved, mapped, after, _ in results:
         assert ok == [True] * 4
-        # every rank's x and y moved: each rank holds its own two files and maps its peers'; once x is freed, its
-        # file and every peer's mapping of it are closed within a second or two
-        assert (mapped, after) == ((2 * n, n) if transport == "shm" else (0, 0))
+        # every rank's x moved: each rank holds its own file and maps its peers'; once x is freed, its file and
+        # every peer's mapping of it are closed within a second or two
+        assert (moved, mapped, after) == ((n, n, 0) if transport == "shm" else (0, 0, 0))
     assert len({y for *_, y in results}) == 1
 
 

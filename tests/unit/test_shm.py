@@ -25,6 +25,7 @@ from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_
 from hvdray.collective.transport.shm import barrier, segment, shared_storage
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
+from hvdray.collective.transport.shm.shared_pages import MOVED_PAGES
 from hvdray.collective.transport.shm.shared_tensors import PAGES_SLOT_BYTES
 from hvdray.settings import make_settings
 
@@ -1065,7 +1066,7 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     view = t[n // 2 :]
     checks["first stays private"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 0
     t.copy_(_inputs(rank, torch.float32, n))
-    checks["second moves"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1 and len(pages) == 1
+    checks["second moves"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1 and len(MOVED_PAGES) == 1
     checks["same address"] = t.data_ptr() == address and view.data_ptr() == address + (n // 2) * 4
     raw = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
     _mark_own_slots(node, rank)  # this way writes only the bytes outside the whole pages there
@@ -1113,7 +1114,8 @@ def _pages_of_tensors_reduced_again(node, rank, size):
             x.copy_(_inputs(rank, dtype, m))
             node.allreduce(x, op)
             stack = np.stack([_inputs(r, dtype, m).double().numpy() for r in range(size)])
-            checks[f"{dtype} {op}"] = np.array_equal(x.double().numpy(), OPS[op](stack, axis=0))
+            seen = x.to(torch.float64, copy=True).numpy()  # (x.numpy() would pin x's size, and keep it private)
+            checks[f"{dtype} {op}"] = np.array_equal(seen, OPS[op](stack, axis=0))
         x.copy_(_inputs(rank, dtype, m) * 2)
         node.allreduce(x, ReduceOp.SUM, finish=lambda parts: [p.div_(2, rounding_mode="trunc") for p in parts])
         checks[f"{dtype} finished once"] = torch.equal(x, sum(_inputs(r, dtype, m) for r in range(size)).to(dtype))
@@ -1122,19 +1124,26 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     for _ in range(3):
         y.copy_(torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float())
         node.allreduce(y, ReduceOp.SUM)
-    # grown after the move: torch allocates anew and frees the moved pages; no crash, still right
-    t.resize_(n + 4096)
-    t.copy_(_inputs(rank, torch.float32, n + 4096))
-    checks["grown"] = _reduce_and_check(node, rank, size, t, n + 4096)
-    t.copy_(_inputs(rank, torch.float32, n + 4096))
-    checks["grown, moved again"] = _reduce_and_check(node, rank, size, t, n + 4096) and pages.moved == 8
-    # freed: its files close (the one before it grew, the one after); a new tensor at the same address is new
-    before = len(pages)
+    # growing it would free the moved pages: refused, as for a tensor numpy sees; it stays as it was
+    try:
+        t.resize_(n + 4096)
+        checks["growing refused"] = False
+    except RuntimeError as exc:
+        checks["growing refused"] = "not resizable" in str(exc)
+    t.resize_(n)  # torch leaves the shape it was asked for after refusing the storage: back to the storage's
+    t.copy_(_inputs(rank, torch.float32, n))
+    checks["after the refusal"] = _reduce_and_check(node, rank, size, t, n)
+    # freed: private memory goes back over its pages before torch frees it, and its file closes; a new
+    # tensor at the same address is new
+    before, at = len(MOVED_PAGES), address + head
     del t, view, raw
-    u = torch.empty(n + 4096)
-    u.copy_(_inputs(rank, torch.float32, n + 4096))
-    checks["a new tensor where one was"] = _reduce_and_check(node, rank, size, u, n + 4096) and pages.moved == 8
-    checks["its files closed"] = len(pages) == before - 2
+    deadline = time.monotonic() + 5
+    while len(MOVED_PAGES) > before - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    checks["given back"] = len(MOVED_PAGES) == before - 1 and not MOVED_PAGES._file_page_at(at)
+    u = torch.empty(n)
+    u.copy_(_inputs(rank, torch.float32, n))
+    checks["a new tensor where one was"] = _reduce_and_check(node, rank, size, u, n) and pages.moved == 8
     # a rank whose tensor is new every time: the ranks disagree and take the slots, rightly
     kept = _inputs(rank, torch.float32, n)
     for _ in range(3):
@@ -1158,7 +1167,7 @@ def _many_tensors_in_turn(node, rank, size):
             t.fill_(rank + i)
             node.allreduce(t, ReduceOp.SUM)
             right = right and bool((t == sum(r + i for r in range(size))).all())
-    return right, node.shared_pages.moved, len(node.shared_pages), len(node.peer_tensors) >= 20
+    return right, node.shared_pages.moved, len(MOVED_PAGES), len(node.peer_tensors) >= 20
 
 
 def test_a_loop_over_many_large_tensors_moves_each_once():
@@ -1176,8 +1185,9 @@ def test_pages_of_private_tensors_reduced_again_move_into_shared_memory_where_th
 
 
 def test_a_tensor_whose_pages_are_no_longer_the_file_is_not_taken_for_the_moved_one():
-    """What a resize that lands at the old address, or a freed tensor's address reused, leaves behind: the
-    same address, other pages. Each use checks the pages are still the file's before publishing it."""
+    """A moved tensor whose first whole page is no longer the file's (other memory mapped there): each use
+    checks the pages before publishing them, so the file is never taken for the tensor; and one whose
+    storage torch freed gets private memory back over its pages first (none of them reaches the heap shared)."""
     from hvdray.collective.transport.shm.shared_pages import SharedPages
 
     pages = SharedPages(True)
@@ -1185,7 +1195,7 @@ def test_a_tensor_whose_pages_are_no_longer_the_file_is_not_taken_for_the_moved_
     assert pages.place(t) is None  # the first reduction
     moved = pages.place(t)
     assert moved is not None and pages.moved == 1 and pages.place(t) == moved
-    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32)) and not t.untyped_storage().resizable()
     os.pwrite(moved.fd, b"\0" * 8, 0)  # the file is the tensor's memory: a write through it shows there
     assert t[moved.head // 4].item() == 0 and t[moved.head // 4 + 2].item() == moved.head // 4 + 2
     libc = ctypes.CDLL(None, use_errno=True)
@@ -1194,14 +1204,19 @@ def test_a_tensor_whose_pages_are_no_longer_the_file_is_not_taken_for_the_moved_
     at = t.data_ptr() + moved.head
     fixed_private_anonymous = 0x10 | 0x02 | 0x20
     assert libc.mmap(at, moved.interior, 3, fixed_private_anonymous, -1, 0) == at  # fresh private pages there
-    again = pages.place(t)
-    assert again is None and len(pages) == 0  # not the old file; the next reduction counts as a first
-    moved_again = pages.place(t)
-    assert moved_again is not None and pages.moved == 2 and len(pages) == 1
-    pages.clear()
+    assert pages.place(t) is None and pages.place(t) is None and len(MOVED_PAGES) == 0  # private from now on
     lo, hi = moved.head // 4, (moved.head + moved.interior) // 4
-    assert len(pages) == 0 and not t[lo:hi].any()  # the fresh pages were zero, and are still the tensor's memory
-    assert torch.equal(t[:lo], torch.arange(lo, dtype=torch.float32))  # the head never moved
+    assert not t[lo:hi].any() and torch.equal(t[:lo], torch.arange(lo, dtype=torch.float32))
+    u = torch.ones(t.numel())
+    pages.place(u)
+    moved = pages.place(u)
+    assert moved is not None and MOVED_PAGES._file_page_at(u.data_ptr() + moved.head)
+    at = u.data_ptr() + moved.head
+    del u
+    deadline = time.monotonic() + 5
+    while len(MOVED_PAGES) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(MOVED_PAGES) == 0 and not MOVED_PAGES._file_page_at(at)
 
 
 def test_a_process_forked_after_the_move_shares_the_moved_pages():
@@ -1222,7 +1237,6 @@ def test_a_process_forked_after_the_move_shares_the_moved_pages():
         os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
     assert (t[lo].item(), t[-1].item()) == (7.0, 0.0)
-    pages.clear()
 
 
 def _pages_stay_private(node, rank, size):

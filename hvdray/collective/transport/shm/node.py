@@ -165,7 +165,6 @@ class NodeCollectives:
             self._layouts.clear()
             self.peer_tensors.clear()
             self.scratch.clear()
-            self.shared_pages.clear()
             self._data = None
             self._base = 0
             self.segment.close()
@@ -187,8 +186,6 @@ class NodeCollectives:
                 raise
             if self.peer_tensors:
                 self.peer_tensors.drop_released_now_and_then()
-            if self.shared_pages:
-                self.shared_pages.close_gone_now_and_then()
 
     def slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""
