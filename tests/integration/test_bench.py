@@ -96,8 +96,8 @@ def test_transport_trees_times_every_way_of_an_in_place_allreduce():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = re.findall(r"^0.25 MB allreduce, 2 ranks  (\S.*?) +([\d.]+)x memory ideal", done.stdout, re.M)
     assert [way for way, _ in rows] == [
-        "in place", "out of place", "in place, through the kernel", "in place, scratch block", "in place, slots",
-        "in place, tensor in shared memory"], done.stdout
+        "in place", "out of place", "in place, its pages in shared memory", "in place, through the kernel",
+        "in place, scratch block", "in place, slots", "in place, tensor in shared memory"], done.stdout
     assert all(float(ratio) > 0 for _, ratio in rows) and "refused" not in done.stdout
 
 
