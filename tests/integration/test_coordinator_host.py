@@ -65,7 +65,7 @@ def test_jobs_in_one_host_keep_their_own_tables(ray_local):
         assert ray.get(second.client.kv_check.remote(["e0/k"])) is False
         epoch, _, _ = ray.get(second.client.assign.remote(SLOTS, ["w"]))
         assert epoch == 1 and ray.get(first.client.epoch.remote()) == 0
-        second.close()
+        ray.get(second.close())  # close() does not wait: a call sent after it could run first
         with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):
             ray.get(second.client.epoch.remote())
         assert ray.get(first.client.epoch.remote()) == 0  # closing one job leaves the other alone
