@@ -17,7 +17,8 @@ Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, reducescatter ``
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
 speeds are operand bytes per second (an add of two S-byte tensors in S / t). The allreduce rows also
 time an average (``hvd.Average``, the default op; raw Gloo has none, so its row is the sum and then one
-division), measured against the same ideal, which has no division in it.
+division), in place and out of place (``hvd.allreduce(tensor)`` with no op, the commonest call), measured
+against the same ideal, which has no division in it.
 
     python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--huge-pages]
 
@@ -88,6 +89,8 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
         "allreduce raw gloo, average": timed(lambda: _gloo_average(tensor, hvd.size()), iterations),
         "allreduce hvdray in place, average": timed(lambda: hvd.allreduce_(tensor, op=hvd.Average, name="bw.avg"),
                                                     iterations),
+        # Horovod's default: hvd.allreduce(tensor) averages into a new tensor
+        "allreduce hvdray out of place, average": timed(lambda: hvd.allreduce(tensor, name="bw.avgo"), iterations),
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
     }

@@ -6,7 +6,8 @@ processes for each tree in turn (``PYTHONPATH`` set to the tree), and each pair 
 by op: one core's copy and add (the memory ideal: S/2 at add speed plus S/2 at copy speed per rank, as
 in ``bandwidth.py``), raw ``torch.distributed`` Gloo's allreduce (a FileStore group), and the tree's
 ``NodeCollectives.allreduce`` of a private tensor in place and out of place into an output of the
-output pool (in shared memory, as the workers' are), with the settings' defaults (cross-memory attach
+output pool (in shared memory, as the workers' are), each a sum and an average (finished as the tree's
+engine finishes it), with the settings' defaults (cross-memory attach
 and moving a reduced tensor's pages into shared memory on, where the tree has them). Prints, per tree and size, the median over rounds of each allreduce's
 fraction of the memory ideal and its speed against raw Gloo.
 
@@ -67,6 +68,18 @@ def _forced(node: object, way: dict[str, int], op: Callable[[], None]) -> Callab
     return run
 
 
+def _average_of(size: int) -> Callable[[list[Any]], None]:
+    """The tree's finish of an average over ``size`` ranks, as its engine hands it to the transport: its
+    ``Scale`` where it has one, else (the trees before it) torch's multiplication by 1/size in place."""
+    import torch
+
+    try:
+        from hvdray.collective.transport.reductions import Scale
+    except ImportError:
+        return lambda bufs: torch._foreach_mul_(bufs, 1.0 / size)
+    return Scale(size, average=True)
+
+
 def _pair_main(
     rank: int, segment: str, data_bytes: int, slot_bytes: int, store: str, sizes_mb: list[float], ways: bool,
 ) -> None:
@@ -87,16 +100,20 @@ def _pair_main(
     options = {name: True for name in ("cross_memory", "share_pages") if name in parameters}
     node = NodeCollectives(shm.Segment.attach(segment, 2, data_bytes), rank, 60.0, slot_bytes, **options)
     pool = OutputPool(1 << 30, shared=True)
+    average = _average_of(2)
     results = {}
     for size_mb in sizes_mb:
         numel = int(size_mb * (1 << 20)) // 4
-        tensor, other = torch.ones(numel), torch.ones(numel)
+        tensor, other, averaged = torch.ones(numel), torch.ones(numel), torch.ones(numel)
         ops = {
             "copy": lambda: other.copy_(tensor),
             "add": lambda: torch.add(tensor, other, out=other),
             "raw gloo": lambda: dist.all_reduce(tensor),
             "in place": lambda: node.allreduce(tensor, ReduceOp.SUM),
+            "in place, average": lambda: node.allreduce(averaged, ReduceOp.SUM, finish=average),
             "out of place": lambda: node.allreduce(pool.empty((numel,), torch.float32), ReduceOp.SUM, source=tensor),
+            "out of place, average": lambda: node.allreduce(pool.empty((numel,), torch.float32), ReduceOp.SUM,
+                                                            source=tensor, finish=average),
         }
         if ways:
             for name, way in _WAYS.items():  # a tensor of each way's own: pages once moved stay in shared memory
@@ -172,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         for tree in trees:
             runs = [run[key] for run in rounds[tree]]
             ideal = [(run["copy"] + run["add"]) / 2 for run in runs]  # n=2: S/2 at each speed, a whole S each
-            for way in ("in place", "out of place", *([*_WAYS, _SHARED_WAY] if args.ways else [])):
+            for way in ("in place", "in place, average", "out of place", "out of place, average",
+                        *([*_WAYS, _SHARED_WAY] if args.ways else [])):
                 of_ideal = statistics.median(i / run[way] for i, run in zip(ideal, runs))
                 vs_gloo = statistics.median(run["raw gloo"] / run[way] for run in runs)
                 print(f"{size_mb:g} MB allreduce, 2 ranks  {way:33s} {of_ideal:5.2f}x memory ideal  "

@@ -197,26 +197,64 @@ def test_a_closed_step_is_learned_and_forgotten():
     assert step.expected == frozenset() and step.missing() == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("size", [2, 3, 4, 6, 8, 1024])
-def test_a_float_average_is_the_sums_quotient_for_every_size(dtype, size):
-    """``postscale`` multiplies by 1/size where the size is a power of two (exact, and faster) and divides
-    otherwise: either way every element is exactly what dividing the sum by the size gives, subnormal
-    quotients, signed zeros and infinities included."""
-    from hvdray.collective.engine.execute import postscale
-
-    g = torch.Generator().manual_seed(size)
+def _float_sums(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Sums an average divides: ordinary ones, ones whose quotients fall below the normal range, signed
+    zeros, the extremes and an infinity."""
+    g = torch.Generator().manual_seed(seed)
     info = torch.finfo(dtype)
-    sums = torch.cat([
+    return torch.cat([
         torch.randn(4096, generator=g, dtype=torch.float64) * 1e3,
         torch.rand(4096, generator=g, dtype=torch.float64) * info.tiny * 8,  # quotients below the normal range
         torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_normal / 3, float("inf")],
                      dtype=torch.float64),
     ]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [2, 3, 4, 6, 8, 1024])
+def test_a_float_average_is_the_sums_quotient_for_every_size(dtype, size):
+    """``Scale`` multiplies by 1/size where the size is a power of two (exact, and faster) and divides
+    otherwise: either way every element is exactly what dividing the sum by the size gives, subnormal
+    quotients, signed zeros and infinities included, on a list of tensors and on a transport's numpy block
+    alike."""
+    from hvdray.collective.transport.reductions import Scale, block_operands
+
+    sums = _float_sums(dtype, size)
     bufs = [sums[:5000].clone(), sums[5000:].clone()]
-    postscale(bufs, allreduce("avg", sums.shape, dtype, ReduceOp.AVERAGE), size)
+    Scale(size, average=True)(bufs)
     averaged = torch.cat(bufs)
     assert torch.equal(averaged, sums / size)
     assert torch.equal(torch.signbit(averaged), torch.signbit(sums / size))
     if size & (size - 1) == 0:  # the exact quotient, rounded once
         assert torch.equal(averaged, (sums.double() / size).to(dtype))
+    block = sums.clone()
+    _, (view,) = block_operands(torch.add, [block])  # a numpy view where numpy has the dtype, as a transport's
+    Scale(size, average=True).on_block(view)
+    assert torch.equal(block, averaged) and torch.equal(torch.signbit(block), torch.signbit(averaged))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.int32, torch.int64])
+@pytest.mark.parametrize("scale", [(2, True, 0.3), (3, True, 2.0), (1, False, 0.1), (4, False, 1 / 3), (5, True, 5.0),
+                                   (1, True, 1.0), (3, False, 1.0)])
+def test_a_scale_on_a_numpy_block_gives_torchs_bits(dtype, scale):
+    """A transport hands ``Scale`` its reduced blocks as numpy views (``block_operands``): every dtype and
+    every kind of scale (an average with a postscale factor, a factor alone, a factor that cancels the
+    average, nothing to do) gives the bits torch's ops give on the tensor; integers are averaged toward
+    zero and left alone by a factor of one."""
+    from hvdray.collective.transport.reductions import Scale, block_operands
+
+    size, average, factor = scale
+    if dtype.is_floating_point:
+        sums = _float_sums(dtype, size)
+    else:
+        sums = torch.randint(-1000, 1000, (9000,), generator=torch.Generator().manual_seed(size), dtype=dtype)
+        if factor != 1.0 and not (average and size > 1):
+            return  # torch refuses to scale integers in place by a float (the engine's checks do too)
+    expected = sums.clone()
+    Scale(size, average, factor)([expected])
+    block = sums.clone()
+    _, (view,) = block_operands(torch.add, [block])
+    Scale(size, average, factor).on_block(view)
+    assert torch.equal(block, expected) and torch.equal(torch.signbit(block), torch.signbit(expected))
+    if not average and factor == 1.0 or average and size == 1 and factor == 1.0:
+        assert torch.equal(block, sums)  # nothing to do

@@ -22,6 +22,7 @@ from torch.distributed import ReduceOp
 
 from hvdray.collective.transport import shm
 from hvdray.collective.transport.plan import NodeLayout, TransportOptions, plan_transport
+from hvdray.collective.transport.reductions import Scale
 from hvdray.collective.transport.shm import barrier, segment, shared_storage
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
@@ -432,6 +433,35 @@ def _flat_allreduce_finished_by_parts(node, rank, size):
                 node.allreduce(result, ReduceOp.SUM, finish=finish)
             out[(str(dtype), way)] = (torch.equal(result, want), sum(seen), n)
     return out
+
+
+def _flat_allreduce_scaled(node, rank, size):
+    """The engine's average (``Scale``) on every way of a flat allreduce, over several reduction blocks:
+    the bits torch gives scaling the whole sum (numpy scales float32 and float64 blocks, torch the rest)."""
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.int32):
+        n = 3 * REDUCE_BLOCK_BYTES // torch.tensor([], dtype=dtype).element_size() + 777
+        want = sum(_inputs(r, dtype, n) * (r + 1) for r in range(size))
+        Scale(size, average=True)([want])
+        for way in ("slots", "slots out of place", "shared", "shared inputs", "shared outputs"):
+            mine = _inputs(rank, dtype, n) * (rank + 1)
+            if way in ("shared", "shared inputs"):
+                mine.share_memory_()
+            result = mine
+            if way in ("slots out of place", "shared inputs", "shared outputs"):
+                result = torch.empty_like(mine)
+                if way == "shared outputs":
+                    result.share_memory_()
+            node.allreduce(result, ReduceOp.SUM, source=None if result is mine else mine,
+                           finish=Scale(size, average=True))
+            out[f"{dtype} {way}"] = torch.equal(result, want)
+    return out
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_the_engines_average_gives_the_same_bits_on_every_way(local_size):
+    for checks in _run_node(local_size, _flat_allreduce_scaled, slot_bytes=1 << 20):
+        assert all(checks.values()), checks
 
 
 @pytest.mark.parametrize("local_size", [2, 3])
@@ -1050,6 +1080,19 @@ def _on_another_page_offset(n, offset):
     return t
 
 
+def _on_a_page_offset_of_its_own(n, rank, size):
+    """A fresh float32 tensor of ``n`` whose offset into its page no other rank's has (its 64-byte line
+    there, modulo ``size``, is ``rank``): glibc serves blocks this large from its heap once told to (its
+    mmap threshold), and each block held moves the next one's offset."""
+    ctypes.CDLL(None).mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+    held = []
+    t = torch.empty(n)
+    while t.data_ptr() % 4096 // 64 % size != rank and len(held) < 64:
+        held.append(t)
+        t = torch.empty(n)
+    return t
+
+
 def _pages_of_tensors_reduced_again(node, rank, size):
     """share_reduced_pages: a private tensor reduced a second time (in place, an out-of-place input, a
     reducescatter's input) has its whole pages moved into shared memory where they lie; from then on the
@@ -1060,7 +1103,7 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     pages = node.shared_pages
     n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001  # a tail beyond the last whole page
     checks = {}
-    t = _inputs(rank, torch.float32, n) if rank == 0 else _on_another_page_offset(n, 64)
+    t = _on_a_page_offset_of_its_own(n, rank, size)
     address, head = t.data_ptr(), -t.data_ptr() % 4096
     t.copy_(_inputs(rank, torch.float32, n))
     view = t[n // 2 :]
@@ -1073,6 +1116,16 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     t.copy_(_inputs(rank, torch.float32, n))
     checks["third"] = _reduce_and_check(node, rank, size, t, n) and pages.moved == 1
     checks["slots beyond the edges untouched"] = _own_slots_untouched(node, rank, skip=PAGES_SLOT_BYTES)
+    # the engine's average (Scale): numpy scales each block, to the bits torch gives scaling the whole sum
+    want = sum(_inputs(r, torch.float32, n) for r in range(size))
+    Scale(size, average=True)([want])
+    t.copy_(_inputs(rank, torch.float32, n))
+    node.allreduce(t, ReduceOp.SUM, finish=Scale(size, average=True))
+    checks["averaged in place"] = torch.equal(t, want)
+    t.copy_(_inputs(rank, torch.float32, n))
+    out = torch.empty(n)
+    node.allreduce(out, ReduceOp.SUM, source=t, finish=Scale(size, average=True))
+    checks["averaged out of place"] = torch.equal(out, want) and pages.moved == 1
     checks["raw alias and view see the result"] = (
         torch.equal(torch.from_numpy(raw), t) and torch.equal(view, t[n // 2 :]))  # (t.numpy() would pin its size)
     # an out-of-place input reduced again: its pages move too; every rank reduces all inputs into its output
@@ -1180,7 +1233,7 @@ def test_pages_of_private_tensors_reduced_again_move_into_shared_memory_where_th
     results = _run_node(local_size, _pages_of_tensors_reduced_again, slot_bytes=1 << 20)
     for checks, _, _ in results:
         assert all(checks.values()), checks
-    assert len({head for _, head, _ in results}) > 1  # the ranks' tensors start at different page offsets
+    assert len({head for _, head, _ in results}) == local_size  # the ranks' tensors start at different page offsets
     assert len({y for _, _, y in results}) == 1
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from hvdray.collective.transport import Communicator
+from hvdray.collective.transport.reductions import Scale
 from hvdray.collective.engine.cache import RankDescs
 from hvdray.collective.engine.fusion import Action, FusionPlanner
 from hvdray.collective.engine.handle import Request
@@ -140,13 +141,11 @@ class Executor:
             buf.mul_(desc.prescale)
         self.comm.allreduce(buf, desc.reduce_op, self._finish(desc))
 
-    def _finish(self, desc: OpDesc) -> Optional[Callable[[list[torch.Tensor]], None]]:
-        """Averaging's division and the postscale factor of ``desc``'s allreduce, for the transport to run
-        on the reduced data (on each rank's part before the peers copy it, where it can); None if none."""
-        if desc.reduce_op is not ReduceOp.AVERAGE and desc.postscale == 1.0:
-            return None
-        size = self._size
-        return lambda reduced: postscale(reduced, desc, size)
+    def _finish(self, desc: OpDesc) -> Optional[Scale]:
+        """Averaging's division and the postscale factor of ``desc``'s op, for the transport to run on an
+        allreduce's reduced data (on each rank's part before the peers copy it, where it can); None if none."""
+        average = desc.reduce_op is ReduceOp.AVERAGE
+        return Scale(self._size, average, desc.postscale) if average or desc.postscale != 1.0 else None
 
     # -- every other op ------------------------------------------------------------------------
     def run_one(self, action: Action, request: Request) -> None:
@@ -226,7 +225,9 @@ class Executor:
         self.comm.reduce_scatter(out, chunks, desc.reduce_op)
         if rows[self._rank] != most:
             out = out[: rows[self._rank]]
-        postscale([out], desc, self._size)
+        scale = self._finish(desc)
+        if scale is not None:
+            scale([out])
         return out
 
     def _trace_op(self, timeline: Timeline, request: Request, kind: OpKind, started: float, done: float) -> str:
@@ -242,33 +243,3 @@ class Executor:
         timeline.phase(self._pid, row, "QUEUE", ready, started)
         return row
 
-
-def postscale(bufs: list[torch.Tensor], desc: OpDesc, size: int) -> None:
-    """Averaging's division and ``postscale_factor``, in place on ``bufs`` (one dtype). An integer average
-    rounds toward zero, as Horovod's (its torch ops divide so; its core scales integers by 1/size in double
-    and converts back, which truncates too). A float average without a postscale factor divides by the
-    size: the correctly rounded quotient, as Horovod's scaling by 1/size in double gives, where multiplying
-    by 1/size in the tensor's own precision is one ulp off for about a third of the elements when the
-    size is not a power of two. When it is, 1/size is exact in every float dtype and the product is that
-    same quotient, at about twice a division's speed (a division is the slowest part of a fused step's
-    reduction while its data is in the cache)."""
-    average = desc.reduce_op is ReduceOp.AVERAGE
-    if average and not bufs[0].is_floating_point():
-        if size != 1:
-            for buf in bufs:
-                buf.div_(size, rounding_mode="trunc")
-    elif average and desc.postscale == 1.0:
-        if size & (size - 1) == 0:  # a power of two (1 included: nothing to scale)
-            if size != 1:
-                torch._foreach_mul_(bufs, 1.0 / size)
-        else:
-            torch._foreach_div_(bufs, float(size))
-    elif average or desc.postscale != 1.0:
-        factor = desc.postscale / size if average else desc.postscale
-        if factor == 1.0:  # an average over one rank: nothing to scale
-            return
-        if bufs[0].is_floating_point():
-            torch._foreach_mul_(bufs, factor)
-        else:
-            for buf in bufs:
-                buf.mul_(factor)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from hvdray.collective.transport.reductions import block_operands
+from hvdray.collective.transport.reductions import block_operands, finish_block
 from hvdray.collective.transport.shm.barrier import NodeBarrier
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds
 from hvdray.collective.transport.shm.segment import PeerAddresses, SharedMemoryError, check_published_sizes
@@ -137,7 +137,7 @@ def allreduce_cross_memory(
                     reduce(first, buffer[: b - a], out=acc)
                     first = acc
                 if finish is not None:
-                    finish([torch.as_tensor(acc)])
+                    finish_block(finish, acc)
                 for rank, published in peers:
                     memory.write(rank, published.output + offset, out_at + offset, length)
     node.barrier.wait()

@@ -40,7 +40,9 @@ import torch
 from torch.distributed import ReduceOp
 
 from hvdray.collective.topology import shared_cache_bytes, usable_cores
-from hvdray.collective.transport.reductions import FOREACH_REDUCERS, REDUCERS, block_operands, reduce_in_order
+from hvdray.collective.transport.reductions import (
+    FOREACH_REDUCERS, REDUCERS, block_operands, finish_block, reduce_in_order,
+)
 from hvdray.collective.transport.strategy import Finish
 from hvdray.collective.transport.shm import fused
 from hvdray.collective.transport.shm.barrier import NodeBarrier
@@ -418,7 +420,7 @@ class NodeCollectives:
                 if cross is not None:
                     cross(acc)  # the same local rank on every node holds the same part: sizes agree
                 if finish is not None:
-                    finish([torch.as_tensor(acc)])
+                    finish_block(finish, acc)
                 memmove(own_at + a * isz, piece_at + a * isz, (b - a) * isz)
         self.barrier.wait()
         for peer in range(size):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from hvdray.collective.transport.reductions import block_operands, reduce_in_order
+from hvdray.collective.transport.reductions import block_operands, finish_block, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
 
@@ -81,7 +81,7 @@ def allreduce_shared_pages(
             if len(own):
                 reduce_in_order(reduce, theirs[0], theirs[1:], own)
                 if finish is not None:
-                    finish([torch.as_tensor(own)])
+                    finish_block(finish, own)
     inputs = [
         source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
         for rank, place in enumerate(places)
@@ -89,10 +89,7 @@ def allreduce_shared_pages(
     if source is out:
         _reduce_parts_into_every_tensor(node, inputs, reducer, None, finish)
         return
-    interior = out[lo:hi]
-    reduce_in_order(reducer, inputs[0], inputs[1:], interior)
-    if finish is not None:
-        finish([interior])
+    _reduce_all_into(inputs, out[lo:hi], reducer, finish)
     node.barrier.wait()
 
 
@@ -168,7 +165,7 @@ def _reduce_parts_into_every_tensor(
             reduce_in_order(reduce, block, [other[a : a + step] for other in others], block)
             if cross is None:
                 if finish is not None:
-                    finish([torch.as_tensor(block)])
+                    finish_block(finish, block)
                 for peer_at in peers_at:
                     memmove(peer_at + a * isz, own_at + a * isz, len(block) * isz)
     if cross is not None and hi > lo:
@@ -190,11 +187,26 @@ def allreduce_shared_inputs(
     is bit-identical), and writes nothing to the peers. With two ranks that is one add of the message,
     what the memory ideal costs when copy and add run at one speed; the last barrier keeps every input
     unchanged until all ranks have read it."""
-    inputs = _every_ranks_tensor(node, source, places)
-    reduce_in_order(reducer, inputs[0], inputs[1:], out)
-    if finish is not None:
-        finish([out])
+    _reduce_all_into(_every_ranks_tensor(node, source, places), out, reducer, finish)
     node.barrier.wait()
+
+
+def _reduce_all_into(
+    inputs: list[torch.Tensor], out: torch.Tensor, reducer: Callable[..., torch.Tensor], finish: Optional["Finish"],
+) -> None:
+    """``out`` = every rank's input (``inputs``, in rank order) reduced in that order; with ``finish``, block by
+    block, each block finished while it is in the core's cache (:func:`finish_block`), instead of a second
+    pass over the whole output."""
+    if finish is None:
+        reduce_in_order(reducer, inputs[0], inputs[1:], out)
+        return
+    reduce, (acc, *operands) = block_operands(reducer, [out, *inputs])
+    step = max(1, REDUCE_BLOCK_BYTES // out.element_size())
+    with np.errstate(all="ignore"):
+        for a in range(0, len(acc), step):
+            block = acc[a : a + step]
+            reduce_in_order(reduce, operands[0][a : a + step], [other[a : a + step] for other in operands[1:]], block)
+            finish_block(finish, block)
 
 
 def copy_peers_parts(
@@ -243,7 +255,7 @@ def allreduce_shared_outputs(
                 b = min(a + step, hi)
                 acc = reduce_in_order(reduce, source[a:b], [other[a:b] for other in others], out[a:b])
                 if finish is not None:
-                    finish([torch.as_tensor(acc)])
+                    finish_block(finish, acc)
                 for address in addresses:
                     memmove(address + a * isz, out_at + a * isz, (b - a) * isz)
     node.barrier.wait()
