@@ -1067,19 +1067,6 @@ def _memfds():
     return found
 
 
-def _on_another_page_offset(n, offset):
-    """A fresh float32 tensor of ``n`` whose address is not ``offset`` bytes into a page: glibc serves it
-    from its heap (anywhere) once a freed larger block has raised its mmap threshold."""
-    held = []
-    pad = torch.empty(4 * n)
-    del pad
-    t = torch.empty(n)
-    while t.data_ptr() % 4096 == offset and len(held) < 16:
-        held.append(t)
-        t = torch.empty(n)
-    return t
-
-
 def _on_a_page_offset_of_its_own(n, rank, size):
     """A fresh float32 tensor of ``n`` whose offset into its page no other rank's has (its 64-byte line
     there, modulo ``size``, is ``rank``): glibc serves blocks this large from its heap once told to (its
@@ -1129,7 +1116,7 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     checks["raw alias and view see the result"] = (
         torch.equal(torch.from_numpy(raw), t) and torch.equal(view, t[n // 2 :]))  # (t.numpy() would pin its size)
     # an out-of-place input reduced again: its pages move too; every rank reduces all inputs into its output
-    source = _on_another_page_offset(n, 64) if rank == 1 else torch.empty(n)
+    source = _on_a_page_offset_of_its_own(n, rank, size)
     source.copy_(_inputs(rank, torch.float32, n))
     for i, out in enumerate((torch.empty(n), torch.empty(n), torch.empty(n).share_memory_(), torch.empty(n))):
         if i == 2:
@@ -1142,7 +1129,7 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     checks["out of place: input kept"] = torch.equal(source, _inputs(rank, torch.float32, n))
     # a reducescatter's input reduced again: its pages move; the same bits as through the slots
     m = (shared_storage.ADOPT_MIN_BYTES // 4 // size + 333) * size
-    chunks = _on_another_page_offset(m, 64) if rank == 1 else torch.empty(m)
+    chunks = _on_a_page_offset_of_its_own(m, rank, size)
     floats = torch.from_numpy(np.random.default_rng(rank).standard_normal(m)).float()
     results = []
     for i in range(3):
@@ -1188,6 +1175,7 @@ def _pages_of_tensors_reduced_again(node, rank, size):
     checks["after the refusal"] = _reduce_and_check(node, rank, size, t, n)
     # freed: private memory goes back over its pages before torch frees it, and its file closes; a new
     # tensor at the same address is new
+    MOVED_PAGES.release_unheld()  # tensors freed earlier (the loops' x) go now, not during the wait below
     before, at = len(MOVED_PAGES), address + head
     del t, view, raw
     deadline = time.monotonic() + 5
@@ -1232,7 +1220,7 @@ def test_a_loop_over_many_large_tensors_moves_each_once():
 def test_pages_of_private_tensors_reduced_again_move_into_shared_memory_where_they_lie(local_size):
     results = _run_node(local_size, _pages_of_tensors_reduced_again, slot_bytes=1 << 20)
     for checks, _, _ in results:
-        assert all(checks.values()), checks
+        assert all(checks.values()), [name for name, ok in checks.items() if not ok]
     assert len({head for _, head, _ in results}) == local_size  # the ranks' tensors start at different page offsets
     assert len({y for _, _, y in results}) == 1
 
