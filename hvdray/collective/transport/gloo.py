@@ -78,7 +78,8 @@ def group_options(
     except RuntimeError as exc:
         if interface:
             here = ", ".join(name for _, name in socket.if_nameindex())
-            where = f"the network interface {interface!r} (nics) on node {socket.gethostname()}, whose interfaces are {here}"
+            where = (f"the network interface {interface!r} (nics) on node {socket.gethostname()}, "
+                     f"whose interfaces are {here}")
         else:
             where = f"the address {address!r} on node {socket.gethostname()}"
         raise NetworkDeviceError(f"Gloo cannot open {where}: {exc}") from exc

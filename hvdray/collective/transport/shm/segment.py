@@ -295,7 +295,8 @@ def check_published_sizes(
     this rank's (``local_rank``) size: a direct way between the ranks' tensors must not read or write past one."""
     for rank, place in enumerate(published):
         if place.nbytes != nbytes:
-            raise SharedMemoryError(f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {local_rank}'s {nbytes}")
+            raise SharedMemoryError(
+                f"local rank {rank}'s tensor has {place.nbytes} bytes, local rank {local_rank}'s {nbytes}")
 
 
 def _token_qword(local_rank: int) -> int:
