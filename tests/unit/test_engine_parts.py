@@ -248,8 +248,14 @@ def test_a_scale_on_a_numpy_block_gives_torchs_bits(dtype, scale):
         sums = _float_sums(dtype, size)
     else:
         sums = torch.randint(-1000, 1000, (9000,), generator=torch.Generator().manual_seed(size), dtype=dtype)
-        if factor != 1.0 and not (average and size > 1):
-            return  # torch refuses to scale integers in place by a float (the engine's checks do too)
+        if factor != 1.0 and not (average and size > 1):  # torch refuses to scale integers in place by a float
+            with pytest.raises(RuntimeError):
+                Scale(size, average, factor)([sums.clone()])
+            block = sums.clone()  # held: a numpy view does not keep its tensor's memory alive
+            _, (view,) = block_operands(torch.add, [block])
+            with pytest.raises(RuntimeError):
+                Scale(size, average, factor).on_block(view)
+            return
     expected = sums.clone()
     Scale(size, average, factor)([expected])
     block = sums.clone()

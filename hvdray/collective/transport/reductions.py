@@ -151,51 +151,49 @@ class Scale:
     own, which a float32 or float64 one it scales with numpy: the same bits at a fraction of the cost of
     turning it back into a tensor for torch's op (tens of microseconds a block with the cache busy)."""
 
-    __slots__ = ("size", "average", "factor", "_numpy_op")
+    __slots__ = ("size", "average", "factor", "_scaling")
 
     def __init__(self, size: int, average: bool, factor: float = 1.0) -> None:
         self.size, self.average, self.factor = size, average, factor
-        # the numpy ufunc and operand a float block is scaled with; None: nothing to do to a float
-        self._numpy_op: Optional[tuple[np.ufunc, float]] = None
+        # what a float is scaled by (numpy's ufunc names it: a multiplication or a division) and the
+        # operand; None: nothing to do to a float (an integer average divides toward zero all the same)
+        self._scaling: Optional[tuple[np.ufunc, float]] = None
         if average and factor == 1.0:
             if size & (size - 1) == 0:  # a power of two (1 included: nothing to scale)
-                self._numpy_op = (np.multiply, 1.0 / size) if size != 1 else None
+                self._scaling = (np.multiply, 1.0 / size) if size != 1 else None
             else:
-                self._numpy_op = (np.true_divide, float(size))
+                self._scaling = (np.true_divide, float(size))
         else:
             scale = factor / size if average else factor
-            self._numpy_op = (np.multiply, scale) if scale != 1.0 else None
+            self._scaling = (np.multiply, scale) if scale != 1.0 else None
 
     def __repr__(self) -> str:
         return f"Scale(size={self.size}, average={self.average}, factor={self.factor})"
 
     def __call__(self, bufs: list[torch.Tensor]) -> None:
-        size = self.size
         if self.average and not bufs[0].is_floating_point():
-            if size != 1:
+            if self.size != 1:
                 for buf in bufs:
-                    buf.div_(size, rounding_mode="trunc")
-        elif self.average and self.factor == 1.0:
-            if size & (size - 1) == 0:
-                if size != 1:
-                    torch._foreach_mul_(bufs, 1.0 / size)
-            else:
-                torch._foreach_div_(bufs, float(size))
-        elif self._numpy_op is not None:
-            scale = self._numpy_op[1]
-            if bufs[0].is_floating_point():
-                torch._foreach_mul_(bufs, scale)
-            else:
-                for buf in bufs:
-                    buf.mul_(scale)
+                    buf.div_(self.size, rounding_mode="trunc")
+            return
+        if self._scaling is None:
+            return
+        ufunc, operand = self._scaling
+        if ufunc is np.true_divide:
+            torch._foreach_div_(bufs, operand)
+        elif bufs[0].is_floating_point():
+            torch._foreach_mul_(bufs, operand)
+        else:
+            for buf in bufs:
+                buf.mul_(operand)
 
     def on_block(self, block: Operand) -> None:
         """Scale one block of :func:`block_operands`' (a numpy view or a tensor) in place, inside
         ``numpy.errstate(all="ignore")`` as its reducer."""
         if isinstance(block, np.ndarray):
             if block.dtype in _NUMPY_SCALED:
-                if self._numpy_op is not None:
-                    ufunc, operand = self._numpy_op
+                if self._scaling is not None:
+                    ufunc, operand = self._scaling
                     ufunc(block, operand, out=block)
                 return
             block = torch.as_tensor(block)
