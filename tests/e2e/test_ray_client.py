@@ -78,6 +78,11 @@ import torch
 from hvdray import RayExecutor, get_dataset_shard
 import hvdray.torch as hvd
 
+def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
+    sys.stdout.write(f"{label} {value}\\n")
+    sys.stdout.flush()
+
+
 ray.init(sys.argv[1])                     # Ray Client: this process is outside the cluster
 assert ray.util.client.ray.is_connected()
 
@@ -87,14 +92,14 @@ def total(value):
 
 settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=120)
 with RayExecutor(settings, num_workers=2) as executor:
-    print("FIXED", executor.run(total, args=[1.5]), flush=True)
+    say("FIXED", executor.run(total, args=[1.5]))
 
 def rows():
     hvd.init()
     return sum(len(batch["id"]) for batch in get_dataset_shard("train").iter_batches(batch_size=10))
 
 with RayExecutor(settings, num_workers=2) as executor:
-    print("DATA", executor.run(rows, datasets={"train": ray.data.range(40)}), flush=True)
+    say("DATA", executor.run(rows, datasets={"train": ray.data.range(40)}))
 
 def elastic_fn():
     hvd.init()
@@ -113,11 +118,11 @@ def elastic_fn():
 from hvdray.driver.node_liveness import down_nodes   # liveness asks the cluster about nodes it cannot reach
 
 live = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-print("DOWN", sorted(down_nodes(live + ["f" * 56])) == ["f" * 56], flush=True)
+say("DOWN", sorted(down_nodes(live + ["f" * 56])) == ["f" * 56])
 
 with RayExecutor(settings.model_copy(update={"discovery_interval_s": 0.5}), min_workers=2, max_workers=2,
                  elastic_timeout=120) as executor:
-    print("ELASTIC", executor.run(elastic_fn), flush=True)
+    say("ELASTIC", executor.run(elastic_fn))
 
 from ray import tune
 from hvdray.tune import DistributedTrainableCreator, report
@@ -130,7 +135,7 @@ def trial(config):
 trainable = DistributedTrainableCreator(trial, num_hosts=1, num_slots=2, num_cpus_per_slot=1, timeout_s=60)
 analysis = tune.run(trainable, config={"x": tune.grid_search([1.0, 2.0])}, metric="score", mode="max",
                     verbose=0, storage_path=sys.argv[2])
-print("TUNE", sorted(t.last_result["score"] for t in analysis.trials), flush=True)
+say("TUNE", sorted(t.last_result["score"] for t in analysis.trials))
 """
 
 
@@ -162,7 +167,13 @@ def test_the_client_needs_the_token(head, tmp_path):
 
 
 _JOB_DRIVER = """
+import sys
 from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
+
+def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
+    sys.stdout.write(f"{label} {value}\\n")
+    sys.stdout.flush()
+
 
 def train(epochs):
     import hvdray.torch as hvd
@@ -174,7 +185,7 @@ def train(epochs):
 init_ray()  # $RAY_ADDRESS, set by ray job submit
 with RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2) as executor, \\
         ProgressBar(total=3, desc="digits") as bar:
-    print("RANKS", executor.run(train, args=[3], callbacks=[bar]), flush=True)
+    say("RANKS", executor.run(train, args=[3], callbacks=[bar]))
 """
 
 

@@ -136,9 +136,15 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(ray_with_dashboard, 
 
 _PROGRESS_DRIVER = """
 import json
+import sys
 import ray
 from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
 from ray.util.state import list_actors, list_placement_groups
+
+def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
+    sys.stdout.write(f"{label} {value}\\n")
+    sys.stdout.flush()
+
 
 def train(epochs):
     import hvdray.torch as hvd
@@ -153,9 +159,9 @@ executor.start()
 ours = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
 alive = [a.name for a in list_actors(address=ours, filters=[("state", "=", "ALIVE")])]
 groups = [g.name for g in list_placement_groups(address=ours, filters=[("state", "=", "CREATED")])]
-print("NAMES", json.dumps({"id": executor._id, "actors": alive, "groups": groups}), flush=True)
+say("NAMES", json.dumps({"id": executor._id, "actors": alive, "groups": groups}))
 with ProgressBar(total=3, desc="digits") as bar:  # on stderr, a pipe here
-    print("RANKS", executor.run(train, args=[3], callbacks=[bar]), flush=True)
+    say("RANKS", executor.run(train, args=[3], callbacks=[bar]))
 executor.shutdown()
 """
 
