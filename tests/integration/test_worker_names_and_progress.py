@@ -96,10 +96,12 @@ def say(word):
 ray.init(address=sys.argv[1])  # the module's Ray: a driver that joins a running cluster
 settings = RayExecutor.create_settings(timeout_s=30)
 fixed = RayExecutor(settings, num_workers=2)
-print("fixed ranks", fixed.run(say, args=["fixed"]), flush=True)
+sys.stdout.write(f"fixed ranks {fixed.run(say, args=['fixed'])}\\n")  # one write: Ray prints between print()'s pieces
+sys.stdout.flush()
 fixed.shutdown()
 elastic = RayExecutor(settings, min_workers=2, max_workers=2)
-print("elastic ranks", elastic.run(say, args=["elastic"]), flush=True)
+sys.stdout.write(f"elastic ranks {elastic.run(say, args=['elastic'])}\\n")
+sys.stdout.flush()
 elastic.shutdown()
 import time; time.sleep(3)  # Ray forwards the workers' last lines
 ray.shutdown()
