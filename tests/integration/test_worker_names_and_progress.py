@@ -95,14 +95,15 @@ def say(word):
 
 ray.init(address=sys.argv[1])  # the module's Ray: a driver that joins a running cluster
 settings = RayExecutor.create_settings(timeout_s=30)
-fixed = RayExecutor(settings, num_workers=2)
-sys.stdout.write(f"fixed ranks {fixed.run(say, args=['fixed'])}\\n")  # one write: Ray prints between print()'s pieces
-sys.stdout.flush()
-fixed.shutdown()
-elastic = RayExecutor(settings, min_workers=2, max_workers=2)
-sys.stdout.write(f"elastic ranks {elastic.run(say, args=['elastic'])}\\n")
-sys.stdout.flush()
-elastic.shutdown()
+# the ranks go to a file: the driver's own output stays Ray's forwarded lines alone (a line the driver
+# wrote could fall between a forwarded line and its newline, which Ray's log thread writes apart)
+with open(sys.argv[2], "w") as ranks:
+    fixed = RayExecutor(settings, num_workers=2)
+    ranks.write(f"fixed ranks {fixed.run(say, args=['fixed'])}\\n")
+    fixed.shutdown()
+    elastic = RayExecutor(settings, min_workers=2, max_workers=2)
+    ranks.write(f"elastic ranks {elastic.run(say, args=['elastic'])}\\n")
+    elastic.shutdown()
 import time; time.sleep(3)  # Ray forwards the workers' last lines
 ray.shutdown()
 """
@@ -125,10 +126,12 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(ray_with_dashboard, 
     script = tmp_path / "driver.py"
     script.write_text(_PRINTING_DRIVER)
     address = ray.get_runtime_context().gcs_address
-    done = subprocess.run([sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=300)
+    ranks = tmp_path / "ranks.txt"
+    done = subprocess.run([sys.executable, str(script), address, str(ranks)], env=env, capture_output=True, text=True,
+                          timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "fixed ranks [0, 1]" in output and "elastic ranks [0, 1]" in output, output
+    assert ranks.read_text() == "fixed ranks [0, 1]\nelastic ranks [0, 1]\n", output
     for rank in (0, 1):
         assert re.search(rf"\(rank {rank} pid=\d+\)\S* fixed from {rank}\n", output), output
         assert re.search(rf"\(rank {rank} pid=\d+\)\S* fixed on stderr from {rank}\n", output), output
