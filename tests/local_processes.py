@@ -1,6 +1,7 @@
 """Shared by the tests that start Ray from its command line (``ray start``, ``ray up``) or start Ray
 drivers as processes of their own: free ports, the processes a test started (found by a marker in their
-command line, never by name), ending them by pid, and a driver refused by a cluster."""
+command line, never by name), ending them by pid, a driver refused by a cluster, and the line writer of
+the driver scripts whose output a test reads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ import threading
 from typing import Optional
 
 import psutil
+
+
+#: the head of a driver script whose output a test reads: ``say(label, value)`` writes ``label value`` and its
+#: newline in one write (``print`` writes its pieces apart, and Ray's log thread can print between them)
+SAY_SOURCE = """import sys
+
+
+def say(label, value):
+    sys.stdout.write(f"{label} {value}\\n")
+    sys.stdout.flush()
+
+"""
 
 
 def free_ports(count: int) -> list[int]:

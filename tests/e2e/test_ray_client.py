@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 
 sys.path.insert(0, str(ROOT / "tests"))
-from local_processes import free_ports, kill, processes_using, refused  # noqa: E402 - shared with test_cluster_cli.py
+from local_processes import SAY_SOURCE, free_ports, kill, processes_using, refused  # noqa: E402 - shared
 
 pytestmark = pytest.mark.slow
 
@@ -71,17 +71,11 @@ def head():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-_CLIENT_DRIVER = """
-import sys
+_CLIENT_DRIVER = SAY_SOURCE + """
 import ray
 import torch
 from hvdray import RayExecutor, get_dataset_shard
 import hvdray.torch as hvd
-
-def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
-    sys.stdout.write(f"{label} {value}\\n")
-    sys.stdout.flush()
-
 
 ray.init(sys.argv[1])                     # Ray Client: this process is outside the cluster
 assert ray.util.client.ray.is_connected()
@@ -166,14 +160,8 @@ def test_the_client_needs_the_token(head, tmp_path):
             joined="CONNECTED")
 
 
-_JOB_DRIVER = """
-import sys
+_JOB_DRIVER = SAY_SOURCE + """
 from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
-
-def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
-    sys.stdout.write(f"{label} {value}\\n")
-    sys.stdout.flush()
-
 
 def train(epochs):
     import hvdray.torch as hvd

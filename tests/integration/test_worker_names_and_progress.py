@@ -5,12 +5,17 @@ from __future__ import annotations
 import io
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 from hvdray import RayExecutor, ray_logger
 from hvdray.driver.callbacks import MetricsHistory
 from hvdray.driver.callbacks import ProgressBar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from local_processes import SAY_SOURCE  # noqa: E402 - the drivers' line writer, shared with test_ray_client.py
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +144,11 @@ def test_worker_log_lines_reach_the_driver_prefixed_by_rank(ray_with_dashboard, 
     assert not re.search(r"\(Worker pid=\d+\)", output), output
 
 
-_PROGRESS_DRIVER = """
+_PROGRESS_DRIVER = SAY_SOURCE + """
 import json
-import sys
 import ray
 from hvdray import ProgressBar, RayExecutor, init_ray, ray_logger
 from ray.util.state import list_actors, list_placement_groups
-
-def say(label, value):  # one write a line: Ray's log thread can print between the pieces of a print()
-    sys.stdout.write(f"{label} {value}\\n")
-    sys.stdout.flush()
-
 
 def train(epochs):
     import hvdray.torch as hvd
