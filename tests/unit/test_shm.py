@@ -689,6 +689,33 @@ def test_tensors_in_shared_memory_are_reduced_in_place_without_the_slots(local_s
     assert len({r[3] for r in results}) == 1
 
 
+def _shared_tensors_with_a_cross_step(node, rank, size):
+    """The hierarchical path over tensors in torch shared memory: ``cross`` (a node twice the same) gets this
+    rank's reduced part whole, once, before the peers get it; averaged after it."""
+    seen = []
+
+    def cross(part):
+        seen.append(part.numel())
+        part.mul_(2)
+
+    n = 40_003
+    t = torch.zeros(n, dtype=torch.float64).share_memory_()
+    t.copy_(_inputs(rank, torch.float64, n))
+    _mark_own_slots(node, rank)
+    node.allreduce(t, ReduceOp.SUM, cross, finish=Scale(size, average=True))
+    want = 2 * sum(_inputs(r, torch.float64, n) for r in range(size))
+    Scale(size, average=True)([want])
+    return torch.equal(t, want), seen, _own_slots_untouched(node, rank)
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_tensors_in_shared_memory_hand_each_rank_part_to_cross_once(local_size):
+    results = _run_node(local_size, _shared_tensors_with_a_cross_step)
+    assert all(ok and untouched for ok, _, untouched in results)
+    assert [len(seen) for _, seen, _ in results] == [1] * local_size
+    assert sum(seen[0] for _, seen, _ in results) == 40_003  # each element in one rank's part
+
+
 #: the dtypes and ops the ways between blocks in shared memory are checked with
 DIRECT_CASES = [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float16, ReduceOp.MIN),
                 (torch.int32, ReduceOp.PRODUCT), (torch.bool, ReduceOp.SUM), (torch.float64, ReduceOp.SUM)]
@@ -1192,6 +1219,59 @@ def _pages_of_tensors_reduced_again(node, rank, size):
         mixed.copy_(_inputs(rank, torch.float32, n))
         checks["mixed"] = _reduce_and_check(node, rank, size, mixed, n)
     return checks, head, y.numpy().tobytes()
+
+
+def _loops_on_their_plans(node, rank, size):
+    """A loop that reduces the same tensor again and again, in place or out of place into one output, runs on
+    the plans (PagesPlans) its first ops on the moved pages made, one per half of the slots: sums and averages
+    of new data every time, as from fresh operands. Once a peer lets its tensor go, the plans go with the
+    peer's mapping after the next op, and nothing keeps a file of moved pages open or mapped."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    node.shared_pages = SharedPages(True)
+    n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001  # a tail beyond the last whole page
+    checks = {}
+
+    def want(scale):
+        return sum(_inputs(r, torch.float32, n) * scale for r in range(size))
+
+    t = _on_a_page_offset_of_its_own(n, rank, size)
+    for i in range(6):
+        t.copy_(_inputs(rank, torch.float32, n) * (i + 1))
+        node.allreduce(t, ReduceOp.SUM)
+        checks[f"in place {i}"] = torch.equal(t, want(i + 1))
+    checks["in place: a plan per half"] = node.shared_pages.moved == 1 and len(node.pages_plans) == 2
+    averaged = want(7)
+    Scale(size, average=True)([averaged])
+    t.copy_(_inputs(rank, torch.float32, n) * 7)
+    node.allreduce(t, ReduceOp.SUM, finish=Scale(size, average=True))
+    checks["in place, averaged on a plan"] = torch.equal(t, averaged) and len(node.pages_plans) == 2
+    source, out = _on_a_page_offset_of_its_own(n, rank, size), torch.empty(n)
+    for i in range(6):
+        source.copy_(_inputs(rank, torch.float32, n) * (i + 2))
+        node.allreduce(out, ReduceOp.SUM, source=source)
+        checks[f"out of place {i}"] = torch.equal(out, want(i + 2))
+    checks["out of place: a plan per half"] = node.shared_pages.moved == 2 and len(node.pages_plans) == 4
+    source.copy_(_inputs(rank, torch.float32, n) * 7)
+    node.allreduce(out, ReduceOp.SUM, source=source, finish=Scale(size, average=True))
+    checks["out of place, averaged on a plan"] = torch.equal(out, averaged) and len(node.pages_plans) == 4
+    checks["files mapped while in use"] = any("hvdray-tensor-pages" in line for line in open("/proc/self/maps"))
+    del t, source, out
+    MOVED_PAGES.release_unheld()  # this rank's files close now (their tensors are gone)
+    node.allreduce(torch.ones(4), ReduceOp.SUM)  # every rank has let its files go
+    time.sleep(shared_storage.RELEASE_CHECK_S + 0.2)
+    node.allreduce(torch.ones(4), ReduceOp.SUM)  # after it, the peers' mappings are found let go
+    # (the peers' scratch blocks, which the first op on each tensor took, stay mapped: they still hold them)
+    checks["plans gone with the peers' mappings"] = len(node.pages_plans) == 0
+    checks["no file open or mapped"] = not _memfds() and not any(
+        "hvdray-tensor-pages" in line for line in open("/proc/self/maps"))
+    return checks
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_a_loop_runs_on_its_plans_until_a_peer_lets_its_tensor_go(local_size):
+    for checks in _run_node(local_size, _loops_on_their_plans, slot_bytes=1 << 20):
+        assert all(checks.values()), [name for name, ok in checks.items() if not ok]
 
 
 def _many_tensors_in_turn(node, rank, size):

@@ -68,6 +68,7 @@ from hvdray.collective.transport.shm.shared_storage import (
 from hvdray.collective.transport.shm.shared_pages import SHARED_PAGES_KEPT, SharedPages
 from hvdray.collective.transport.shm.shared_tensors import (
     PAGES_SLOT_BYTES,
+    PagesPlans,
     allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
@@ -141,6 +142,8 @@ class NodeCollectives:
         #: moves the pages of private tensors an allreduce or a reducescatter reduces again into shared memory,
         #: where they lie, if asked (shared_pages.py); needs room for a page from each end of a tensor in a slot
         self.shared_pages = SharedPages(share_pages and slot_bytes >= PAGES_SLOT_BYTES)
+        #: the operands of the shared-pages allreduces run lately, to run again (shared_tensors.py)
+        self.pages_plans = PagesPlans(self.peer_tensors)
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)
         self.scratch_min_bytes = SCRATCH_MIN_BYTES
@@ -165,6 +168,7 @@ class NodeCollectives:
         try:
             self._slots.clear()
             self._layouts.clear()
+            self.pages_plans.clear()
             self.peer_tensors.clear()
             self.scratch.clear()
             self._data = None
@@ -188,6 +192,7 @@ class NodeCollectives:
                 raise
             if self.peer_tensors:
                 self.peer_tensors.drop_released_now_and_then()
+                self.pages_plans.forget_if_peers_dropped()
 
     def slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         """``[half][local_rank]`` -> that slot as a 1-D tensor of ``dtype`` (for the reductions)."""
@@ -299,7 +304,7 @@ class NodeCollectives:
             if what == CROSS_MEMORY:
                 allreduce_cross_memory(self, flat, source, places, pieces, reducer, finish)
             elif what == SHARED_PAGES:
-                allreduce_shared_pages(self, flat, source, places, self.slot_views(torch.uint8)[half], reducer, finish)
+                allreduce_shared_pages(self, flat, source, places, half, reducer, finish)
             elif what == SHARED_OUTPUT:
                 allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish, exposed)
                 if exposed is not flat:  # in place: the peers' sums wait in the scratch block

@@ -69,10 +69,13 @@ class PeerTensors:
     """The local peers' shared tensor storages this rank has mapped, by (pid, inode), least recently
     used first. A mapping keeps its memory alive after the peer frees the tensor, so entries whose
     peer no longer holds that storage are dropped whenever a new one is mapped and, between ops, within
-    :data:`RELEASE_CHECK_S` (:meth:`drop_released_now_and_then`); at most ``capacity`` stay."""
+    :data:`RELEASE_CHECK_S` (:meth:`drop_released_now_and_then`); at most ``capacity`` stay. ``generation``
+    counts the drops: what holds a view of a mapping to use it again lets it go when that moves, so that the
+    memory goes back to ``/dev/shm``."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.generation = 0
         self._maps: OrderedDict[tuple[int, int], tuple[TensorPlace, torch.Tensor]] = OrderedDict()
         self._next_check = 0.0
 
@@ -86,6 +89,7 @@ class PeerTensors:
             entry = self._maps[key] = (place, storage)
             while len(self._maps) > self.capacity:
                 self._maps.popitem(last=False)
+                self.generation += 1
         else:
             self._maps.move_to_end(key)
         return entry[1][place.offset : place.offset + place.nbytes].view(dtype)
@@ -108,12 +112,14 @@ class PeerTensors:
                 held = False
             if not held:
                 del self._maps[key]
+                self.generation += 1
 
     def __len__(self) -> int:
         return len(self._maps)
 
     def clear(self) -> None:
         self._maps.clear()
+        self.generation += 1
 
 
 class SharedMemoryAdoption:

@@ -32,20 +32,25 @@ its peers', is ``shared_storage.py``'s and ``shared_pages.py``'s.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
-from hvdray.collective.transport.reductions import block_operands, finish_block, reduce_in_order
+from hvdray.collective.transport.reductions import Operand, block_operands, finish_block, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
 
 #: the slot an allreduce of tensors whose pages moved into shared memory needs (allreduce_shared_pages)
 PAGES_SLOT_BYTES = 2 * PAGE_BYTES
+#: the plans of shared-pages allreduces a rank keeps (:class:`PagesPlans`): a tensor, output and half of the
+#: slots each
+PAGES_PLANS_KEPT = 16
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
+    from hvdray.collective.transport.shm.shared_storage import PeerTensors
     from hvdray.collective.transport.strategy import Finish
 
 
@@ -59,38 +64,110 @@ def allreduce_shared_tensors(
 
 
 def allreduce_shared_pages(
-    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace],
-    slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
+    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace], half: int,
+    reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
 ) -> None:
     """Every local rank's input (``source``; in place, ``out`` itself) with its whole pages in shared memory
     (``shared_pages.py``: ``places``, in rank order), and its first and last :data:`PAGE_BYTES` copied to the
-    start of its slot before the op's first barrier (:func:`copy_edges`; ``slots``: every rank's, as
-    bytes). The elements that lie in every rank's whole pages are reduced as between tensors in shared
-    memory: in place each rank reduces its part and writes it into every peer's tensor (as
-    :func:`allreduce_shared_tensors` does), out of place each rank reduces all of them into its own output
-    (as :func:`allreduce_shared_inputs` does). The few before and after them (less than a page at each
-    end), which share their pages with other memory and stay private, every rank reduces for itself from
-    the slots, in rank order. Every rank gets the same bits. One barrier, at the end."""
-    me, isz, numel = node.local_rank, out.element_size(), out.numel()
-    lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
-    page = PAGE_BYTES // isz
-    tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
-    reduce, (mine, *edges) = block_operands(reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
-    with np.errstate(all="ignore"):
-        for own, theirs in ((mine[:lo], [edge[:lo] for edge in edges]), (mine[hi:], [edge[tail] for edge in edges])):
-            if len(own):
-                reduce_in_order(reduce, theirs[0], theirs[1:], own)
+    start of its slot of ``half`` before the op's first barrier (:func:`copy_edges`). The elements that lie
+    in every rank's whole pages are reduced as between tensors in shared memory: in place each rank reduces
+    its part and writes it into every peer's tensor (as :func:`allreduce_shared_tensors` does), out of place
+    each rank reduces all of them into its own output (as :func:`allreduce_shared_inputs` does). The few
+    before and after them (less than a page at each end), which share their pages with other memory and stay
+    private, every rank reduces for itself from the slots, in rank order. Every rank gets the same bits. One
+    barrier, at the end. The operands come from ``node.pages_plans`` (:class:`PagesPlans`): made once for a
+    loop that reduces the same tensors again and again."""
+    key = (source.data_ptr(), out.data_ptr(), out.numel(), out.dtype, reducer, half, *places)
+    plan = node.pages_plans.get(key, lambda: _PagesPlan(node, out, source, places, half, reducer))
+    plan.run(finish)
+    node.barrier.wait()
+
+
+class _PagesPlan:
+    """The operands of one :func:`allreduce_shared_pages` (its tensors, output, slots and every rank's place),
+    made once: numpy views of the edges in the slots, of every rank's whole pages and of the output, cut into
+    the blocks the reduction goes through. It holds the peers' mapped tensors (their memory stays mapped while
+    the plan lives) and nothing of this rank's: its own views serve only while the key that found the plan
+    (the same addresses, sizes and places) says they are this op's."""
+
+    __slots__ = ("edge_reduce", "edges", "reduce", "blocks", "whole", "_peers_mapped")
+
+    def __init__(
+        self, node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace], half: int,
+        reducer: Callable[..., torch.Tensor],
+    ) -> None:
+        me, isz, numel = node.local_rank, out.element_size(), out.numel()
+        lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
+        page = PAGE_BYTES // isz
+        tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
+        slots = node.slot_views(torch.uint8)[half]
+        self.edge_reduce, (mine, *edges) = block_operands(
+            reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
+        self.edges = [(own, theirs) for own, theirs in ((mine[:lo], [edge[:lo] for edge in edges]),
+                                                        (mine[hi:], [edge[tail] for edge in edges])) if len(own)]
+        inputs = [
+            source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
+            for rank, place in enumerate(places)
+        ]
+        self._peers_mapped = [tensor for rank, tensor in enumerate(inputs) if rank != me]
+        if source is out:
+            self.whole = None
+            self.reduce, self.blocks = _part_blocks(me, inputs, reducer)
+        else:
+            self.reduce, self.whole, self.blocks = _all_into_operands(inputs, out[lo:hi], reducer)
+
+    def run(self, finish: Optional["Finish"]) -> None:
+        with np.errstate(all="ignore"):
+            for own, theirs in self.edges:
+                reduce_in_order(self.edge_reduce, theirs[0], theirs[1:], own)
                 if finish is not None:
                     finish_block(finish, own)
-    inputs = [
-        source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
-        for rank, place in enumerate(places)
-    ]
-    if source is out:
-        _reduce_parts_into_every_tensor(node, inputs, reducer, None, finish)
-        return
-    _reduce_all_into(inputs, out[lo:hi], reducer, finish)
-    node.barrier.wait()
+        if self.whole is not None:
+            _reduce_all_into_blocks(self.reduce, self.whole, self.blocks, finish)
+        else:
+            _reduce_part_blocks(self.reduce, self.blocks, finish)
+
+
+class PagesPlans:
+    """The plans (:class:`_PagesPlan`) of the shared-pages allreduces a rank ran last, by their key, least
+    recently used first: a loop that reduces the same tensor again and again finds its operands made, where
+    making them again (a few dozen numpy and torch views, each costly with the cache cold after the op
+    before) cost about a third of a 4 MB op on the development machine. When the peers' mapped storages
+    change (:attr:`PeerTensors.generation`: one a peer let go was dropped), every plan goes, so that none
+    keeps such memory mapped."""
+
+    def __init__(self, peers: PeerTensors, capacity: int = PAGES_PLANS_KEPT) -> None:
+        self.capacity = capacity
+        self._peers = peers
+        self._generation = peers.generation
+        self._plans: OrderedDict[tuple, _PagesPlan] = OrderedDict()
+
+    def get(self, key: tuple, make: Callable[[], _PagesPlan]) -> _PagesPlan:
+        """The plan of ``key``, made by ``make()`` unless kept."""
+        self.forget_if_peers_dropped()
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = make()
+        self.forget_if_peers_dropped()  # making it dropped a mapping, which the others may hold
+        self._plans[key] = plan
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return plan
+
+    def forget_if_peers_dropped(self) -> None:
+        """Let every plan go if a peer's mapped storage was dropped since they were made (after each op: the
+        memory a peer let go goes back to ``/dev/shm`` then, not at the next such allreduce)."""
+        if self._generation != self._peers.generation:
+            self.clear()
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._generation = self._peers.generation
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 def reducescatter_shared_pages(
@@ -146,36 +223,68 @@ def _reduce_parts_into_every_tensor(
 ) -> None:
     """``views``: every local rank's tensor (of one size), in rank order, this rank's its own. Each rank
     reduces its part block by block (its own block plus that block of every peer's tensor) and writes the
-    sum, still in the core's cache, into every peer's tensor; the ranks touch disjoint parts, so the only
-    wait is the last barrier, after which every tensor holds the whole result. With ``cross`` the part is
-    reduced whole, handed to it, then written to the peers. ``finish`` runs on each reduced block (after
-    ``cross``) before it is written to the peers."""
-    me, size = node.local_rank, node.local_size
+    sum, still in the core's cache, into every peer's tensor (:func:`_part_blocks`); the ranks touch disjoint
+    parts, so the only wait is the last barrier, after which every tensor holds the whole result. With
+    ``cross`` the part is reduced whole, handed to it, then written to the peers. ``finish`` runs on each
+    reduced block (after ``cross``) before it is written to the peers."""
+    me = node.local_rank
+    if cross is None:
+        _reduce_part_blocks(*_part_blocks(me, views, reducer), finish)
+        node.barrier.wait()
+        return
     flat = views[me]
     isz = flat.element_size()
-    peers = [view for rank, view in enumerate(views) if rank != me]
-    bounds = part_bounds(flat.numel(), size, isz)
+    bounds = part_bounds(flat.numel(), node.local_size, isz)
     lo, hi = bounds[me], bounds[me + 1]
-    own_at, peers_at = flat.data_ptr() + lo * isz, [peer.data_ptr() + lo * isz for peer in peers]
-    reduce, (acc, *others) = block_operands(reducer, [flat[lo:hi]] + [peer[lo:hi] for peer in peers])
-    step = max(1, REDUCE_BLOCK_BYTES // isz)
-    with np.errstate(all="ignore"):
-        for a in range(0, hi - lo, step):
-            block = acc[a : a + step]
-            reduce_in_order(reduce, block, [other[a : a + step] for other in others], block)
-            if cross is None:
-                if finish is not None:
-                    finish_block(finish, block)
-                for peer_at in peers_at:
-                    memmove(peer_at + a * isz, own_at + a * isz, len(block) * isz)
-    if cross is not None and hi > lo:
+    if hi > lo:
         part = flat[lo:hi]
+        reduce_in_order(reducer, part, [view[lo:hi] for rank, view in enumerate(views) if rank != me], part)
         cross(part)
         if finish is not None:
             finish([part])
-        for peer_at in peers_at:
-            memmove(peer_at, own_at, (hi - lo) * isz)
+        for rank, view in enumerate(views):
+            if rank != me:
+                memmove(view.data_ptr() + lo * isz, part.data_ptr(), (hi - lo) * isz)
     node.barrier.wait()
+
+
+#: one block of a rank's part (:func:`_part_blocks`): the block of its own tensor, that block of every peer's
+#: tensor, where it goes in each peer's tensor, where it lies and its size in bytes
+PartBlock = tuple[Operand, list[Operand], list[int], int, int]
+
+
+def _part_blocks(
+    me: int, views: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+) -> tuple[Callable[..., Operand], list[PartBlock]]:
+    """This rank's (``me``) part of every local rank's tensor (``views``, rank order, one size), cut into
+    blocks of :data:`REDUCE_BLOCK_BYTES` that stay in the core's cache between their reduction and the writes
+    into the peers' tensors: the reducer and the blocks (:func:`block_operands`' operands)."""
+    flat = views[me]
+    isz = flat.element_size()
+    bounds = part_bounds(flat.numel(), len(views), isz)
+    lo, hi = bounds[me], bounds[me + 1]
+    peers = [view for rank, view in enumerate(views) if rank != me]
+    own_at, peers_at = flat.data_ptr() + lo * isz, [peer.data_ptr() + lo * isz for peer in peers]
+    reduce, (acc, *others) = block_operands(reducer, [flat[lo:hi]] + [peer[lo:hi] for peer in peers])
+    step = max(1, REDUCE_BLOCK_BYTES // isz)
+    blocks = []
+    for a in range(0, hi - lo, step):
+        block = acc[a : a + step]
+        blocks.append((block, [other[a : a + step] for other in others], [at + a * isz for at in peers_at],
+                       own_at + a * isz, len(block) * isz))
+    return reduce, blocks
+
+
+def _reduce_part_blocks(reduce: Callable[..., Operand], blocks: list[PartBlock], finish: Optional["Finish"]) -> None:
+    """Reduce each block of :func:`_part_blocks` with ``reduce`` (its reducer), finish it and write it into every
+    peer's tensor while it is in the core's cache."""
+    with np.errstate(all="ignore"):
+        for block, others, peers_at, own_at, nbytes in blocks:
+            reduce_in_order(reduce, block, others, block)
+            if finish is not None:
+                finish_block(finish, block)
+            for peer_at in peers_at:
+                memmove(peer_at, own_at, nbytes)
 
 
 def allreduce_shared_inputs(
@@ -200,13 +309,42 @@ def _reduce_all_into(
     if finish is None:
         reduce_in_order(reducer, inputs[0], inputs[1:], out)
         return
-    reduce, (acc, *operands) = block_operands(reducer, [out, *inputs])
-    step = max(1, REDUCE_BLOCK_BYTES // out.element_size())
+    _reduce_all_into_blocks(*_all_into_operands(inputs, out, reducer), finish)
+
+
+#: the operands of :func:`_reduce_all_into_blocks`: the output and every rank's input, whole or one block of each
+AllIntoOperands = list[Operand]
+
+
+def _all_into_blocks(whole: AllIntoOperands, isz: int) -> list[AllIntoOperands]:
+    """``whole`` (the output, then every rank's input: :func:`block_operands`' operands) cut into blocks of
+    :data:`REDUCE_BLOCK_BYTES`."""
+    step = max(1, REDUCE_BLOCK_BYTES // isz)
+    return [[operand[a : a + step] for operand in whole] for a in range(0, len(whole[0]), step)]
+
+
+def _all_into_operands(
+    inputs: list[torch.Tensor], out: torch.Tensor, reducer: Callable[..., torch.Tensor],
+) -> tuple[Callable[..., Operand], AllIntoOperands, list[AllIntoOperands]]:
+    """The reducer and operands of ``out`` = every rank's input reduced (:func:`_reduce_all_into`), whole and in
+    blocks, for :func:`_reduce_all_into_blocks` (:func:`block_operands`' reducer and operands)."""
+    reduce, whole = block_operands(reducer, [out, *inputs])
+    return reduce, whole, _all_into_blocks(whole, out.element_size())
+
+
+def _reduce_all_into_blocks(
+    reduce: Callable[..., Operand], whole: AllIntoOperands, blocks: list[AllIntoOperands], finish: Optional["Finish"],
+) -> None:
+    """Reduce every rank's input into the output with ``reduce``: at once (``whole``) without ``finish``, else
+    block by block (``blocks``), each finished while it is in the core's cache."""
     with np.errstate(all="ignore"):
-        for a in range(0, len(acc), step):
-            block = acc[a : a + step]
-            reduce_in_order(reduce, operands[0][a : a + step], [other[a : a + step] for other in operands[1:]], block)
-            finish_block(finish, block)
+        if finish is None:
+            out, first, *others = whole
+            reduce_in_order(reduce, first, others, out)
+            return
+        for out, first, *others in blocks:
+            reduce_in_order(reduce, first, others, out)
+            finish_block(finish, out)
 
 
 def copy_peers_parts(
