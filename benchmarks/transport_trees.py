@@ -16,7 +16,8 @@ fraction of the memory ideal and its speed against raw Gloo.
 ``--ways`` also times, in the same processes, each way an in-place allreduce of a private tensor can take
 in the tree (forced by the ``NodeCollectives`` attributes that choose it, so only for trees that have
 them, as this one does): with the tensor's pages moved into shared memory where they lie
-(``share_reduced_pages``), through the kernel's cross-memory attach, through a scratch block of shared
+(``share_reduced_pages``), the same with its operands made afresh at every op instead of kept in a plan
+(``PagesPlans`` keeping none), through the kernel's cross-memory attach, through a scratch block of shared
 memory, through the segment's slots, and, for comparison, the same allreduce of a tensor that lives in
 torch shared memory (the shared tensors' way, ``share_reduced_tensors``):
 
@@ -41,10 +42,12 @@ _REPEATS = 5  # ops per timing: a time is the mean of these
 
 #: ``--ways``: each way of an in-place allreduce of a private tensor, and the NodeCollectives attributes
 #: that force it (moving its pages on or off, cross-memory attach usable or not, the scratch blocks' minimum
-#: size, the shared cache)
+#: size, the shared cache, and optionally how many plans of the moved pages' ops are kept)
 _WAYS = {
     "in place, its pages in shared memory": {"pages": True, "usable": False, "scratch_min_bytes": 1 << 62,
                                              "cache_bytes": 0},
+    "in place, its pages, no plans kept": {"pages": True, "usable": False, "scratch_min_bytes": 1 << 62,
+                                           "cache_bytes": 0, "plans": 0},
     "in place, through the kernel": {"pages": False, "usable": True, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
     "in place, scratch block": {"pages": False, "usable": False, "scratch_min_bytes": 0, "cache_bytes": 0},
     "in place, slots": {"pages": False, "usable": False, "scratch_min_bytes": 1 << 62, "cache_bytes": 0},
@@ -56,14 +59,19 @@ def _forced(node: object, way: dict[str, int], op: Callable[[], None]) -> Callab
     """``op`` with ``node`` set to take ``way`` (its attributes restored afterwards; every rank alike)."""
     memory, pages = node.cross_memory, node.shared_pages  # type: ignore[attr-defined]
 
+    plans = node.pages_plans  # type: ignore[attr-defined]
+
     def run() -> None:
-        saved = (pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes)  # type: ignore[attr-defined]
+        saved = (pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes,  # type: ignore[attr-defined]
+                 plans.capacity)
         pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes = (  # type: ignore[attr-defined]
             way["pages"] and saved[0], way["usable"] and saved[1], way["scratch_min_bytes"], way["cache_bytes"])
+        plans.capacity = way.get("plans", saved[4])
         try:
             op()
         finally:
-            pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes = saved  # type: ignore[attr-defined]
+            pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes = saved[:4]  # type: ignore[attr-defined]
+            plans.capacity = saved[4]
 
     return run
 
