@@ -1222,10 +1222,11 @@ def _pages_of_tensors_reduced_again(node, rank, size):
 
 
 def _loops_on_their_plans(node, rank, size):
-    """A loop that reduces the same tensor again and again, in place or out of place into one output, runs on
-    the plans (PagesPlans) its first ops on the moved pages made, one per half of the slots: sums and averages
-    of new data every time, as from fresh operands. Once a peer lets its tensor go, the plans go with the
-    peer's mapping after the next op, and nothing keeps a file of moved pages open or mapped."""
+    """A loop that reduces the same tensor again and again, in place or out of place into one output (private, or
+    in shared memory on every rank: then each rank writes its part into every rank's output), runs on the
+    plans (PagesPlans) its first ops on the moved pages made, one per half of the slots: sums and averages of
+    new data every time, as from fresh operands. Once a peer lets its tensor go, the plans go with the peer's
+    mapping after the next op, and nothing keeps a file of moved pages open or mapped."""
     from hvdray.collective.transport.shm.shared_pages import SharedPages
 
     node.shared_pages = SharedPages(True)
@@ -1255,6 +1256,27 @@ def _loops_on_their_plans(node, rank, size):
     source.copy_(_inputs(rank, torch.float32, n) * 7)
     node.allreduce(out, ReduceOp.SUM, source=source, finish=Scale(size, average=True))
     checks["out of place, averaged on a plan"] = torch.equal(out, averaged) and len(node.pages_plans) == 4
+    # outputs in shared memory (as the output pool's are): each rank writes its part into every rank's output
+    shared_out = torch.empty(n).share_memory_()
+    _mark_own_slots(node, rank)
+    for i in range(4):
+        source.copy_(_inputs(rank, torch.float32, n) * (i + 3))
+        node.allreduce(shared_out, ReduceOp.SUM, source=source)
+        checks[f"into shared outputs {i}"] = torch.equal(shared_out, want(i + 3))
+    checks["into shared outputs: a plan per half"] = len(node.pages_plans) == 6
+    checks["into shared outputs: slots beyond the edges and the output's place untouched"] = _own_slots_untouched(
+        node, rank, skip=PAGES_SLOT_BYTES)
+    floats = torch.from_numpy(np.random.default_rng(rank).standard_normal(n)).float()
+    source.copy_(floats)
+    node.allreduce(shared_out, ReduceOp.SUM, source=source, finish=Scale(size, average=True))
+    reduced_floats = shared_out.numpy().tobytes()
+    # one rank's output private: no rank writes into the others' outputs, every rank reduces all into its own
+    mixed = shared_out if rank else torch.empty(n)
+    source.copy_(_inputs(rank, torch.float32, n) * 9)
+    node.allreduce(mixed, ReduceOp.SUM, source=source)
+    checks["one output private"] = torch.equal(mixed, want(9))
+    checks["one output private: a plan of its own"] = len(node.pages_plans) == 7
+    del shared_out, mixed
     checks["files mapped while in use"] = any("hvdray-tensor-pages" in line for line in open("/proc/self/maps"))
     del t, source, out
     MOVED_PAGES.release_unheld()  # this rank's files close now (their tensors are gone)
@@ -1265,13 +1287,15 @@ def _loops_on_their_plans(node, rank, size):
     checks["plans gone with the peers' mappings"] = len(node.pages_plans) == 0
     checks["no file open or mapped"] = not _memfds() and not any(
         "hvdray-tensor-pages" in line for line in open("/proc/self/maps"))
-    return checks
+    return checks, reduced_floats
 
 
 @pytest.mark.parametrize("local_size", [2, 3])
 def test_a_loop_runs_on_its_plans_until_a_peer_lets_its_tensor_go(local_size):
-    for checks in _run_node(local_size, _loops_on_their_plans, slot_bytes=1 << 20):
+    results = _run_node(local_size, _loops_on_their_plans, slot_bytes=1 << 20)
+    for checks, _ in results:
         assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+    assert len({reduced for _, reduced in results}) == 1  # each part reduced by one rank: the same bits everywhere
 
 
 def _many_tensors_in_turn(node, rank, size):

@@ -76,6 +76,7 @@ from hvdray.collective.transport.shm.shared_tensors import (
     allreduce_shared_tensors,
     copy_edges,
     copy_peers_parts,
+    prepare_pages,
     reducescatter_shared_inputs,
     reducescatter_shared_pages,
 )
@@ -281,7 +282,7 @@ class NodeCollectives:
         pages = self.shared_pages.place(source) if place is None and cross is None else None
         if pages is not None:
             what, published = SHARED_PAGES, pages
-            prepare = lambda h=half: copy_edges(source, self.slot_views(torch.uint8)[h][self.local_rank])  # noqa: E731
+            prepare = lambda h=half: prepare_pages(source, flat, self.slot_views(torch.uint8)[h][self.local_rank])  # noqa: E731
         elif place is None:
             what = PRIVATE
             out_place = shared_place(flat) if cross is None and source is not flat else None

@@ -32,6 +32,7 @@ its peers', is ``shared_storage.py``'s and ``shared_pages.py``'s.
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -41,9 +42,13 @@ import torch
 from hvdray.collective.transport.reductions import Operand, block_operands, finish_block, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
 from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
+from hvdray.collective.transport.shm.shared_storage import shared_place
 
+#: where in its slot a rank says where the output of an out-of-place allreduce of moved pages lives (after its
+#: edges, :func:`prepare_pages`): a flag (1: in shared memory) and its :class:`TensorPlace`, six words
+_OUTPUT_AT, _OUTPUT_WORDS = 2 * PAGE_BYTES, 6
 #: the slot an allreduce of tensors whose pages moved into shared memory needs (allreduce_shared_pages)
-PAGES_SLOT_BYTES = 2 * PAGE_BYTES
+PAGES_SLOT_BYTES = _OUTPUT_AT + 8 * _OUTPUT_WORDS
 #: the plans of shared-pages allreduces a rank keeps (:class:`PagesPlans`): a tensor, output and half of the
 #: slots each
 PAGES_PLANS_KEPT = 16
@@ -69,23 +74,56 @@ def allreduce_shared_pages(
 ) -> None:
     """Every local rank's input (``source``; in place, ``out`` itself) with its whole pages in shared memory
     (``shared_pages.py``: ``places``, in rank order), and its first and last :data:`PAGE_BYTES` copied to the
-    start of its slot of ``half`` before the op's first barrier (:func:`copy_edges`). The elements that lie
+    start of its slot of ``half`` before the op's first barrier (:func:`prepare_pages`). The elements that lie
     in every rank's whole pages are reduced as between tensors in shared memory: in place each rank reduces
-    its part and writes it into every peer's tensor (as :func:`allreduce_shared_tensors` does), out of place
-    each rank reduces all of them into its own output (as :func:`allreduce_shared_inputs` does). The few
-    before and after them (less than a page at each end), which share their pages with other memory and stay
-    private, every rank reduces for itself from the slots, in rank order. Every rank gets the same bits. One
-    barrier, at the end. The operands come from ``node.pages_plans`` (:class:`PagesPlans`): made once for a
-    loop that reduces the same tensors again and again."""
-    key = (source.data_ptr(), out.data_ptr(), out.numel(), out.dtype, reducer, half, *places)
-    plan = node.pages_plans.get(key, lambda: _PagesPlan(node, out, source, places, half, reducer))
+    its part and writes it into every peer's tensor (as :func:`allreduce_shared_tensors` does); out of place
+    likewise into every rank's output when all of them are in shared memory (the output pool's: each rank
+    said where in its slot), else each rank reduces all of them into its own output (as
+    :func:`allreduce_shared_inputs` does). The few before and after them (less than a page at each end),
+    which share their pages with other memory and stay private, every rank reduces for itself from the
+    slots, in rank order. Every rank gets the same bits. One barrier, at the end. The operands come from
+    ``node.pages_plans`` (:class:`PagesPlans`): made once for a loop that reduces the same tensors again and
+    again."""
+    slots = node.slot_views(torch.uint8)[half]
+    outputs = None if source is out else _published_outputs(slots)
+    key = (source.data_ptr(), out.data_ptr(), out.numel(), out.dtype, reducer, half, *places, *(outputs or ()))
+    plan = node.pages_plans.get(key, lambda: _PagesPlan(node, out, source, places, slots, outputs, reducer))
     plan.run(finish)
     node.barrier.wait()
 
 
+def prepare_pages(source: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -> None:
+    """Before the first barrier of an allreduce of moved pages (:func:`allreduce_shared_pages`): put
+    ``source``'s edges in ``slot`` (:func:`copy_edges`), and out of place (``out`` another tensor) say there
+    where ``out`` lives if it is in shared memory, so that the ranks can write their parts into each
+    other's outputs."""
+    copy_edges(source, slot)
+    if out is source:
+        return
+    record = (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
+    place = shared_place(out)
+    if place is None:
+        record[0] = 0
+    else:
+        record[1:] = list(place)
+        record[0] = 1
+
+
+def _published_outputs(slots: list[torch.Tensor]) -> Optional[list[TensorPlace]]:
+    """Where every local rank's output lives (``slots``: every rank's, as bytes; :func:`prepare_pages`), if
+    every one is in shared memory; else None."""
+    places = []
+    for slot in slots:
+        record = (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
+        if not record[0]:
+            return None
+        places.append(TensorPlace(*record[1:]))
+    return places
+
+
 class _PagesPlan:
     """The operands of one :func:`allreduce_shared_pages` (its tensors, output, slots and every rank's place),
-    made once: numpy views of the edges in the slots, of every rank's whole pages and of the output, cut into
+    made once: numpy views of the edges in the slots, of every rank's whole pages and of the outputs, cut into
     the blocks the reduction goes through. It holds the peers' mapped tensors (their memory stays mapped while
     the plan lives) and nothing of this rank's: its own views serve only while the key that found the plan
     (the same addresses, sizes and places) says they are this op's."""
@@ -93,14 +131,13 @@ class _PagesPlan:
     __slots__ = ("edge_reduce", "edges", "reduce", "blocks", "whole", "_peers_mapped")
 
     def __init__(
-        self, node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace], half: int,
-        reducer: Callable[..., torch.Tensor],
+        self, node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace],
+        slots: list[torch.Tensor], outputs: Optional[list[TensorPlace]], reducer: Callable[..., torch.Tensor],
     ) -> None:
         me, isz, numel = node.local_rank, out.element_size(), out.numel()
         lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
         page = PAGE_BYTES // isz
         tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
-        slots = node.slot_views(torch.uint8)[half]
         self.edge_reduce, (mine, *edges) = block_operands(
             reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
         self.edges = [(own, theirs) for own, theirs in ((mine[:lo], [edge[:lo] for edge in edges]),
@@ -109,12 +146,21 @@ class _PagesPlan:
             source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
             for rank, place in enumerate(places)
         ]
-        self._peers_mapped = [tensor for rank, tensor in enumerate(inputs) if rank != me]
+        mapped = [tensor for rank, tensor in enumerate(inputs) if rank != me]
+        self.whole = None
         if source is out:
-            self.whole = None
             self.reduce, self.blocks = _part_blocks(me, inputs, reducer)
+        elif outputs is not None:  # every rank's part into every rank's output
+            check_published_sizes(outputs, me, numel * isz)
+            results = [
+                out[lo:hi] if rank == me else node.peer_tensors.view(place, out.dtype)[lo:hi]
+                for rank, place in enumerate(outputs)
+            ]
+            mapped += [tensor for rank, tensor in enumerate(results) if rank != me]
+            self.reduce, self.blocks = _part_blocks(me, inputs, reducer, results)
         else:
             self.reduce, self.whole, self.blocks = _all_into_operands(inputs, out[lo:hi], reducer)
+        self._peers_mapped = mapped
 
     def run(self, finish: Optional["Finish"]) -> None:
         with np.errstate(all="ignore"):
@@ -136,7 +182,7 @@ class PagesPlans:
     change (:attr:`PeerTensors.generation`: one a peer let go was dropped), every plan goes, so that none
     keeps such memory mapped."""
 
-    def __init__(self, peers: PeerTensors, capacity: int = PAGES_PLANS_KEPT) -> None:
+    def __init__(self, peers: "PeerTensors", capacity: int = PAGES_PLANS_KEPT) -> None:
         self.capacity = capacity
         self._peers = peers
         self._generation = peers.generation
@@ -248,41 +294,49 @@ def _reduce_parts_into_every_tensor(
     node.barrier.wait()
 
 
-#: one block of a rank's part (:func:`_part_blocks`): the block of its own tensor, that block of every peer's
-#: tensor, where it goes in each peer's tensor, where it lies and its size in bytes
-PartBlock = tuple[Operand, list[Operand], list[int], int, int]
+#: one block of a rank's part (:func:`_part_blocks`): the block of its output, those of its own input and of every
+#: peer's, where the output's block goes in each peer's output, where it lies and its size in bytes
+PartBlock = tuple[Operand, Operand, list[Operand], list[int], int, int]
 
 
 def _part_blocks(
     me: int, views: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+    outputs: Optional[list[torch.Tensor]] = None,
 ) -> tuple[Callable[..., Operand], list[PartBlock]]:
     """This rank's (``me``) part of every local rank's tensor (``views``, rank order, one size), cut into
     blocks of :data:`REDUCE_BLOCK_BYTES` that stay in the core's cache between their reduction and the writes
-    into the peers' tensors: the reducer and the blocks (:func:`block_operands`' operands)."""
+    into the peers' outputs (``outputs``: every rank's, rank order, ``views``' size; the tensors themselves
+    when None, in place): the reducer and the blocks (:func:`block_operands`' operands). A block is reduced
+    from this rank's own input first, then the peers' in rank order, as the slots' way does."""
     flat = views[me]
     isz = flat.element_size()
     bounds = part_bounds(flat.numel(), len(views), isz)
     lo, hi = bounds[me], bounds[me + 1]
-    peers = [view for rank, view in enumerate(views) if rank != me]
-    own_at, peers_at = flat.data_ptr() + lo * isz, [peer.data_ptr() + lo * isz for peer in peers]
-    reduce, (acc, *others) = block_operands(reducer, [flat[lo:hi]] + [peer[lo:hi] for peer in peers])
+    in_place = outputs is None
+    outputs = views if outputs is None else outputs
+    peers_out = [output for rank, output in enumerate(outputs) if rank != me]
+    own_at, peers_at = outputs[me].data_ptr() + lo * isz, [peer.data_ptr() + lo * isz for peer in peers_out]
+    reduce, (acc, *others) = block_operands(
+        reducer, [outputs[me][lo:hi], *([] if in_place else [flat[lo:hi]]),
+                  *(view[lo:hi] for rank, view in enumerate(views) if rank != me)])
+    mine = acc if in_place else others.pop(0)
     step = max(1, REDUCE_BLOCK_BYTES // isz)
     blocks = []
     for a in range(0, hi - lo, step):
-        block = acc[a : a + step]
-        blocks.append((block, [other[a : a + step] for other in others], [at + a * isz for at in peers_at],
-                       own_at + a * isz, len(block) * isz))
+        b = min(a + step, hi - lo)
+        blocks.append((acc[a:b], mine[a:b], [other[a:b] for other in others], [at + a * isz for at in peers_at],
+                       own_at + a * isz, (b - a) * isz))
     return reduce, blocks
 
 
 def _reduce_part_blocks(reduce: Callable[..., Operand], blocks: list[PartBlock], finish: Optional["Finish"]) -> None:
-    """Reduce each block of :func:`_part_blocks` with ``reduce`` (its reducer), finish it and write it into every
-    peer's tensor while it is in the core's cache."""
+    """Reduce each block of :func:`_part_blocks` with ``reduce`` (its reducer) into the output's, finish it and
+    write it into every peer's output while it is in the core's cache."""
     with np.errstate(all="ignore"):
-        for block, others, peers_at, own_at, nbytes in blocks:
-            reduce_in_order(reduce, block, others, block)
+        for out, first, others, peers_at, own_at, nbytes in blocks:
+            reduce_in_order(reduce, first, others, out)
             if finish is not None:
-                finish_block(finish, block)
+                finish_block(finish, out)
             for peer_at in peers_at:
                 memmove(peer_at, own_at, nbytes)
 
