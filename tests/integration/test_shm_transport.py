@@ -177,6 +177,29 @@ def test_a_tensor_reduced_again_in_place_is_reduced_in_its_own_pages(node_ex):
     assert len({y for *_, y in results}) == 1
 
 
+def test_one_op_in_place_on_rank_0_and_out_of_place_on_the_others(node_ex):
+    """hvd.allreduce_ on rank 0 and hvd.allreduce on the others, the same op again and again (Horovod leaves
+    in place or not to each rank) with 12 MiB tensors whose pages move after their second reduction: every
+    rank gets the sums each time, and no rank writes into the others' inputs."""
+
+    def run():
+        import torch
+
+        hvd = checks.init()
+        n, r = hvd.size(), hvd.rank()
+        values = (torch.arange(3 << 20) % 4096).float()
+        x = torch.empty(3 << 20)
+        ok = []
+        for i in range(4):
+            x.copy_(values * (r + 1 + i))
+            got = hvd.allreduce_(x, name="mixed", op=hvd.Sum) if r == 0 else hvd.allreduce(x, name="mixed", op=hvd.Sum)
+            want = values * sum(k + 1 + i for k in range(n))
+            ok.append(torch.equal(got, want) and (r == 0 or torch.equal(x, values * (r + 1 + i))))
+        return ok
+
+    assert node_ex.run(run) == [[True] * 4] * node_ex.num_workers
+
+
 def test_shm_transport_off_uses_gloo(make_executor):
     ex = make_executor(settings=_settings(shm_transport=False), num_workers=2, cpus_per_worker=0.5)
 

@@ -1298,6 +1298,39 @@ def test_a_loop_runs_on_its_plans_until_a_peer_lets_its_tensor_go(local_size):
     assert len({reduced for _, reduced in results}) == 1  # each part reduced by one rank: the same bits everywhere
 
 
+def _in_place_beside_out_of_place(node, rank, size):
+    """One op, in place on rank 0 and out of place on the others (Horovod allows it: each rank's own
+    business), with tensors whose pages moved, and with tensors in torch shared memory: every rank gets the
+    sums, and no rank writes into an out-of-place rank's input."""
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    node.shared_pages = SharedPages(True)
+    n = shared_storage.ADOPT_MIN_BYTES // 4 + 1001
+    checks = {}
+    for kind in ("moved pages", "torch shared memory"):
+        t = _on_a_page_offset_of_its_own(n, rank, size)
+        if kind == "torch shared memory":
+            t.share_memory_()
+        out = torch.empty(n).share_memory_()
+        for i in range(4):
+            mine = _inputs(rank, torch.float32, n) * (i + 1)
+            t.copy_(mine)
+            if rank == 0:
+                node.allreduce(t, ReduceOp.SUM)
+            else:
+                node.allreduce(out, ReduceOp.SUM, source=t)
+            want = sum(_inputs(r, torch.float32, n) * (i + 1) for r in range(size))
+            checks[f"{kind}: sums {i}"] = torch.equal(t if rank == 0 else out, want)
+            checks[f"{kind}: input kept {i}"] = rank == 0 or torch.equal(t, mine)
+    return checks
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_one_op_in_place_on_one_rank_and_out_of_place_on_the_others(local_size):
+    for checks in _run_node(local_size, _in_place_beside_out_of_place, slot_bytes=1 << 20):
+        assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+
+
 def _many_tensors_in_turn(node, rank, size):
     """A loop over 20 large tensors, each reduced in place once per round: each moves at its second
     round and stays moved (no tensor moved twice, no peer mapping dropped while in use)."""

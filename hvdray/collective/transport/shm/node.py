@@ -54,6 +54,8 @@ from hvdray.collective.transport.shm.segment import (
     SHARED_INPUT,
     SHARED_OUTPUT,
     SHARED_PAGES,
+    SHARED_SOURCE,
+    SOURCE_PAGES,
     PeerAddresses,
     Segment,
     SharedMemoryError,
@@ -276,12 +278,12 @@ class NodeCollectives:
         # block of shared memory when every rank's tensor and block stay in the shared cache (user-space
         # copies there outrun the kernel's, which take each page in turn), else its own tensors through the
         # kernel; else (the kernel refuses) in place a scratch block all the same
-        exposed, what, published, prepare = None, SHARED_INPUT, place, None
+        exposed, what, published, prepare = None, SHARED_INPUT if source is flat else SHARED_SOURCE, place, None
         pieces = self._pieces(flat.numel(), flat.element_size())
         half = self.next_half()
         pages = self.shared_pages.place(source) if place is None and cross is None else None
         if pages is not None:
-            what, published = SHARED_PAGES, pages
+            what, published = SHARED_PAGES if source is flat else SOURCE_PAGES, pages
             prepare = lambda h=half: prepare_pages(source, flat, self.slot_views(torch.uint8)[h][self.local_rank])  # noqa: E731
         elif place is None:
             what = PRIVATE
@@ -304,7 +306,7 @@ class NodeCollectives:
             what, places = agreed
             if what == CROSS_MEMORY:
                 allreduce_cross_memory(self, flat, source, places, pieces, reducer, finish)
-            elif what == SHARED_PAGES:
+            elif what == SHARED_PAGES or what == SOURCE_PAGES:
                 allreduce_shared_pages(self, flat, source, places, half, reducer, finish)
             elif what == SHARED_OUTPUT:
                 allreduce_shared_outputs(self, flat, source, places, pieces, reducer, finish, exposed)
@@ -366,9 +368,10 @@ class NodeCollectives:
         prepare: Optional[Callable[[], None]] = None,
     ) -> Optional[tuple[int, list]]:
         """The first round of an op that may go straight between the ranks' tensors: publish ``what`` way
-        this rank can take and ``place`` (its input in shared memory, :data:`SHARED_INPUT`; its output there,
-        :data:`SHARED_OUTPUT`; its input's and output's addresses, :data:`CROSS_MEMORY`; its tensor's whole
-        pages in shared memory, :data:`SHARED_PAGES`; None with :data:`PRIVATE`); when private,
+        this rank can take and ``place`` (its input in shared memory, :data:`SHARED_INPUT`, or out of place
+        :data:`SHARED_SOURCE`; its output there, :data:`SHARED_OUTPUT`; its input's and output's addresses,
+        :data:`CROSS_MEMORY`; its tensor's whole pages in shared memory, :data:`SHARED_PAGES`, or out of
+        place :data:`SOURCE_PAGES`; None with :data:`PRIVATE`); when private,
         ``expose_first()`` its first piece into the slots, else ``prepare()`` (if given: what the direct way
         needs before the barrier); then wait for every rank. Returns what every rank published and where,
         when all published the same direct way (the caller takes it), else None once the first piece of

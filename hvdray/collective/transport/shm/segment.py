@@ -41,8 +41,11 @@ HEADER_BYTES = 4096
 #: what a rank publishes for its op (:meth:`Segment.publish_tensor`): nothing in shared memory, its input
 #: there, only its output there, or where its input and output lie in its own memory (for the peers to
 #: read and write through the kernel: ``cross_memory.py``), or where its tensor's whole pages lie in shared
-#: memory (``shared_pages.py``)
-PRIVATE, SHARED_INPUT, SHARED_OUTPUT, CROSS_MEMORY, SHARED_PAGES = 0, 1, 2, 3, 4
+#: memory (``shared_pages.py``). An allreduce's input in shared memory, or its whole pages there, is
+#: published as one the peers write into (in place: ``SHARED_INPUT``, ``SHARED_PAGES``) or one they only read
+#: (an out-of-place input: ``SHARED_SOURCE``, ``SOURCE_PAGES``), so that ranks that run one op in place and
+#: out of place never meet on a way that would write into an out-of-place input
+PRIVATE, SHARED_INPUT, SHARED_OUTPUT, CROSS_MEMORY, SHARED_PAGES, SHARED_SOURCE, SOURCE_PAGES = range(7)
 PAGE_BYTES = mmap.PAGESIZE
 _MAGIC = 0x68766472  # "hvdr"
 #: syscall numbers of futex(2); the counters' memory ordering also relies on x86-64's total store order
@@ -198,9 +201,10 @@ class Segment:
         self, local_rank: int, place: Optional[Union["TensorPlace", "PeerAddresses", "PagesPlace"]], what: int,
     ) -> None:
         """Say in ``local_rank``'s control block where its next op's tensor lives: ``place`` is its input
-        (:data:`SHARED_INPUT`) or its output (:data:`SHARED_OUTPUT`) in shared memory, the addresses of
-        its input and output in its own memory (:data:`CROSS_MEMORY`), or where its tensor's whole pages
-        lie in shared memory (:data:`SHARED_PAGES`); None: private, and neither.
+        (:data:`SHARED_INPUT`; out of place :data:`SHARED_SOURCE`) or its output (:data:`SHARED_OUTPUT`)
+        in shared memory, the addresses of its input and output in its own memory (:data:`CROSS_MEMORY`),
+        or where its tensor's whole pages lie in shared memory (:data:`SHARED_PAGES`; out of place
+        :data:`SOURCE_PAGES`); None: private, and neither.
         Peers read it after the op's first barrier (:meth:`published_tensor`)."""
         at = _token_qword(local_rank)
         if place is None:
@@ -219,7 +223,7 @@ class Segment:
             return PRIVATE, None
         if what == CROSS_MEMORY:
             return what, PeerAddresses(*self._qwords[at + 1 : at + 4])
-        if what == SHARED_PAGES:
+        if what == SHARED_PAGES or what == SOURCE_PAGES:
             return what, PagesPlace(*self._qwords[at + 1 : at + 6])
         return what, TensorPlace(*self._qwords[at + 1 : at + 6])
 
