@@ -97,7 +97,7 @@ def test_transport_trees_times_every_way_of_an_in_place_allreduce():
     rows = re.findall(r"^0.25 MB allreduce, 2 ranks  (\S.*?) +([\d.]+)x memory ideal", done.stdout, re.M)
     assert [way for way, _ in rows] == [
         "in place", "in place, average", "out of place", "out of place, average",
-        "in place, its pages in shared memory", "in place, through the kernel",
+        "in place, its pages in shared memory", "in place, its pages, no plans kept", "in place, through the kernel",
         "in place, scratch block", "in place, slots", "in place, tensor in shared memory"], done.stdout
     assert all(float(ratio) > 0 for _, ratio in rows) and "refused" not in done.stdout
 
