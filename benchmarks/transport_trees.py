@@ -57,9 +57,7 @@ _SHARED_WAY = "in place, tensor in shared memory"
 
 def _forced(node: object, way: dict[str, int], op: Callable[[], None]) -> Callable[[], None]:
     """``op`` with ``node`` set to take ``way`` (its attributes restored afterwards; every rank alike)."""
-    memory, pages = node.cross_memory, node.shared_pages  # type: ignore[attr-defined]
-
-    plans = node.pages_plans  # type: ignore[attr-defined]
+    memory, pages, plans = node.cross_memory, node.shared_pages, node.pages_plans  # type: ignore[attr-defined]
 
     def run() -> None:
         saved = (pages.enabled, memory.usable, node.scratch_min_bytes, node.cache_bytes,  # type: ignore[attr-defined]

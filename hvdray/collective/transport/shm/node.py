@@ -284,7 +284,8 @@ class NodeCollectives:
         pages = self.shared_pages.place(source) if place is None and cross is None else None
         if pages is not None:
             what, published = SHARED_PAGES if source is flat else SOURCE_PAGES, pages
-            prepare = lambda h=half: prepare_pages(source, flat, self.slot_views(torch.uint8)[h][self.local_rank])  # noqa: E731
+            prepare = lambda h=half: prepare_pages(  # noqa: E731
+                source, flat, self.slot_views(torch.uint8)[h][self.local_rank])
         elif place is None:
             what = PRIVATE
             out_place = shared_place(flat) if cross is None and source is not flat else None

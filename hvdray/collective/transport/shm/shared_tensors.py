@@ -100,7 +100,7 @@ def prepare_pages(source: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -
     copy_edges(source, slot)
     if out is source:
         return
-    record = (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
+    record = _output_record(slot)
     place = shared_place(out)
     if place is None:
         record[0] = 0
@@ -114,11 +114,17 @@ def _published_outputs(slots: list[torch.Tensor]) -> Optional[list[TensorPlace]]
     every one is in shared memory; else None."""
     places = []
     for slot in slots:
-        record = (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
+        record = _output_record(slot)
         if not record[0]:
             return None
         places.append(TensorPlace(*record[1:]))
     return places
+
+
+def _output_record(slot: torch.Tensor) -> ctypes.Array:
+    """The words in ``slot`` (a rank's, as bytes) that say where its out-of-place output lives
+    (:func:`prepare_pages`)."""
+    return (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
 
 
 class _PagesPlan:
@@ -370,20 +376,15 @@ def _reduce_all_into(
 AllIntoOperands = list[Operand]
 
 
-def _all_into_blocks(whole: AllIntoOperands, isz: int) -> list[AllIntoOperands]:
-    """``whole`` (the output, then every rank's input: :func:`block_operands`' operands) cut into blocks of
-    :data:`REDUCE_BLOCK_BYTES`."""
-    step = max(1, REDUCE_BLOCK_BYTES // isz)
-    return [[operand[a : a + step] for operand in whole] for a in range(0, len(whole[0]), step)]
-
-
 def _all_into_operands(
     inputs: list[torch.Tensor], out: torch.Tensor, reducer: Callable[..., torch.Tensor],
 ) -> tuple[Callable[..., Operand], AllIntoOperands, list[AllIntoOperands]]:
     """The reducer and operands of ``out`` = every rank's input reduced (:func:`_reduce_all_into`), whole and in
-    blocks, for :func:`_reduce_all_into_blocks` (:func:`block_operands`' reducer and operands)."""
+    blocks of :data:`REDUCE_BLOCK_BYTES`, for :func:`_reduce_all_into_blocks` (:func:`block_operands`' reducer
+    and operands)."""
     reduce, whole = block_operands(reducer, [out, *inputs])
-    return reduce, whole, _all_into_blocks(whole, out.element_size())
+    step = max(1, REDUCE_BLOCK_BYTES // out.element_size())
+    return reduce, whole, [[operand[a : a + step] for operand in whole] for a in range(0, len(whole[0]), step)]
 
 
 def _reduce_all_into_blocks(
