@@ -27,7 +27,7 @@ from hvdray.collective.transport.shm import barrier, segment, shared_storage
 from hvdray.collective.transport.shm.node import NodeCollectives
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, part_bounds, slot_bytes_for
 from hvdray.collective.transport.shm.shared_pages import MOVED_PAGES
-from hvdray.collective.transport.shm.shared_tensors import PAGES_SLOT_BYTES
+from hvdray.collective.transport.shm.pages_collectives import PAGES_SLOT_BYTES
 from hvdray.settings import make_settings
 
 pytestmark = pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))

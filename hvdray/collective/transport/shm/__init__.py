@@ -6,6 +6,7 @@ local ranks wait for each other on it), ``parts.py`` (how messages divide betwee
 engine's fused tensor lists), ``shared_tensors.py`` (collectives straight between tensors that live in
 shared memory), ``shared_storage.py`` (where those tensors live, and how a rank maps its peers'),
 ``shared_pages.py`` (private tensors whose pages move into shared memory where they lie),
+``pages_collectives.py`` (allreduces and reducescatters of such tensors),
 ``cross_memory.py`` (allreduces that read and write the peers' private tensors through the kernel)
 and ``strategies.py`` (their entries in the communicator's lists).
 """

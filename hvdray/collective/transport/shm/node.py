@@ -68,19 +68,21 @@ from hvdray.collective.transport.shm.shared_storage import (
     shared_place,
 )
 from hvdray.collective.transport.shm.shared_pages import SHARED_PAGES_KEPT, SharedPages
-from hvdray.collective.transport.shm.shared_tensors import (
+from hvdray.collective.transport.shm.pages_collectives import (
     PAGES_SLOT_BYTES,
     PagesPlans,
+    allreduce_shared_pages,
+    copy_edges,
+    prepare_pages,
+    reducescatter_shared_pages,
+)
+from hvdray.collective.transport.shm.shared_tensors import (
     allgather_shared_outputs,
     allreduce_shared_inputs,
     allreduce_shared_outputs,
-    allreduce_shared_pages,
     allreduce_shared_tensors,
-    copy_edges,
     copy_peers_parts,
-    prepare_pages,
     reducescatter_shared_inputs,
-    reducescatter_shared_pages,
 )
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ class NodeCollectives:
         #: moves the pages of private tensors an allreduce or a reducescatter reduces again into shared memory,
         #: where they lie, if asked (shared_pages.py); needs room for a page from each end of a tensor in a slot
         self.shared_pages = SharedPages(share_pages and slot_bytes >= PAGES_SLOT_BYTES)
-        #: the operands of the shared-pages allreduces run lately, to run again (shared_tensors.py)
+        #: the operands of the shared-pages allreduces run lately, to run again (pages_collectives.py)
         self.pages_plans = PagesPlans(self.peer_tensors)
         #: where in-place allreduces of private tensors meet their peers' (shared_storage.py)
         self.scratch = ScratchBlocks(SCRATCH_LIMIT_BYTES)

@@ -13,7 +13,7 @@ every raw alias see the same bytes at the same place. The local peers map the fi
 Only whole pages move: the bytes before the tensor's first page boundary and after its last one (the
 head and the tail, less than a page each) share their pages with whatever the allocator put beside the
 tensor, which other threads may write at any time. They stay private; the ops that reduce such tensors
-(:func:`~hvdray.collective.transport.shm.shared_tensors.allreduce_shared_pages`) carry them through
+(:func:`~hvdray.collective.transport.shm.pages_collectives.allreduce_shared_pages`) carry them through
 the slots.
 
 Moved pages must never go back to the allocator shared: a chunk of glibc's heap that stayed a file's

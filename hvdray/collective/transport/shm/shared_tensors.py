@@ -25,15 +25,13 @@ out of it at the end, until it is reduced a second time: then (``share_reduced_p
 its whole pages move into shared memory where they lie
 (:class:`~hvdray.collective.transport.shm.shared_pages.SharedPages`), and from then on it is reduced
 straight between the ranks' tensors, only the bytes outside those pages going through the slots
-(:func:`allreduce_shared_pages`); so is an out-of-place input, and a reducescatter's
-(:func:`reducescatter_shared_pages`). Where tensors live, and how a rank maps
-its peers', is ``shared_storage.py``'s and ``shared_pages.py``'s.
+(``pages_collectives.py``, on this module's block loops); so is an out-of-place input, and a
+reducescatter's. Where tensors live, and how a rank maps its peers', is ``shared_storage.py``'s and
+``shared_pages.py``'s.
 """
 
 from __future__ import annotations
 
-import ctypes
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -41,21 +39,10 @@ import torch
 
 from hvdray.collective.transport.reductions import Operand, block_operands, finish_block, reduce_in_order
 from hvdray.collective.transport.shm.parts import REDUCE_BLOCK_BYTES, memmove, part_bounds
-from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
-from hvdray.collective.transport.shm.shared_storage import shared_place
-
-#: where in its slot a rank says where the output of an out-of-place allreduce of moved pages lives (after its
-#: edges, :func:`prepare_pages`): a flag (1: in shared memory) and its :class:`TensorPlace`, six words
-_OUTPUT_AT, _OUTPUT_WORDS = 2 * PAGE_BYTES, 6
-#: the slot an allreduce of tensors whose pages moved into shared memory needs (allreduce_shared_pages)
-PAGES_SLOT_BYTES = _OUTPUT_AT + 8 * _OUTPUT_WORDS
-#: the plans of shared-pages allreduces a rank keeps (:class:`PagesPlans`): a tensor, output and half of the
-#: slots each
-PAGES_PLANS_KEPT = 16
+from hvdray.collective.transport.shm.segment import TensorPlace, check_published_sizes
 
 if TYPE_CHECKING:
     from hvdray.collective.transport.shm.node import CrossReduce, NodeCollectives
-    from hvdray.collective.transport.shm.shared_storage import PeerTensors
     from hvdray.collective.transport.strategy import Finish
 
 
@@ -68,220 +55,19 @@ def allreduce_shared_tensors(
     _reduce_parts_into_every_tensor(node, _every_ranks_tensor(node, flat, places), reducer, cross, finish)
 
 
-def allreduce_shared_pages(
-    node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace], half: int,
-    reducer: Callable[..., torch.Tensor], finish: Optional["Finish"] = None,
-) -> None:
-    """Every local rank's input (``source``; in place, ``out`` itself) with its whole pages in shared memory
-    (``shared_pages.py``: ``places``, in rank order), and its first and last :data:`PAGE_BYTES` copied to the
-    start of its slot of ``half`` before the op's first barrier (:func:`prepare_pages`). The elements that lie
-    in every rank's whole pages are reduced as between tensors in shared memory: in place each rank reduces
-    its part and writes it into every peer's tensor (as :func:`allreduce_shared_tensors` does); out of place
-    likewise into every rank's output when all of them are in shared memory (the output pool's: each rank
-    said where in its slot), else each rank reduces all of them into its own output (as
-    :func:`allreduce_shared_inputs` does). The few before and after them (less than a page at each end),
-    which share their pages with other memory and stay private, every rank reduces for itself from the
-    slots, in rank order. Every rank gets the same bits. One barrier, at the end. The operands come from
-    ``node.pages_plans`` (:class:`PagesPlans`): made once for a loop that reduces the same tensors again and
-    again."""
-    slots = node.slot_views(torch.uint8)[half]
-    outputs = None if source is out else _published_outputs(slots)
-    key = (source.data_ptr(), out.data_ptr(), out.numel(), out.dtype, reducer, half, *places, *(outputs or ()))
-    plan = node.pages_plans.get(key, lambda: _PagesPlan(node, out, source, places, slots, outputs, reducer))
-    plan.run(finish)
-    node.barrier.wait()
-
-
-def prepare_pages(source: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -> None:
-    """Before the first barrier of an allreduce of moved pages (:func:`allreduce_shared_pages`): put
-    ``source``'s edges in ``slot`` (:func:`copy_edges`), and out of place (``out`` another tensor) say there
-    where ``out`` lives if it is in shared memory, so that the ranks can write their parts into each
-    other's outputs."""
-    copy_edges(source, slot)
-    if out is source:
-        return
-    record = _output_record(slot)
-    place = shared_place(out)
-    if place is None:
-        record[0] = 0
-    else:
-        record[1:] = list(place)
-        record[0] = 1
-
-
-def _published_outputs(slots: list[torch.Tensor]) -> Optional[list[TensorPlace]]:
-    """Where every local rank's output lives (``slots``: every rank's, as bytes; :func:`prepare_pages`), if
-    every one is in shared memory; else None."""
-    places = []
-    for slot in slots:
-        record = _output_record(slot)
-        if not record[0]:
-            return None
-        places.append(TensorPlace(*record[1:]))
-    return places
-
-
-def _output_record(slot: torch.Tensor) -> ctypes.Array:
-    """The words in ``slot`` (a rank's, as bytes) that say where its out-of-place output lives
-    (:func:`prepare_pages`)."""
-    return (ctypes.c_uint64 * _OUTPUT_WORDS).from_address(slot.data_ptr() + _OUTPUT_AT)
-
-
-class _PagesPlan:
-    """The operands of one :func:`allreduce_shared_pages` (its tensors, output, slots and every rank's place),
-    made once: numpy views of the edges in the slots, of every rank's whole pages and of the outputs, cut into
-    the blocks the reduction goes through. It holds the peers' mapped tensors (their memory stays mapped while
-    the plan lives) and nothing of this rank's: its own views serve only while the key that found the plan
-    (the same addresses, sizes and places) says they are this op's."""
-
-    __slots__ = ("edge_reduce", "edges", "reduce", "blocks", "whole", "_peers_mapped")
-
-    def __init__(
-        self, node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace],
-        slots: list[torch.Tensor], outputs: Optional[list[TensorPlace]], reducer: Callable[..., torch.Tensor],
-    ) -> None:
-        me, isz, numel = node.local_rank, out.element_size(), out.numel()
-        lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
-        page = PAGE_BYTES // isz
-        tail = slice(2 * page - (numel - hi), 2 * page)  # where the elements from ``hi`` on lie in the slots
-        self.edge_reduce, (mine, *edges) = block_operands(
-            reducer, [out, *(slot[: 2 * PAGE_BYTES].view(out.dtype) for slot in slots)])
-        self.edges = [(own, theirs) for own, theirs in ((mine[:lo], [edge[:lo] for edge in edges]),
-                                                        (mine[hi:], [edge[tail] for edge in edges])) if len(own)]
-        inputs = [
-            source[lo:hi] if rank == me else node.peer_tensors.view(place.span(lo * isz, hi * isz), out.dtype)
-            for rank, place in enumerate(places)
-        ]
-        mapped = [tensor for rank, tensor in enumerate(inputs) if rank != me]
-        self.whole = None
-        if source is out:
-            self.reduce, self.blocks = _part_blocks(me, inputs, reducer)
-        elif outputs is not None:  # every rank's part into every rank's output
-            check_published_sizes(outputs, me, numel * isz)
-            results = [
-                out[lo:hi] if rank == me else node.peer_tensors.view(place, out.dtype)[lo:hi]
-                for rank, place in enumerate(outputs)
-            ]
-            mapped += [tensor for rank, tensor in enumerate(results) if rank != me]
-            self.reduce, self.blocks = _part_blocks(me, inputs, reducer, results)
-        else:
-            self.reduce, self.whole, self.blocks = _all_into_operands(inputs, out[lo:hi], reducer)
-        self._peers_mapped = mapped
-
-    def run(self, finish: Optional["Finish"]) -> None:
-        with np.errstate(all="ignore"):
-            for own, theirs in self.edges:
-                reduce_in_order(self.edge_reduce, theirs[0], theirs[1:], own)
-                if finish is not None:
-                    finish_block(finish, own)
-        if self.whole is not None:
-            _reduce_all_into_blocks(self.reduce, self.whole, self.blocks, finish)
-        else:
-            _reduce_part_blocks(self.reduce, self.blocks, finish)
-
-
-class PagesPlans:
-    """The plans (:class:`_PagesPlan`) of the shared-pages allreduces a rank ran last, by their key, least
-    recently used first: a loop that reduces the same tensor again and again finds its operands made, where
-    making them again (a few dozen numpy and torch views, each costly with the cache cold after the op
-    before) cost about a third of a 4 MB op on the development machine. When the peers' mapped storages
-    change (:attr:`PeerTensors.generation`: one a peer let go was dropped), every plan goes, so that none
-    keeps such memory mapped."""
-
-    def __init__(self, peers: "PeerTensors", capacity: int = PAGES_PLANS_KEPT) -> None:
-        self.capacity = capacity
-        self._peers = peers
-        self._generation = peers.generation
-        self._plans: OrderedDict[tuple, _PagesPlan] = OrderedDict()
-
-    def get(self, key: tuple, make: Callable[[], _PagesPlan]) -> _PagesPlan:
-        """The plan of ``key``, made by ``make()`` unless kept."""
-        self.forget_if_peers_dropped()
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        plan = make()
-        self.forget_if_peers_dropped()  # making it dropped a mapping, which the others may hold
-        self._plans[key] = plan
-        while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
-        return plan
-
-    def forget_if_peers_dropped(self) -> None:
-        """Let every plan go if a peer's mapped storage was dropped since they were made (after each op: the
-        memory a peer let go goes back to ``/dev/shm`` then, not at the next such allreduce)."""
-        if self._generation != self._peers.generation:
-            self.clear()
-
-    def clear(self) -> None:
-        self._plans.clear()
-        self._generation = self._peers.generation
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-
-def reducescatter_shared_pages(
-    node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[PagesPlace],
-    slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
-) -> None:
-    """Every local rank's chunks (``rows``, one per local rank) with their whole pages in shared memory
-    (``places``) and their first and last :data:`PAGE_BYTES` in its slot (:func:`copy_edges`; ``slots``:
-    every rank's, as bytes): each rank reduces its own chunk into ``out``, its own data first and then the
-    peers' in local-rank order, as the slots' way does (so the results are the same bit for bit), reading
-    the peers' elements that lie in every rank's whole pages straight from their tensors and the few
-    outside them (at the start of chunk 0 and the end of the last) from their slots. The last barrier
-    keeps every input unchanged until all ranks have read it."""
-    me, flat = node.local_rank, rows.reshape(-1)
-    isz, numel, width = flat.element_size(), flat.numel(), rows.shape[1]
-    lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
-    page = PAGE_BYTES // isz
-    edges = [slot[: 2 * PAGE_BYTES].view(flat.dtype) for slot in slots]
-    start, stop = me * width, (me + 1) * width
-    peers = [rank for rank in range(node.local_size) if rank != me]
-    for a, b, where in ((start, min(stop, lo), "head"), (max(start, lo), min(stop, hi), "pages"),
-                        (max(start, hi), stop, "tail")):
-        if a >= b:
-            continue
-        if where == "head":
-            theirs = [edges[rank][a:b] for rank in peers]
-        elif where == "tail":
-            theirs = [edges[rank][a - numel + 2 * page : b - numel + 2 * page] for rank in peers]
-        else:
-            theirs = [node.peer_tensors.view(places[rank].span(a * isz, b * isz), flat.dtype) for rank in peers]
-        reduce_in_order(reducer, flat[a:b], theirs, out[a - start : b - start])
-    node.barrier.wait()
-
-
-def _whole_pages_of_all(places: list[PagesPlace], me: int, nbytes: int, isz: int) -> tuple[int, int]:
-    """The elements ``lo:hi`` of every rank's tensor (of ``nbytes`` bytes, this rank's size: checked) that lie
-    in the whole pages of all of them."""
-    check_published_sizes(places, me, nbytes)
-    return -(-max(place.head for place in places) // isz), min(place.head + place.interior for place in places) // isz
-
-
-def copy_edges(source: torch.Tensor, slot: torch.Tensor) -> None:
-    """Put ``source``'s first and last :data:`PAGE_BYTES` (it has at least twice that) at the start of
-    ``slot`` (bytes), one after the other: what :func:`allreduce_shared_pages` reads from a rank's slot."""
-    nbytes = source.numel() * source.element_size()
-    memmove(slot.data_ptr(), source.data_ptr(), PAGE_BYTES)
-    memmove(slot.data_ptr() + PAGE_BYTES, source.data_ptr() + nbytes - PAGE_BYTES, PAGE_BYTES)
-
-
 def _reduce_parts_into_every_tensor(
     node: "NodeCollectives", views: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
     cross: Optional["CrossReduce"], finish: Optional["Finish"],
 ) -> None:
     """``views``: every local rank's tensor (of one size), in rank order, this rank's its own. Each rank
     reduces its part block by block (its own block plus that block of every peer's tensor) and writes the
-    sum, still in the core's cache, into every peer's tensor (:func:`_part_blocks`); the ranks touch disjoint
+    sum, still in the core's cache, into every peer's tensor (:func:`part_blocks`); the ranks touch disjoint
     parts, so the only wait is the last barrier, after which every tensor holds the whole result. With
     ``cross`` the part is reduced whole, handed to it, then written to the peers. ``finish`` runs on each
     reduced block (after ``cross``) before it is written to the peers."""
     me = node.local_rank
     if cross is None:
-        _reduce_part_blocks(*_part_blocks(me, views, reducer), finish)
+        reduce_part_blocks(*part_blocks(me, views, reducer), finish)
         node.barrier.wait()
         return
     flat = views[me]
@@ -300,12 +86,12 @@ def _reduce_parts_into_every_tensor(
     node.barrier.wait()
 
 
-#: one block of a rank's part (:func:`_part_blocks`): the block of its output, those of its own input and of every
+#: one block of a rank's part (:func:`part_blocks`): the block of its output, those of its own input and of every
 #: peer's, where the output's block goes in each peer's output, where it lies and its size in bytes
 PartBlock = tuple[Operand, Operand, list[Operand], list[int], int, int]
 
 
-def _part_blocks(
+def part_blocks(
     me: int, views: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
     outputs: Optional[list[torch.Tensor]] = None,
 ) -> tuple[Callable[..., Operand], list[PartBlock]]:
@@ -335,8 +121,8 @@ def _part_blocks(
     return reduce, blocks
 
 
-def _reduce_part_blocks(reduce: Callable[..., Operand], blocks: list[PartBlock], finish: Optional["Finish"]) -> None:
-    """Reduce each block of :func:`_part_blocks` with ``reduce`` (its reducer) into the output's, finish it and
+def reduce_part_blocks(reduce: Callable[..., Operand], blocks: list[PartBlock], finish: Optional["Finish"]) -> None:
+    """Reduce each block of :func:`part_blocks` with ``reduce`` (its reducer) into the output's, finish it and
     write it into every peer's output while it is in the core's cache."""
     with np.errstate(all="ignore"):
         for out, first, others, peers_at, own_at, nbytes in blocks:
@@ -369,25 +155,25 @@ def _reduce_all_into(
     if finish is None:
         reduce_in_order(reducer, inputs[0], inputs[1:], out)
         return
-    _reduce_all_into_blocks(*_all_into_operands(inputs, out, reducer), finish)
+    reduce_all_into_blocks(*all_into_operands(inputs, out, reducer), finish)
 
 
-#: the operands of :func:`_reduce_all_into_blocks`: the output and every rank's input, whole or one block of each
+#: the operands of :func:`reduce_all_into_blocks`: the output and every rank's input, whole or one block of each
 AllIntoOperands = list[Operand]
 
 
-def _all_into_operands(
+def all_into_operands(
     inputs: list[torch.Tensor], out: torch.Tensor, reducer: Callable[..., torch.Tensor],
 ) -> tuple[Callable[..., Operand], AllIntoOperands, list[AllIntoOperands]]:
     """The reducer and operands of ``out`` = every rank's input reduced (:func:`_reduce_all_into`), whole and in
-    blocks of :data:`REDUCE_BLOCK_BYTES`, for :func:`_reduce_all_into_blocks` (:func:`block_operands`' reducer
+    blocks of :data:`REDUCE_BLOCK_BYTES`, for :func:`reduce_all_into_blocks` (:func:`block_operands`' reducer
     and operands)."""
     reduce, whole = block_operands(reducer, [out, *inputs])
     step = max(1, REDUCE_BLOCK_BYTES // out.element_size())
     return reduce, whole, [[operand[a : a + step] for operand in whole] for a in range(0, len(whole[0]), step)]
 
 
-def _reduce_all_into_blocks(
+def reduce_all_into_blocks(
     reduce: Callable[..., Operand], whole: AllIntoOperands, blocks: list[AllIntoOperands], finish: Optional["Finish"],
 ) -> None:
     """Reduce every rank's input into the output with ``reduce``: at once (``whole``) without ``finish``, else
