@@ -182,6 +182,14 @@ class NodeBarrier:
         rank blamed is what this rank's leaving then tells the others."""
         self._check_peer(peer, time.monotonic(), float("inf"), exited)
 
+    def check_peer_pid(self, pid: int) -> None:
+        """:meth:`check_peer` for the local peer whose process is ``pid``, if one is: what a rank that cannot
+        reach a peer's memory calls first, so that a peer that left or died is named as the cause."""
+        for rank in range(self._size):
+            if rank != self._me and self._words[self._word(rank, _PID)] == pid:
+                self.check_peer(rank)
+                return
+
     def peer_pids(self) -> list[int]:
         """The local peers' process ids (each rank writes its own when it joins; 0 for one not joined yet)."""
         return [self._words[self._word(rank, _PID)] for rank in range(self._size) if rank != self._me]

@@ -141,7 +141,7 @@ class NodeCollectives:
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._layouts: OrderedDict[tuple, fused.TensorsLayout] = OrderedDict()
         self.peer_tensors = PeerTensors(  # the peers' shared tensors mapped for shared_tensors.py
-            (PEER_STORAGES_PER_RANK + SHARED_PAGES_KEPT) * max(1, self.local_size - 1))
+            (PEER_STORAGES_PER_RANK + SHARED_PAGES_KEPT) * max(1, self.local_size - 1), self.barrier.check_peer_pid)
         #: moves tensors an allreduce reduces again into shared memory, if asked (shared_storage.py)
         self.adoption = SharedMemoryAdoption(adopt_tensors, self.barrier.peer_pids)
         #: moves the pages of private tensors an allreduce or a reducescatter reduces again into shared memory,

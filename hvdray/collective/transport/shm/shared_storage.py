@@ -73,9 +73,11 @@ class PeerTensors:
     counts the drops: what holds a view of a mapping to use it again lets it go when that moves, so that the
     memory goes back to ``/dev/shm``."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, check_peer_pid: Callable[[int], None]) -> None:
         self.capacity = capacity
         self.generation = 0
+        #: raises the error that names the cause when the peer of that pid (or another) left or died
+        self._check_peer_pid = check_peer_pid
         self._maps: OrderedDict[tuple[int, int], tuple[TensorPlace, torch.Tensor]] = OrderedDict()
         self._next_check = 0.0
 
@@ -85,7 +87,12 @@ class PeerTensors:
         entry = self._maps.get(key)
         if entry is None:
             self._drop_released()
-            storage = torch.frombuffer(map_peer_storage(place), dtype=torch.uint8)
+            try:
+                mapping = map_peer_storage(place)
+            except SharedMemoryError:
+                self._check_peer_pid(place.pid)  # a peer that left (its descriptor closed) or died: name it
+                raise
+            storage = torch.frombuffer(mapping, dtype=torch.uint8)
             entry = self._maps[key] = (place, storage)
             while len(self._maps) > self.capacity:
                 self._maps.popitem(last=False)
