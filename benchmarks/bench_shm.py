@@ -31,9 +31,9 @@ TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
 #: every row's extra column: the network path without the ranks' own connections (Gloo carries everything)
 NO_SOCKETS = "hvdray gloo, peer_sockets off"
 SHARED_TENSOR = "hvdray shm, tensor in shared memory"
-#: an allreduce without a name: each call gets a new generated one, so every op has a full negotiation
-#: round (names, not just the cached flags), as unnamed metric allreduces in a training loop do
-UNNAMED = "hvdray shm, unnamed (a full round per op)"
+#: an allreduce without a name, as metric allreduces in a training loop are: each call gets a new generated
+#: name, and from the second call on it goes by its family's cached slot (the engine's response cache)
+UNNAMED = "hvdray shm, unnamed"
 #: (column, shm_transport, peer_sockets) of each hvdray column
 CONFIGURATIONS = [*((impl, shm, True) for impl, shm in TRANSPORTS.items()), (NO_SOCKETS, False, False)]
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-#: part of every generated op name (``allreduce.noname.3``); such names are never cached
+#: part of every generated op name (``allreduce.noname.3``); such names are never cached themselves (an
+#: unnamed allreduce's family is: :func:`family_name`)
 GENERATED_NAME_MARK = ".noname."
+#: an unnamed allreduce's generated name, as the engine makes it: ``allreduce.noname.N`` outside executor
+#: calls, ``allreduce.noname.C.N`` in call C
+_UNNAMED_ALLREDUCE = re.compile(r"allreduce\.noname\.(?:\d+\.)?\d+")
 
 
 class ReduceOp(str, enum.Enum):
@@ -68,7 +73,7 @@ class OpDesc:
     postscale: float = 1.0
     root: Optional[int] = None  # broadcast: the root's rank in the process set
     splits: Optional[list[int]] = None  # alltoall: rows sent to each rank (None: even)
-    generated: bool = False  # an engine-generated name, which never repeats: never cached
+    generated: bool = False  # an engine-generated name, which never repeats: never cached (its family may be)
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +117,23 @@ class OpDesc:
         if field_name == "shape":
             return list(value)
         return value.value if isinstance(value, enum.Enum) else value
+
+
+def family_name(desc: OpDesc) -> Optional[str]:
+    """The response cache's name for every unnamed allreduce of ``desc``'s executor call and description
+    (dtype, shape, reduction, scale factors), or None for any other op. Unnamed allreduces get a new
+    generated name each call, so they cannot be cached by name; the engine caches their family instead,
+    and an unnamed allreduce goes by its family's slot when every rank's pending one has the same generated
+    name (``hvdray/collective/engine/agreement.py``). Every rank that agreed on a generated name makes the
+    same family name from it."""
+    name = desc.name
+    if desc.kind is not OpKind.ALLREDUCE or not _UNNAMED_ALLREDUCE.fullmatch(name):
+        return None
+    call = name.rpartition(".")[0]  # allreduce.noname[.C]
+    return (
+        f"{call}.* ({desc.dtype} {list(desc.shape)} {desc.reduce_op.value if desc.reduce_op else None} "
+        f"{desc.prescale!r} {desc.postscale!r})"
+    )
 
 
 def barrier_desc(name: str) -> OpDesc:

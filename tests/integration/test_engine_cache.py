@@ -1,7 +1,10 @@
 """The response cache on real workers: the steady state runs without full negotiation rounds, fusion
-packs tensors into one Gloo call, and renegotiation on a changed shape (stalls of cached tensors: test_stall.py)."""
+packs tensors into one Gloo call, and renegotiation on a changed shape (stalls of cached tensors: test_stall.py);
+unnamed allreduces by their family's slot, and off it whenever the ranks' ops differ."""
 
 from __future__ import annotations
+
+import pytest
 
 from hvdray import RayExecutor
 
@@ -66,3 +69,138 @@ def test_cached_name_renegotiates_on_new_shape_and_mismatch_still_caught(make_ex
     for out, error in ex.run(_changed_shapes):
         assert out == [[3.0] * 3, [3.0] * 3, [3.0] * 5, [3.0] * 5, [2.0, 2.0]]
         assert error is not None and "'w'" in error and "[7]" in error and "[5]" in error
+
+
+def _unnamed_loop(steps: int):
+    """Unnamed allreduces (generated names, new every call) in a loop, of two families, with values that
+    change every step and differ per rank: a mispairing (another step's tensor, another family's) shows."""
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    stats = session.engine().stats
+    size, rank = hvd.size(), hvd.rank()
+    wrong = []
+    before = (stats.rounds, stats.full_rounds)
+    for step in range(steps):
+        mine = torch.full((3,), float(rank + step))
+        average = hvd.allreduce(mine)  # out of place, averaged: Horovod's default
+        total = hvd.allreduce_(torch.full((5,), float(rank * step)), op=hvd.Sum)
+        expected_average = sum(r + step for r in range(size)) / size
+        expected_total = sum(r * step for r in range(size))
+        if not (torch.all(average == expected_average) and torch.all(total == expected_total)):
+            wrong.append((step, average.tolist(), total.tolist()))
+    rounds, full = stats.rounds - before[0], stats.full_rounds - before[1]
+    return wrong, rounds, full
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unnamed_allreduces_go_by_their_familys_slot_after_the_first(make_executor, workers):
+    """Each unnamed allreduce has a new generated name, which the response cache cannot hold; its family (the
+    call, dtype, shape, reduction and scale factors) is cached instead, so that from the second one on it
+    goes by one flag bit like a named op, not by a full negotiation round."""
+    steps = 30
+    ex = make_executor(num_workers=workers)
+    for wrong, rounds, full in ex.run(_unnamed_loop, args=[steps]):
+        assert wrong == []
+        assert rounds >= 2 * steps
+        assert full <= 4  # the first op of each family goes by name (before: one full round per op)
+
+
+def _unnamed_mismatch_after_caching():
+    """Both families cached, then the ranks disagree: rank 0 reduces 2 elements where the others reduce 3,
+    under the same generated name. Both ways of meeting: every rank's op on a family slot (both cached),
+    and rank 0's family never seen (it goes by name while the others wait on their slot)."""
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    for _ in range(2):
+        hvd.allreduce(torch.ones(2))
+        hvd.allreduce(torch.ones(3))
+    errors = []
+    for rank0_numel in (2, 4):
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(rank0_numel if hvd.rank() == 0 else 3))
+            errors.append(("no error", time.monotonic() - started))
+        except hvd.TensorMismatchError as exc:
+            errors.append((str(exc), time.monotonic() - started))
+    after = hvd.allreduce(torch.full((3,), float(hvd.rank())), op=hvd.Sum).tolist()
+    return errors, after
+
+
+def test_unnamed_allreduces_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
+    ex = make_executor(num_workers=2)
+    for errors, after in ex.run(_unnamed_mismatch_after_caching):
+        for message, elapsed in errors:
+            assert "mismatched shapes" in message and "allreduce.noname." in message, message
+            assert elapsed < 5
+        assert "[2]" in errors[0][0] and "[3]" in errors[0][0]
+        assert "[4]" in errors[1][0] and "[3]" in errors[1][0]
+        assert after == [1.0, 1.0, 1.0]  # the ranks go on together
+
+
+def _unnamed_async_and_join(named: bool):
+    """Several unnamed allreduces of one family in flight at once (the first may go by the family's slot, the
+    rest by name), then a rank joins while the others go on with that family: the same results as with
+    names."""
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    name = (lambda i: f"op.{i}") if named else (lambda i: None)
+    out = []
+    for step in range(3):
+        hvd.allreduce(torch.full((4,), float(rank)), name=name(f"warm.{step}") if named else None)
+    handles = [hvd.allreduce_async(torch.full((4,), float(rank * 10 + i)), name=name(f"async.{i}"), op=hvd.Sum)
+               for i in range(4)]
+    out += [hvd.synchronize(h).tolist() for h in handles]
+    if rank == hvd.size() - 1:
+        last = hvd.join()
+    else:
+        for step in range(3):
+            out.append(hvd.allreduce(torch.full((4,), float(rank + step)), name=name(f"late.{step}"),
+                                     op=hvd.Sum).tolist())
+        last = hvd.join()
+    return out, last
+
+
+def test_unnamed_allreduces_in_flight_together_and_across_a_join_give_the_named_results(make_executor):
+    ex = make_executor(num_workers=2)
+    assert ex.run(_unnamed_async_and_join, args=[False]) == ex.run(_unnamed_async_and_join, args=[True])
+
+
+def _unnamed_until_one_rank_returns():
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective.errors import PeerFinishedError
+
+    hvd.init()
+    for _ in range(3):
+        hvd.allreduce(torch.ones(2))  # the family is cached: the next op waits on its slot
+    if hvd.rank() == 1:
+        return "returned", 0.0
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2))
+    except PeerFinishedError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", 0.0
+
+
+def test_an_unnamed_allreduce_on_its_familys_slot_fails_fast_when_a_rank_returns(make_executor):
+    ex = make_executor(num_workers=2)
+    (message, elapsed), _ = ex.run(_unnamed_until_one_rank_returns)
+    assert "rank 1 returned from its function" in message, message
+    assert elapsed < 10

@@ -60,7 +60,7 @@ def test_flags_combine_to_ready_somewhere_and_full():
     assert ready == [3, 5]
     assert somewhere == [1, 3, 5, 9]
     assert full is True
-    assert reader.tensor.numel() == (2 * 16 + 8) // 8
+    assert reader.tensor.numel() == 2 * 16 // 8 + 16 + 1  # two bits a slot, the family digest, the last byte
 
 
 def test_joined_rank_agrees_to_every_slot():
@@ -72,8 +72,28 @@ def test_joined_rank_agrees_to_every_slot():
 
 
 def test_default_capacity_vector_is_tiny():
-    assert FlagVector(1024).fill(list(range(0, 1024, 7)), False, False).numel() == 257
-    assert np.all(FlagVector(0).fill([], False, True).numpy() == torch.tensor([0]).numpy())
+    assert FlagVector(1024).fill(list(range(0, 1024, 7)), False, False).numel() == 273
+    empty = FlagVector(0).fill([], False, True).numpy()
+    assert empty[-1] == 0 and len(empty) == 17  # wants a full round; the family digest 0, its complement all ones
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_flags_tell_whether_every_rank_has_the_same_unnamed_allreduce_on_a_family_slot(ranks):
+    """family_agreed: None unless every rank has one; then True exactly when all have the same slot and
+    generated name."""
+    def agreed(families):
+        vectors = [FlagVector(16).fill([f[0]] if f else [], False, False, True, f).clone() for f in families]
+        reader = FlagVector(16)
+        reader.tensor.copy_(_combine(*vectors))
+        reader.read()
+        return reader.family_agreed
+
+    same = [(3, "allreduce.noname.1.7")] * ranks
+    assert agreed(same) is True
+    assert agreed(same[:-1] + [None]) is None  # one rank has none yet: wait
+    assert agreed(same[:-1] + [(3, "allreduce.noname.1.8")]) is False  # another op of the family
+    assert agreed(same[:-1] + [(4, "allreduce.noname.1.7")]) is False  # another family under the same name
+    assert agreed([(3, f"allreduce.noname.{r}") for r in range(ranks)]) is False
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 7, 8, 13, 64, 1024])

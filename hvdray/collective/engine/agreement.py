@@ -21,6 +21,7 @@ from hvdray.collective.engine.fusion import Action, FusionPlanner, ReadyOp
 from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
+from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, family_name
 from hvdray.collective.engine.steps import LearnedStep
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,30 @@ class Agreement:
         # this rank's requests not running yet: waiting on a cached slot, or to be announced by name
         self.slot_requests: dict[int, Request] = {}
         self.outbox: list[Request] = []
+        # the slot of this rank's unnamed allreduce waiting on its family's slot, if one is (at most one is:
+        # :meth:`_family_slot`); stale once that request has left ``slot_requests``
+        self.family_slot: Optional[int] = None
+        #: this tick's plan's family names (the cache's name of a family's slot) -> the generated name of the
+        #: unnamed allreduce that runs on it here (the request the engine runs under that name)
+        self.renamed: dict[str, str] = {}
 
     def sort(self, queue: list[Request]) -> None:
-        """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name)."""
+        """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name). A
+        generated name is never cached; an unnamed allreduce may go by its family's slot (:meth:`_family_slot`)."""
         lookup = self.cache.lookup if self.cache.enabled else None
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
         for request in queue:
             desc = request.desc
-            slot = None if lookup is None or desc.generated else lookup(desc)
+            if desc.generated:
+                slot = None if lookup is None else self._family_slot(desc)
+                if slot is None:
+                    outbox.append(request)
+                else:  # not counted in the learned step: a caller waits on it, and its tick runs it
+                    self.family_slot = slot
+                    slot_requests[slot] = request
+                continue
+            slot = lookup(desc) if lookup is not None else None
             if slot is None:
                 outbox.append(request)
             else:
@@ -66,6 +82,38 @@ class Agreement:
         if slots:
             self.step.add(slots, nbytes)
 
+    def _family_slot(self, desc: OpDesc) -> Optional[int]:
+        """The slot of the family of an unnamed allreduce (:func:`family_name`), if it can go by it: its family
+        is cached, no rank has joined, and nothing generated is on its way by name, from this rank (its
+        outbox, and another unnamed allreduce on a family's slot) or any other (announced, not run yet): an
+        op by name never waits on one by slot. The ranks then run it when every rank's own is pending on one
+        slot under one generated name (the flags' digest, :meth:`read_flags`), else send it by name."""
+        if self.table.joined or self._family_request() is not None:
+            return None
+        if any(r.desc.generated for r in self.outbox) or any(
+            GENERATED_NAME_MARK in name for name in self.table.announced
+        ):
+            return None
+        family = family_name(desc)
+        return None if family is None else self.cache.lookup(desc, family)
+
+    def _family_request(self) -> Optional[Request]:
+        """This rank's unnamed allreduce waiting on its family's slot, if one is."""
+        slot = self.family_slot
+        request = None if slot is None else self.slot_requests.get(slot)
+        return request if request is not None and request.desc.generated else None
+
+    def _family_by_name(self) -> Optional[int]:
+        """Send this rank's unnamed allreduce waiting on a family's slot by name instead (every rank does,
+        in the same round); its slot, if it had one."""
+        request = self._family_request()
+        slot, self.family_slot = self.family_slot, None
+        if request is None:
+            return None
+        del self.slot_requests[slot]
+        self.outbox.append(request)
+        return slot
+
     def rank0_wants_full(self) -> bool:
         """Rank 0 asks for a full round to drop stalled ops, take a census of a stalled cached op, or send
         autotune's next parameters."""
@@ -74,12 +122,24 @@ class Agreement:
 
     def fill_flags(self, wants_full: bool, blocked: bool) -> torch.Tensor:
         """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op)."""
-        return self.flags.fill(self.slot_requests, self.rank in self.table.joined, wants_full, blocked)
+        family = self._family_request()
+        return self.flags.fill(
+            self.slot_requests, self.rank in self.table.joined, wants_full, blocked,
+            None if family is None else (self.family_slot, family.name),
+        )
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
-        """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round."""
+        """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round.
+        When every rank has an unnamed allreduce on a family's slot and they are not all the same op (another
+        generated name, another family), every rank sends its own by name: the names pair them, and a
+        mismatch gets its error."""
         self.round += 1
-        return self.flags.read()
+        ready, somewhere, full = self.flags.read()
+        if self.flags.family_agreed is False:
+            slot = self._family_by_name()
+            if slot is not None and slot in ready:
+                ready = [s for s in ready if s != slot]
+        return ready, somewhere, full
 
     # -- a full round ------------------------------------------------------------------------
     def message(self, join: bool, stop: bool, call: int, finished: Optional[Finished]) -> RoundMessage:
@@ -103,17 +163,23 @@ class Agreement:
         for name in announced:
             if self.cache.slot_of(name) is not None:
                 self._uncache(name)  # announced by name again: renegotiate it everywhere
+        if self.table.joined or any(GENERATED_NAME_MARK in name for name in announced):
+            self._family_by_name()  # a generated name goes by name somewhere: every rank's does
         if self.rank == 0:
             self.stall.take_census(messages)
         if messages[0].tune is not None:
             self._apply(messages[0].tune)
-        for name, *_ in messages[0].drops:
-            self.table.drop(name)
-            slot = self.cache.slot_of(name)
+        drops = []
+        for drop in messages[0].drops:
+            self.table.drop(drop.name)
+            slot = self.cache.slot_of(drop.name)
             if slot is not None:
-                self.slot_requests.pop(slot, None)
+                request = self.slot_requests.pop(slot, None)
+                if request is not None and request.name != drop.name:  # a family's: fail the op by its own name
+                    drop = drop._replace(name=request.name)
                 self.stall.forget_slot(slot)
-        return busy, messages[0].drops
+            drops.append(drop)
+        return busy, drops
 
     def _apply(self, params: TunedParams) -> None:
         """Autotune's fusion and cache parameters, applied by every rank in the same round (rank 0 sent them;
@@ -142,8 +208,13 @@ class Agreement:
         """What runs now: cached slots in slot order, then newly negotiated names in announcement order
         (the same on every rank), consecutive compatible allreduces fused."""
         cache = self.cache
+        renamed = self.renamed
+        if renamed:
+            renamed.clear()
         for slot in ready_slots:
-            self.slot_requests.pop(slot, None)  # a joined rank has none pending
+            request = self.slot_requests.pop(slot, None)  # a joined rank has none pending
+            if request is not None and request.desc.generated:  # an unnamed allreduce on its family's slot
+                renamed[cache.name_of(slot)] = request.name
             cache.touch(slot, self.round)
         newly = self.table.take_ready()
         if ready_slots and not newly and not self.table.joined:
@@ -163,11 +234,9 @@ class Agreement:
         cache, table = self.cache, self.table
         for op in ready:
             op.problem = table.problem(op.name, op.descs, op.cached)
-            if (
-                op.problem is None and cache.enabled and not op.cached and not op.desc.generated
-                and len(op.descs) == self.size
-            ):
-                evicted = cache.put(op.name, op.descs, self.round)
+            name = op.name if not op.desc.generated else family_name(op.desc)
+            if op.problem is None and cache.enabled and not op.cached and name and len(op.descs) == self.size:
+                evicted = cache.put(name, op.descs, self.round)
                 if evicted is not None:
                     self._forget_plans()
                     if evicted in self.slot_requests:

@@ -9,6 +9,7 @@ full (named, JSON) negotiation round this tick.
 
 from __future__ import annotations
 
+import zlib
 from typing import Iterable, Optional
 
 import torch
@@ -37,10 +38,10 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def lookup(self, desc: OpDesc) -> Optional[int]:
-        """The slot for this rank's request, if its name is cached with this rank's identical description
-        (op, dtype, shape, reduction, root, scale factors, splits)."""
-        slot = self._slot_of.get(desc.name)
+    def lookup(self, desc: OpDesc, name: Optional[str] = None) -> Optional[int]:
+        """The slot for this rank's request, if its name (or ``name``: an unnamed allreduce's family) is cached
+        with this rank's identical description (op, dtype, shape, reduction, root, scale factors, splits)."""
+        slot = self._slot_of.get(desc.name if name is None else name)
         if slot is None or not self._mine[slot].matches(desc):
             return None
         return slot
@@ -81,6 +82,17 @@ class ResponseCache:
         return slot
 
 
+#: the digest of an unnamed allreduce pending on a family's slot (:class:`FlagVector`)
+_DIGEST_BYTES = 8
+_DIGEST_MASK = (1 << 8 * _DIGEST_BYTES) - 1
+
+
+def _digest(slot: int, name: str) -> int:
+    """64 bits that differ for ops that differ in slot or generated name (which differ in their counters,
+    a change CRC-32 always detects)."""
+    return zlib.crc32(name.encode()) << 32 | slot
+
+
 #: the positions of the set bits of each byte value, ascending
 _BITS_OF_BYTE = tuple(tuple(bit for bit in range(8) if value >> bit & 1) for value in range(256))
 
@@ -101,12 +113,16 @@ def _set_bits(value: int) -> list[int]:
 class FlagVector:
     """One rank's tick flags as a bit vector, combined across ranks with a bitwise-AND allreduce.
 
-    Three byte regions: in the first ``B = ceil(C / 8)`` bytes, bit ``i`` says slot ``i`` is pending here
+    Four byte regions: in the first ``B = ceil(C / 8)`` bytes, bit ``i`` says slot ``i`` is pending here
     (AND: pending everywhere); in the next ``B`` bytes, bit ``i`` says slot ``i`` is *not* pending here
-    (AND: pending nowhere, so its complement is "pending somewhere"); in the last byte, bit 0 says this
-    rank does *not* need a full round, and bit 1 that a caller on this rank is blocked waiting on one of
-    its ops (or it has joined); AND: every rank is (:attr:`everyone_blocked` after :meth:`read`). With the
-    default capacity of 1024 the vector is 257 bytes.
+    (AND: pending nowhere, so its complement is "pending somewhere"); then 16 bytes that tell whether the
+    ranks' unnamed allreduces pending on a family's slot are the same op: a 64-bit digest of its slot and
+    generated name, then the digest's complement (the AND of the values equals the OR of them, the
+    complement of the AND of the complements, only when every rank's value is the same); in the last
+    byte, bit 0 says this rank does *not* need a full round, bit 1 that a caller on this rank is blocked
+    waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed allreduce pending on a
+    family's slot; AND: every rank is, or has (:attr:`everyone_blocked` and :attr:`family_agreed` after
+    :meth:`read`). With the default capacity of 1024 the vector is 273 bytes.
 
     The engine fills and reads it on every tick, between a training step's compute, when little of this
     code is in the CPU's caches: it works on Python ints and bytes (a few calls a tick) rather than
@@ -118,11 +134,20 @@ class FlagVector:
         self._span = (capacity + 7) // 8
         self._every_slot = (1 << capacity) - 1
         # the tensor the transport combines in place is a view of this buffer
-        self._buffer = bytearray(2 * self._span + 1)
+        self._buffer = bytearray(2 * self._span + 2 * _DIGEST_BYTES + 1)
         self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8)
         self.everyone_blocked = False
+        #: after :meth:`read`: None unless every rank has an unnamed allreduce pending on a family's slot;
+        #: then whether all of them are the same op (the same slot and generated name)
+        self.family_agreed: Optional[bool] = None
 
-    def fill(self, pending: Iterable[int], joined: bool, wants_full: bool, blocked: bool = False) -> torch.Tensor:
+    def fill(
+        self, pending: Iterable[int], joined: bool, wants_full: bool, blocked: bool = False,
+        family: Optional[tuple[int, str]] = None,
+    ) -> torch.Tensor:
+        """This rank's flags: the slots ``pending`` here, whether it has ``joined``, ``wants_full`` a full round
+        and a caller is ``blocked`` on one of its ops, and its unnamed allreduce on a family's slot (``family``:
+        the slot and the op's generated name), if any."""
         span, buffer = self._span, self._buffer
         if joined:
             # a joined rank agrees to every slot (it contributes zeros) and has nothing pending itself
@@ -134,7 +159,13 @@ class FlagVector:
             free = self._every_slot ^ mine
         buffer[:span] = mine.to_bytes(span, "little")
         buffer[span : 2 * span] = free.to_bytes(span, "little")
-        buffer[2 * span] = (0 if wants_full else 1) | (2 if blocked or joined else 0)
+        digest = 0 if family is None else _digest(*family)
+        at = 2 * span
+        buffer[at : at + _DIGEST_BYTES] = digest.to_bytes(_DIGEST_BYTES, "little")
+        buffer[at + _DIGEST_BYTES : at + 2 * _DIGEST_BYTES] = (digest ^ _DIGEST_MASK).to_bytes(_DIGEST_BYTES, "little")
+        buffer[at + 2 * _DIGEST_BYTES] = (
+            (0 if wants_full else 1) | (2 if blocked or joined else 0) | (0 if family is None else 4)
+        )
         return self.tensor
 
     def read(self) -> tuple[list[int], list[int], bool]:
@@ -143,8 +174,14 @@ class FlagVector:
         span, buffer = self._span, self._buffer
         everywhere = int.from_bytes(buffer[:span], "little")
         somewhere = self._every_slot & ~int.from_bytes(buffer[span : 2 * span], "little")
-        last = buffer[2 * span]
+        at = 2 * span
+        last = buffer[at + 2 * _DIGEST_BYTES]
         self.everyone_blocked = bool(last & 2)
+        self.family_agreed = None
+        if last & 4:
+            every = int.from_bytes(buffer[at : at + _DIGEST_BYTES], "little")
+            some = _DIGEST_MASK ^ int.from_bytes(buffer[at + _DIGEST_BYTES : at + 2 * _DIGEST_BYTES], "little")
+            self.family_agreed = every == some
         ready = _set_bits(everywhere)
         # the steady state: what is pending anywhere is pending everywhere
         return ready, list(ready) if somewhere == everywhere else _set_bits(somewhere), not last & 1

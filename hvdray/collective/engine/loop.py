@@ -578,9 +578,11 @@ class Engine:
     # -- running ready ops ------------------------------------------------------------------
     def _run(self, action: Action) -> None:
         """Run one planned action; its requests leave ``_local`` as it starts."""
+        renamed = self._agreement.renamed  # an unnamed allreduce on its family's slot: its own name here
+        names = [renamed.get(name, name) for name in action.names] if renamed else action.names
         with self._lock:
             local = self._local
-            requests = [local.pop(name, None) for name in action.names]
+            requests = [local.pop(name, None) for name in names]
             if self._blocked_on:
                 # an op that runs is no longer one a caller waits on; kept until the next tick's collect, it
                 # would keep its output alive past the caller's use, and an out-of-place op's next output
