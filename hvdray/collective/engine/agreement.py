@@ -2,8 +2,8 @@
 
 The :class:`Agreement` composes the replicated parts (the negotiation table, the response cache,
 the fusion planner, the round number) with this rank's requests waiting on them (on a cached slot,
-or to be announced by name), the learned step and rank 0's stall inspector and autotuner. The engine
-thread drives it: sort new requests, fill the flags, say and absorb a full round's messages, plan
+or to be announced by name; an unnamed allreduce on its family's slot, see :meth:`Agreement._family_slot`),
+the learned step and rank 0's stall inspector and autotuner. The engine thread drives it: sort new requests, fill the flags, say and absorb a full round's messages, plan
 what is ready. It never runs an op and never takes the engine's lock.
 """
 
@@ -21,8 +21,8 @@ from hvdray.collective.engine.fusion import Action, FusionPlanner, ReadyOp
 from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
-from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, family_name
 from hvdray.collective.engine.steps import LearnedStep
+from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, family_name
 
 log = logging.getLogger(__name__)
 
