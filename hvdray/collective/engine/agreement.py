@@ -3,8 +3,9 @@
 The :class:`Agreement` composes the replicated parts (the negotiation table, the response cache,
 the fusion planner, the round number) with this rank's requests waiting on them (on a cached slot,
 or to be announced by name; an unnamed allreduce on its family's slot, see :meth:`Agreement._family_slot`),
-the learned step and rank 0's stall inspector and autotuner. The engine thread drives it: sort new requests, fill the flags, say and absorb a full round's messages, plan
-what is ready. It never runs an op and never takes the engine's lock.
+the learned step and rank 0's stall inspector and autotuner. The engine thread drives it: sort new
+requests, fill the flags, say and absorb a full round's messages, plan what is ready. It never runs an
+op and never takes the engine's lock.
 """
 
 from __future__ import annotations

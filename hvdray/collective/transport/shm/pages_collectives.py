@@ -55,14 +55,14 @@ def allreduce_shared_pages(
     (``shared_pages.py``: ``places``, in rank order), and its first and last :data:`PAGE_BYTES` copied to the
     start of its slot of ``half`` before the op's first barrier (:func:`prepare_pages`). The elements that lie
     in every rank's whole pages are reduced as between tensors in shared memory: in place each rank reduces
-    its part and writes it into every peer's tensor (as :func:`~hvdray.collective.transport.shm.shared_tensors.allreduce_shared_tensors` does); out of place
-    likewise into every rank's output when all of them are in shared memory (the output pool's: each rank
-    said where in its slot), else each rank reduces all of them into its own output (as
-    :func:`~hvdray.collective.transport.shm.shared_tensors.allreduce_shared_inputs` does). The few before and after them (less than a page at each end),
-    which share their pages with other memory and stay private, every rank reduces for itself from the
-    slots, in rank order. Every rank gets the same bits. One barrier, at the end. The operands come from
-    ``node.pages_plans`` (:class:`PagesPlans`): made once for a loop that reduces the same tensors again and
-    again."""
+    its part and writes it into every peer's tensor (as ``shared_tensors.allreduce_shared_tensors`` does);
+    out of place likewise into every rank's output when all of them are in shared memory (the output pool's:
+    each rank said where in its slot), else each rank reduces all of them into its own output (as
+    ``shared_tensors.allreduce_shared_inputs`` does). The few before and after them (less than a page at
+    each end), which share their pages with other memory and stay private, every rank reduces for itself
+    from the slots, in rank order. Every rank gets the same bits. One barrier, at the end. The operands come
+    from ``node.pages_plans`` (:class:`PagesPlans`): made once for a loop that reduces the same tensors
+    again and again."""
     slots = node.slot_views(torch.uint8)[half]
     outputs = None if source is out else _published_outputs(slots)
     key = (source.data_ptr(), out.data_ptr(), out.numel(), out.dtype, reducer, half, *places, *(outputs or ()))
