@@ -1,7 +1,8 @@
 """Benchmark rows for the shared-memory transport: hvdray over shared memory vs hvdray over Gloo vs raw
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
-For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency, and training
+For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency (and 4-byte
+allgather and broadcast latency, named and unnamed), and training
 throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). "hvdray gloo" is the network
 path (``shm_transport`` off: what ranks on different nodes use between them), whose allreduces run over
 the ranks' own connections (``peer_sockets``); every row also runs it with ``peer_sockets`` off, where
@@ -31,8 +32,8 @@ TRANSPORTS = {"hvdray shm": True, "hvdray gloo": False}
 #: every row's extra column: the network path without the ranks' own connections (Gloo carries everything)
 NO_SOCKETS = "hvdray gloo, peer_sockets off"
 SHARED_TENSOR = "hvdray shm, tensor in shared memory"
-#: an allreduce without a name, as metric allreduces in a training loop are: each call gets a new generated
-#: name, and from the second call on it goes by its family's cached slot (the engine's response cache)
+#: an op without a name, as metric allreduces in a training loop are: each call gets a new generated name,
+#: and from the second call on it goes by its family's cached slot (the engine's response cache)
 UNNAMED = "hvdray shm, unnamed"
 #: (column, shm_transport, peer_sockets) of each hvdray column
 CONFIGURATIONS = [*((impl, shm, True) for impl, shm in TRANSPORTS.items()), (NO_SOCKETS, False, False)]
@@ -75,6 +76,27 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     return times
 
 
+def _small_ops_round(iterations: int) -> dict[str, float]:
+    """Seconds per 4-byte allgather and broadcast (from rank 0) over shared memory: raw Gloo, hvdray with a
+    name and without one (from the second call on by its family's cached slot, like the unnamed allreduce)."""
+    import torch
+    import torch.distributed as dist
+
+    import hvdray.torch as hvd
+
+    _use_transport(True)
+    tensor = torch.ones(1)
+    gathered = torch.empty(hvd.size())
+    return {
+        "allgather raw gloo": timed(lambda: dist.all_gather_into_tensor(gathered, tensor), iterations),
+        "allgather hvdray shm": timed(lambda: hvd.allgather(tensor, name="shm_bench.ag"), iterations),
+        f"allgather {UNNAMED}": timed(lambda: hvd.allgather(tensor), iterations),
+        "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
+        "broadcast hvdray shm": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="shm_bench.bc"), iterations),
+        f"broadcast {UNNAMED}": timed(lambda: hvd.broadcast_(tensor, root_rank=0), iterations),
+    }
+
+
 def _training_round(steps: int, batch: int) -> dict[str, float]:
     """Samples per second: DDP, and hvdray's DistributedOptimizer over each transport (and over the network
     path with ``peer_sockets`` off)."""
@@ -111,6 +133,10 @@ def shared_memory_rows(
                     samples = alternate(ex, _allreduce_round, [size_mb, 20 if quick else 300], repeats)
                     micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
+                samples = alternate(ex, _small_ops_round, [20 if quick else 300], repeats)
+                for op in ("allgather", "broadcast"):
+                    micros = {k[len(op) + 1:]: [t * 1e6 for t in v] for k, v in samples.items() if k.startswith(op)}
+                    record(f"{op} 4 B latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:
                 record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", alternate(
                     ex, _training_round, [5 if quick else 40, 64], repeats), "samples/s", "DDP (gloo)", True)

@@ -16,11 +16,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached themselves (an
-#: unnamed allreduce's family is: :func:`family_name`)
+#: unnamed collective's family is: :func:`family_name`)
 GENERATED_NAME_MARK = ".noname."
-#: an unnamed allreduce's generated name, as the engine makes it: ``allreduce.noname.N`` outside executor
-#: calls, ``allreduce.noname.C.N`` in call C
-_UNNAMED_ALLREDUCE = re.compile(r"allreduce\.noname\.(?:\d+\.)?\d+")
+#: an unnamed collective's generated name, as the engine makes it: ``allgather.noname.N`` outside executor
+#: calls, ``allgather.noname.C.N`` in call C (group 1: the kind's value); not a grouped op's, an object's or a
+#: barrier's
+_UNNAMED_COLLECTIVE = re.compile(r"(allreduce|allgather|broadcast|reducescatter|alltoall)\.noname\.(?:\d+\.)?\d+")
 
 
 class ReduceOp(str, enum.Enum):
@@ -53,6 +54,8 @@ class OpKind(enum.Enum):
 
 #: ops whose every dimension must agree across ranks (the others may differ in dim 0)
 SAME_SHAPE_KINDS = frozenset((OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER))
+#: ops whose first dimension is each rank's own
+_ROWS_PER_RANK_KINDS = frozenset((OpKind.ALLGATHER, OpKind.ALLTOALL))
 
 _DTYPE_OF_NAME: dict[str, torch.dtype] = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -120,19 +123,24 @@ class OpDesc:
 
 
 def family_name(desc: OpDesc) -> Optional[str]:
-    """The response cache's name for every unnamed allreduce of ``desc``'s executor call and description
-    (dtype, shape, reduction, scale factors), or None for any other op. Unnamed allreduces get a new
-    generated name each call, so they cannot be cached by name; the engine caches their family instead,
-    and an unnamed allreduce goes by its family's slot when every rank's pending one has the same generated
-    name (``hvdray/collective/engine/agreement.py``). Every rank that agreed on a generated name makes the
-    same family name from it."""
-    name = desc.name
-    if desc.kind is not OpKind.ALLREDUCE or not _UNNAMED_ALLREDUCE.fullmatch(name):
+    """The response cache's name for every unnamed collective of ``desc``'s executor call and description, or
+    None for a named op (or a grouped op's, an object's, a barrier's). Unnamed ops get a new generated name
+    each call, so they cannot be cached by name; the engine caches their family instead, and an unnamed op
+    goes by its family's slot when every rank's pending one has the same generated name
+    (``hvdray/collective/engine/agreement.py``). Every rank that agreed on a generated name makes the same
+    family name from the lowest rank's description.
+
+    The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
+    shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
+    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too."""
+    match = _UNNAMED_COLLECTIVE.fullmatch(desc.name)
+    if match is None or match.group(1) != desc.kind.value:
         return None
-    call = name.rpartition(".")[0]  # allreduce.noname[.C]
+    call = desc.name.rpartition(".")[0]  # allgather.noname[.C]
+    shape = list(desc.shape[1:] if desc.kind in _ROWS_PER_RANK_KINDS else desc.shape)
     return (
-        f"{call}.* ({desc.dtype} {list(desc.shape)} {desc.reduce_op.value if desc.reduce_op else None} "
-        f"{desc.prescale!r} {desc.postscale!r})"
+        f"{call}.* ({desc.dtype} {shape} {desc.reduce_op.value if desc.reduce_op else None} "
+        f"{desc.prescale!r} {desc.postscale!r} {desc.root})"
     )
 
 

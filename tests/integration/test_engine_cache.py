@@ -109,6 +109,88 @@ def test_unnamed_allreduces_go_by_their_familys_slot_after_the_first(make_execut
         assert full <= 4  # the first op of each family goes by name (before: one full round per op)
 
 
+def _unnamed_other_kinds_loop(steps: int):
+    """Unnamed allgathers (uneven rows, rank 0's growing halfway), broadcasts from two roots, reducescatters
+    and alltoalls (uneven splits) in a loop, with values that change every step: each kind's family goes by
+    its slot from its second op on, and a rank whose rows change sends its op by name once (its family's
+    slot is made anew) without a wrong result."""
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    stats = session.engine().stats
+    size, rank = hvd.size(), hvd.rank()
+
+    def rows(r: int, step: int) -> int:
+        return r + 1 + (2 if r == 0 and step >= steps // 2 else 0)
+
+    wrong = []
+    before = stats.full_rounds
+    for step in range(steps):
+        gathered = hvd.allgather(torch.full((rows(rank, step), 2), float(rank + step)))
+        expected = torch.cat([torch.full((rows(r, step), 2), float(r + step)) for r in range(size)])
+        root = step % 2 * (size - 1)
+        sent = hvd.broadcast(torch.full((3,), float(rank * 10 + step)), root_rank=root)
+        scattered = hvd.reducescatter(torch.full((2 * size,), float(rank + step)), op=hvd.Sum)
+        splits = [d + 1 for d in range(size)]
+        received, received_splits = hvd.alltoall(torch.full((sum(splits),), float(rank * 100 + step)), splits=splits)
+        ok = (
+            torch.equal(gathered, expected)
+            and torch.all(sent == root * 10 + step)
+            and scattered.tolist() == [float(sum(r + step for r in range(size)))] * 2
+            and received_splits.tolist() == [rank + 1] * size
+            and received.tolist() == [float(r * 100 + step) for r in range(size) for _ in range(rank + 1)]
+        )
+        if not ok:
+            wrong.append((step, gathered.tolist(), sent.tolist(), scattered.tolist(), received.tolist()))
+    return wrong, stats.full_rounds - before
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unnamed_allgathers_broadcasts_reducescatters_and_alltoalls_go_by_their_familys_slot(make_executor, workers):
+    steps = 12
+    ex = make_executor(num_workers=workers)
+    for wrong, full in ex.run(_unnamed_other_kinds_loop, args=[steps]):
+        assert wrong == []
+        # the first op of each of five families by name, and rank 0's allgather with new rows once (before:
+        # one full round per op, 4 * steps)
+        assert full <= 8, full
+
+
+def _unnamed_broadcasts_that_disagree_on_the_root():
+    """Both roots' broadcast families cached, then rank 0 broadcasts from root 0 where the others do from
+    root 1, under the same generated name: each rank's op is on a cached family's slot, but not the same one."""
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    for _ in range(2):
+        for root in (0, 1):
+            hvd.broadcast(torch.ones(2), root_rank=root)
+    started = time.monotonic()
+    try:
+        hvd.broadcast(torch.ones(2), root_rank=0 if hvd.rank() == 0 else 1)
+        error = "no error"
+    except hvd.TensorMismatchError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - started
+    after = hvd.broadcast(torch.full((2,), float(hvd.rank())), root_rank=1).tolist()
+    return error, elapsed, after
+
+
+def test_unnamed_broadcasts_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
+    ex = make_executor(num_workers=2)
+    for error, elapsed, after in ex.run(_unnamed_broadcasts_that_disagree_on_the_root):
+        assert "broadcast.noname." in error and "root" in error, error
+        assert elapsed < 5
+        assert after == [1.0, 1.0]  # the ranks go on together
+
+
 def _unnamed_mismatch_after_caching():
     """Both families cached, then the ranks disagree: rank 0 reduces 2 elements where the others reduce 3,
     under the same generated name. Both ways of meeting: every rank's op on a family slot (both cached),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
-from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp
+from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc, family_name
 
 
 def meta(name, shape=(4,), dtype=torch.float32):
@@ -22,6 +22,49 @@ def test_lookup_needs_the_same_metadata_as_this_rank_negotiated():
     assert cache.lookup(meta("w", dtype=torch.float64)) is None
     assert cache.lookup(meta("w", shape=torch.Size([4]))) == cache.slot_of("w")  # a tensor's own shape matches
     assert cache.lookup(meta("other")) is None
+
+
+def _unnamed(name, kind, shape, **fields):
+    return OpDesc(name, kind, torch.float32, tuple(shape), generated=True, **fields)
+
+
+def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_rows():
+    gather = family_name(_unnamed("allgather.noname.2.7", OpKind.ALLGATHER, (3, 4)))
+    assert gather == family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (5, 4)))  # rows: each rank's
+    assert gather != family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (3, 5)))
+    assert gather != family_name(_unnamed("allgather.noname.3.9", OpKind.ALLGATHER, (3, 4)))  # another call
+    swap = family_name(_unnamed("alltoall.noname.0", OpKind.ALLTOALL, (4,), splits=[1, 3]))
+    assert swap == family_name(_unnamed("alltoall.noname.1", OpKind.ALLTOALL, (6,), splits=[2, 4]))
+    root0 = family_name(_unnamed("broadcast.noname.0", OpKind.BROADCAST, (4,), root=0))
+    assert root0 != family_name(_unnamed("broadcast.noname.1", OpKind.BROADCAST, (4,), root=1))
+    assert root0 != family_name(_unnamed("broadcast.noname.1", OpKind.BROADCAST, (5,), root=0))
+    scatter = family_name(_unnamed("reducescatter.noname.0", OpKind.REDUCESCATTER, (4,), reduce_op=ReduceOp.SUM))
+    assert scatter != family_name(
+        _unnamed("reducescatter.noname.0", OpKind.REDUCESCATTER, (4,), reduce_op=ReduceOp.SUM, postscale=0.5))
+    reduce = family_name(_unnamed("allreduce.noname.0", OpKind.ALLREDUCE, (4,), reduce_op=ReduceOp.SUM))
+    assert reduce != family_name(_unnamed("allreduce.noname.0", OpKind.ALLREDUCE, (5,), reduce_op=ReduceOp.SUM))
+    # no family: a named op, a grouped op's member, an object's op, a barrier, a name of another kind
+    assert family_name(_unnamed("w", OpKind.ALLREDUCE, (4,))) is None
+    assert family_name(_unnamed("grouped_allreduce.noname.0.1", OpKind.ALLREDUCE, (4,))) is None
+    assert family_name(_unnamed("broadcast_object.noname.0", OpKind.BROADCAST, (4,), root=0)) is None
+    assert family_name(barrier_desc("barrier.noname.0")) is None
+    assert family_name(_unnamed("allgather.noname.0", OpKind.ALLREDUCE, (4,))) is None
+
+
+def test_a_familys_slot_holds_every_ranks_rows_and_splits_as_negotiated():
+    """``holds``: whether a family is cached with these descriptions (names aside); when one rank's rows
+    change, the engine caches the family anew instead of sending that rank's op by name ever after."""
+    cache = ResponseCache(capacity=4, rank=1)
+    first = {r: _unnamed("allgather.noname.0", OpKind.ALLGATHER, (r + 1, 2)) for r in range(2)}
+    family = family_name(first[0])
+    assert cache.holds(family, first)  # not cached: nothing to replace
+    cache.put(family, first, round_no=1)
+    later = {r: _unnamed("allgather.noname.5", OpKind.ALLGATHER, (r + 1, 2)) for r in range(2)}
+    assert cache.holds(family, later)
+    assert cache.lookup(later[1], family) == cache.slot_of(family)
+    grown = {0: _unnamed("allgather.noname.6", OpKind.ALLGATHER, (3, 2)), 1: later[1]}
+    assert not cache.holds(family, grown)
+    assert cache.lookup(grown[1], family) is not None  # rank 1's own rows did not change: it waits on the slot
 
 
 def test_least_recently_used_slot_is_evicted_when_full():

@@ -2,7 +2,7 @@
 
 The :class:`Agreement` composes the replicated parts (the negotiation table, the response cache,
 the fusion planner, the round number) with this rank's requests waiting on them (on a cached slot,
-or to be announced by name; an unnamed allreduce on its family's slot, see :meth:`Agreement._family_slot`),
+or to be announced by name; an unnamed op on its family's slot, see :meth:`Agreement._family_slot`),
 the learned step and rank 0's stall inspector and autotuner. The engine thread drives it: sort new
 requests, fill the flags, say and absorb a full round's messages, plan what is ready. It never runs an
 op and never takes the engine's lock.
@@ -49,16 +49,16 @@ class Agreement:
         # this rank's requests not running yet: waiting on a cached slot, or to be announced by name
         self.slot_requests: dict[int, Request] = {}
         self.outbox: list[Request] = []
-        # the slot of this rank's unnamed allreduce waiting on its family's slot, if one is (at most one is:
+        # the slot of this rank's unnamed op waiting on its family's slot, if one is (at most one is:
         # :meth:`_family_slot`); stale once that request has left ``slot_requests``
         self.family_slot: Optional[int] = None
         #: this tick's plan's family names (the cache's name of a family's slot) -> the generated name of the
-        #: unnamed allreduce that runs on it here (the request the engine runs under that name)
+        #: unnamed op that runs on it here (the request the engine runs under that name)
         self.renamed: dict[str, str] = {}
 
     def sort(self, queue: list[Request]) -> None:
         """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name). A
-        generated name is never cached; an unnamed allreduce may go by its family's slot (:meth:`_family_slot`)."""
+        generated name is never cached; an unnamed op may go by its family's slot (:meth:`_family_slot`)."""
         lookup = self.cache.lookup if self.cache.enabled else None
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
@@ -84,9 +84,9 @@ class Agreement:
             self.step.add(slots, nbytes)
 
     def _family_slot(self, desc: OpDesc) -> Optional[int]:
-        """The slot of the family of an unnamed allreduce (:func:`family_name`), if it can go by it: its family
+        """The slot of the family of an unnamed op (:func:`family_name`), if it can go by it: its family
         is cached, no rank has joined, and nothing generated is on its way by name, from this rank (its
-        outbox, and another unnamed allreduce on a family's slot) or any other (announced, not run yet): an
+        outbox, and another unnamed op on a family's slot) or any other (announced, not run yet): an
         op by name never waits on one by slot. The ranks then run it when every rank's own is pending on one
         slot under one generated name (the flags' digest, :meth:`read_flags`), else send it by name."""
         if self.table.joined or self._family_request() is not None:
@@ -99,13 +99,13 @@ class Agreement:
         return None if family is None else self.cache.lookup(desc, family)
 
     def _family_request(self) -> Optional[Request]:
-        """This rank's unnamed allreduce waiting on its family's slot, if one is."""
+        """This rank's unnamed op waiting on its family's slot, if one is."""
         slot = self.family_slot
         request = None if slot is None else self.slot_requests.get(slot)
         return request if request is not None and request.desc.generated else None
 
     def _family_by_name(self) -> Optional[int]:
-        """Send this rank's unnamed allreduce waiting on a family's slot by name instead (every rank does,
+        """Send this rank's unnamed op waiting on a family's slot by name instead (every rank does,
         in the same round); its slot, if it had one."""
         request = self._family_request()
         slot, self.family_slot = self.family_slot, None
@@ -131,7 +131,7 @@ class Agreement:
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round.
-        When every rank has an unnamed allreduce on a family's slot and they are not all the same op (another
+        When every rank has an unnamed op on a family's slot and they are not all the same op (another
         generated name, another family), every rank sends its own by name: the names pair them, and a
         mismatch gets its error."""
         self.round += 1
@@ -214,7 +214,7 @@ class Agreement:
             renamed.clear()
         for slot in ready_slots:
             request = self.slot_requests.pop(slot, None)  # a joined rank has none pending
-            if request is not None and request.desc.generated:  # an unnamed allreduce on its family's slot
+            if request is not None and request.desc.generated:  # an unnamed op on its family's slot
                 renamed[cache.name_of(slot)] = request.name
             cache.touch(slot, self.round)
         newly = self.table.take_ready()
@@ -237,6 +237,8 @@ class Agreement:
             op.problem = table.problem(op.name, op.descs, op.cached)
             name = op.name if not op.desc.generated else family_name(op.desc)
             if op.problem is None and cache.enabled and not op.cached and name and len(op.descs) == self.size:
+                if op.desc.generated and not cache.holds(name, op.descs):
+                    self._uncache(name)  # a family's rows or splits changed on some rank: its slot anew
                 evicted = cache.put(name, op.descs, self.round)
                 if evicted is not None:
                     self._forget_plans()

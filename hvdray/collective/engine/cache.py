@@ -39,7 +39,7 @@ class ResponseCache:
         return len(self._slot_of)
 
     def lookup(self, desc: OpDesc, name: Optional[str] = None) -> Optional[int]:
-        """The slot for this rank's request, if its name (or ``name``: an unnamed allreduce's family) is cached
+        """The slot for this rank's request, if its name (or ``name``: an unnamed op's family) is cached
         with this rank's identical description (op, dtype, shape, reduction, root, scale factors, splits)."""
         slot = self._slot_of.get(desc.name if name is None else name)
         if slot is None or not self._mine[slot].matches(desc):
@@ -54,6 +54,15 @@ class ResponseCache:
 
     def descs(self, slot: int) -> RankDescs:
         return self._descs[slot]
+
+    def holds(self, name: str, descs: RankDescs) -> bool:
+        """Whether ``name`` is uncached, or cached with ``descs`` (every rank's description matching, whatever
+        its name): an unnamed op's family (its rows per rank, its splits) may have changed."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            return True
+        cached = self._descs[slot]
+        return cached.keys() == descs.keys() and all(cached[r].matches(desc) for r, desc in descs.items())
 
     def touch(self, slot: int, round_no: int) -> None:
         self._last_used[slot] = round_no
@@ -82,7 +91,7 @@ class ResponseCache:
         return slot
 
 
-#: the digest of an unnamed allreduce pending on a family's slot (:class:`FlagVector`)
+#: the digest of an unnamed op pending on a family's slot (:class:`FlagVector`)
 _DIGEST_BYTES = 8
 _DIGEST_MASK = (1 << 8 * _DIGEST_BYTES) - 1
 
@@ -116,11 +125,11 @@ class FlagVector:
     Four byte regions: in the first ``B = ceil(C / 8)`` bytes, bit ``i`` says slot ``i`` is pending here
     (AND: pending everywhere); in the next ``B`` bytes, bit ``i`` says slot ``i`` is *not* pending here
     (AND: pending nowhere, so its complement is "pending somewhere"); then 16 bytes that tell whether the
-    ranks' unnamed allreduces pending on a family's slot are the same op: a 64-bit digest of its slot and
+    ranks' unnamed ops pending on a family's slot are the same op: a 64-bit digest of its slot and
     generated name, then the digest's complement (the AND of the values equals the OR of them, the
     complement of the AND of the complements, only when every rank's value is the same); in the last
     byte, bit 0 says this rank does *not* need a full round, bit 1 that a caller on this rank is blocked
-    waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed allreduce pending on a
+    waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed op pending on a
     family's slot; AND: every rank is, or has (:attr:`everyone_blocked` and :attr:`family_agreed` after
     :meth:`read`). With the default capacity of 1024 the vector is 273 bytes.
 
@@ -137,7 +146,7 @@ class FlagVector:
         self._buffer = bytearray(2 * self._span + 2 * _DIGEST_BYTES + 1)
         self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8)
         self.everyone_blocked = False
-        #: after :meth:`read`: None unless every rank has an unnamed allreduce pending on a family's slot;
+        #: after :meth:`read`: None unless every rank has an unnamed op pending on a family's slot;
         #: then whether all of them are the same op (the same slot and generated name)
         self.family_agreed: Optional[bool] = None
 
@@ -146,7 +155,7 @@ class FlagVector:
         family: Optional[tuple[int, str]] = None,
     ) -> torch.Tensor:
         """This rank's flags: the slots ``pending`` here, whether it has ``joined``, ``wants_full`` a full round
-        and a caller is ``blocked`` on one of its ops, and its unnamed allreduce on a family's slot (``family``:
+        and a caller is ``blocked`` on one of its ops, and its unnamed op on a family's slot (``family``:
         the slot and the op's generated name), if any."""
         span, buffer = self._span, self._buffer
         if joined:

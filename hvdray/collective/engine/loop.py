@@ -578,7 +578,7 @@ class Engine:
     # -- running ready ops ------------------------------------------------------------------
     def _run(self, action: Action) -> None:
         """Run one planned action; its requests leave ``_local`` as it starts."""
-        renamed = self._agreement.renamed  # an unnamed allreduce on its family's slot: its own name here
+        renamed = self._agreement.renamed  # an unnamed op on its family's slot: its own name here
         names = [renamed.get(name, name) for name in action.names] if renamed else action.names
         with self._lock:
             local = self._local
