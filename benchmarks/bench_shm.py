@@ -2,7 +2,7 @@
 torch Gloo, in the same worker processes of one node, alternating rounds.
 
 For 2 and 4 local ranks: 64 MB allreduce bus bandwidth, small-message allreduce latency (and 4-byte
-allgather and broadcast latency, named and unnamed), and training
+allgather, broadcast, grouped allreduce of two tensors and float max latency, named and unnamed), and training
 throughput of the harness's model with ``DistributedOptimizer`` (vs DDP). "hvdray gloo" is the network
 path (``shm_transport`` off: what ranks on different nodes use between them), whose allreduces run over
 the ranks' own connections (``peer_sockets``); every row also runs it with ``peer_sockets`` off, where
@@ -76,18 +76,38 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
     return times
 
 
+#: the small ops' rows (:func:`_small_ops_round`): raw Gloo's is its own op, or a grouped op's tensors one after
+#: the other; its max does not reduce a NaN mask beside the tensor, as hvdray's of a float tensor does
+SMALL_OPS = ("allgather", "broadcast", "grouped allreduce of 2 x", "allreduce max of")
+
+
 def _small_ops_round(iterations: int) -> dict[str, float]:
-    """Seconds per 4-byte allgather and broadcast (from rank 0) over shared memory: raw Gloo, hvdray with a
-    name and without one (from the second call on by its family's cached slot, like the unnamed allreduce)."""
+    """Seconds per 4-byte allgather, broadcast (from rank 0), grouped allreduce of two tensors, and float max
+    over shared memory: raw Gloo, hvdray with a name and without one (from the second call on by its
+    families' cached slots, like the unnamed allreduce)."""
     import torch
     import torch.distributed as dist
 
     import hvdray.torch as hvd
 
     _use_transport(True)
-    tensor = torch.ones(1)
+    tensor, other = torch.ones(1), torch.ones(1)
     gathered = torch.empty(hvd.size())
+
+    def gloo_pair() -> None:
+        dist.all_reduce(tensor)
+        dist.all_reduce(other)
+
     return {
+        "grouped allreduce of 2 x raw gloo": timed(gloo_pair, iterations),
+        "grouped allreduce of 2 x hvdray shm": timed(
+            lambda: hvd.grouped_allreduce_([tensor, other], op=hvd.Sum, name="shm_bench.gar"), iterations),
+        f"grouped allreduce of 2 x {UNNAMED}": timed(
+            lambda: hvd.grouped_allreduce_([tensor, other], op=hvd.Sum), iterations),
+        "allreduce max of raw gloo": timed(lambda: dist.all_reduce(tensor, dist.ReduceOp.MAX), iterations),
+        "allreduce max of hvdray shm": timed(lambda: hvd.allreduce_(tensor, op=hvd.Max, name="shm_bench.max"),
+                                             iterations),
+        f"allreduce max of {UNNAMED}": timed(lambda: hvd.allreduce_(tensor, op=hvd.Max), iterations),
         "allgather raw gloo": timed(lambda: dist.all_gather_into_tensor(gathered, tensor), iterations),
         "allgather hvdray shm": timed(lambda: hvd.allgather(tensor, name="shm_bench.ag"), iterations),
         f"allgather {UNNAMED}": timed(lambda: hvd.allgather(tensor), iterations),
@@ -134,8 +154,9 @@ def shared_memory_rows(
                     micros = {k: [t * 1e6 for t in v] for k, v in samples.items()}
                     record(f"allreduce {label} latency, {n} local ranks", micros, "us", "raw gloo", False)
                 samples = alternate(ex, _small_ops_round, [20 if quick else 300], repeats)
-                for op in ("allgather", "broadcast"):
-                    micros = {k[len(op) + 1:]: [t * 1e6 for t in v] for k, v in samples.items() if k.startswith(op)}
+                for op in SMALL_OPS:
+                    micros = {k[len(op) + 1:]: [t * 1e6 for t in v]
+                              for k, v in samples.items() if k.startswith(op + " ")}
                     record(f"{op} 4 B latency, {n} local ranks", micros, "us", "raw gloo", False)
             if "training" in rows:
                 record(f"training throughput (CNN on digits, batch 64/worker), {n} local ranks", alternate(

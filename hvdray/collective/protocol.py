@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -18,10 +17,8 @@ import torch
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached themselves (an
 #: unnamed collective's family is: :func:`family_name`)
 GENERATED_NAME_MARK = ".noname."
-#: an unnamed collective's generated name, as the engine makes it: ``allgather.noname.N`` outside executor
-#: calls, ``allgather.noname.C.N`` in call C (group 1: the kind's value); not a grouped op's, an object's or a
-#: barrier's
-_UNNAMED_COLLECTIVE = re.compile(r"(allreduce|allgather|broadcast|reducescatter|alltoall)\.noname\.(?:\d+\.)?\d+")
+#: a floating-point min's or max's NaN mask's name: its allreduce's, and this
+NAN_MASK_SUFFIX = ".nan"
 
 
 class ReduceOp(str, enum.Enum):
@@ -56,6 +53,13 @@ class OpKind(enum.Enum):
 SAME_SHAPE_KINDS = frozenset((OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER))
 #: ops whose first dimension is each rank's own
 _ROWS_PER_RANK_KINDS = frozenset((OpKind.ALLGATHER, OpKind.ALLTOALL))
+#: the ops whose unnamed calls have families (:func:`family_name`), by the start of their generated names (the
+#: engine's ``auto_name``): kind, and whether it is a grouped op's (its members named ``<name>.<i>``)
+_FAMILY_OPS = {
+    **{kind.value: (kind, False) for kind in (
+        OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.REDUCESCATTER, OpKind.ALLTOALL)},
+    **{f"grouped_{kind.value}": (kind, True) for kind in (OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.REDUCESCATTER)},
+}
 
 _DTYPE_OF_NAME: dict[str, torch.dtype] = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -122,25 +126,46 @@ class OpDesc:
         return value.value if isinstance(value, enum.Enum) else value
 
 
+def generated_parts(name: str) -> Optional[tuple[str, OpKind, str]]:
+    """An unnamed collective's generated name (``allreduce.noname.N``, ``allreduce.noname.C.N`` in executor
+    call C, a grouped op's member ``grouped_allreduce.noname.C.N.i``, a min's or max's NaN mask
+    ``allreduce.noname.C.N.nan``) cut in three: its call's name (up to the counter N, which one call's
+    requests share), the op's kind, and what follows the counter; None for any other name (a named op's, an
+    object's, a barrier's, a sparse allreduce's)."""
+    op, mark, rest = name.partition(GENERATED_NAME_MARK)
+    known = _FAMILY_OPS.get(op) if mark else None
+    if known is None:
+        return None
+    kind, grouped = known
+    nan = rest.endswith(NAN_MASK_SUFFIX)
+    numbers = (rest[: -len(NAN_MASK_SUFFIX)] if nan else rest).split(".")
+    counted = len(numbers) - grouped  # [C,] N
+    if counted not in (1, 2) or not all(number.isdigit() for number in numbers):
+        return None
+    after = "".join(f".{number}" for number in numbers[counted:]) + (NAN_MASK_SUFFIX if nan else "")
+    return f"{op}{mark}{'.'.join(numbers[:counted])}", kind, after
+
+
 def family_name(desc: OpDesc) -> Optional[str]:
-    """The response cache's name for every unnamed collective of ``desc``'s executor call and description, or
-    None for a named op (or a grouped op's, an object's, a barrier's). Unnamed ops get a new generated name
-    each call, so they cannot be cached by name; the engine caches their family instead, and an unnamed op
-    goes by its family's slot when every rank's pending one has the same generated name
+    """The response cache's name for every unnamed collective of ``desc``'s executor call and description (a
+    grouped op's member by its place in the group, a NaN mask as such), or None for a named op (or an
+    object's, a barrier's, a sparse allreduce's). Unnamed ops get a new generated name each call, so they
+    cannot be cached by name; the engine caches their family instead, and an unnamed call's ops go by their
+    families' slots when every rank's pending ones have the same generated names
     (``hvdray/collective/engine/agreement.py``). Every rank that agreed on a generated name makes the same
     family name from the lowest rank's description.
 
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
     this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too."""
-    match = _UNNAMED_COLLECTIVE.fullmatch(desc.name)
-    if match is None or match.group(1) != desc.kind.value:
+    parts = generated_parts(desc.name)
+    if parts is None or parts[1] is not desc.kind:
         return None
-    call = desc.name.rpartition(".")[0]  # allgather.noname[.C]
+    call_name, _, after = parts
     shape = list(desc.shape[1:] if desc.kind in _ROWS_PER_RANK_KINDS else desc.shape)
     return (
-        f"{call}.* ({desc.dtype} {shape} {desc.reduce_op.value if desc.reduce_op else None} "
-        f"{desc.prescale!r} {desc.postscale!r} {desc.root})"
+        f"{call_name.rpartition('.')[0]}.*{after} ({desc.dtype} {shape} "
+        f"{desc.reduce_op.value if desc.reduce_op else None} {desc.prescale!r} {desc.postscale!r} {desc.root})"
     )
 
 

@@ -159,6 +159,87 @@ def test_unnamed_allgathers_broadcasts_reducescatters_and_alltoalls_go_by_their_
         assert full <= 8, full
 
 
+def _unnamed_calls_of_several_ops_loop(steps: int):
+    """Unnamed calls that submit several ops at once: grouped allreduces and allgathers, and a float max,
+    which reduces a NaN mask beside its tensor (a NaN on one rank every third step): each call's ops go by
+    their families' slots together from the call's second time on."""
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    stats = session.engine().stats
+    size, rank = hvd.size(), hvd.rank()
+    wrong = []
+    before = stats.full_rounds
+    for step in range(steps):
+        a, b = hvd.grouped_allreduce([torch.full((3,), float(rank + step)), torch.full((5,), float(rank * step))],
+                                     op=hvd.Sum)
+        gathered = hvd.grouped_allgather([torch.full((rank + 1,), float(rank)), torch.full((2, 2), float(step))])
+        mine = torch.full((4,), float(rank + step))
+        if step % 3 == 0 and rank == size - 1:
+            mine[1] = float("nan")
+        largest = hvd.allreduce(mine, op=hvd.Max)
+        expected_largest = torch.full((4,), float(size - 1 + step))
+        if step % 3 == 0:
+            expected_largest[1] = float("nan")
+        ok = (
+            a.tolist() == [float(sum(r + step for r in range(size)))] * 3
+            and b.tolist() == [float(sum(r * step for r in range(size)))] * 5
+            and gathered[0].tolist() == [float(r) for r in range(size) for _ in range(r + 1)]
+            and torch.equal(gathered[1], torch.full((2 * size, 2), float(step)))
+            and torch.equal(largest.isnan(), expected_largest.isnan())
+            and torch.equal(largest.nan_to_num(), expected_largest.nan_to_num())
+        )
+        if not ok:
+            wrong.append((step, a.tolist(), b.tolist(), [g.tolist() for g in gathered], largest.tolist()))
+    return wrong, stats.full_rounds - before
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unnamed_grouped_ops_and_float_maxima_go_by_their_families_slots(make_executor, workers):
+    steps = 12
+    ex = make_executor(num_workers=workers)
+    for wrong, full in ex.run(_unnamed_calls_of_several_ops_loop, args=[steps]):
+        assert wrong == []
+        assert full <= 5, full  # each of the three calls' first time by name (before: one full round per call)
+
+
+def _unnamed_groups_that_disagree_after_caching():
+    """Groups whose second tensor has 2 or 3 elements both cached, then rank 0 submits the one where the others
+    submit the other, under the same generated name: every rank's call on its families' slots, but not the same
+    call."""
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    for _ in range(2):
+        for n in (2, 3):
+            hvd.grouped_allreduce([torch.ones(2), torch.ones(n)])
+    started = time.monotonic()
+    try:
+        hvd.grouped_allreduce([torch.ones(2), torch.ones(2 if hvd.rank() == 0 else 3)])
+        error = "no error"
+    except hvd.TensorMismatchError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - started
+    after = hvd.grouped_allreduce([torch.full((2,), float(hvd.rank()))] * 2, op=hvd.Sum)
+    return error, elapsed, [t.tolist() for t in after]
+
+
+def test_unnamed_groups_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
+    ex = make_executor(num_workers=2)
+    for error, elapsed, after in ex.run(_unnamed_groups_that_disagree_after_caching):
+        assert "mismatched shapes" in error and "grouped_allreduce.noname." in error, error
+        assert "[2]" in error and "[3]" in error
+        assert elapsed < 5
+        assert after == [[1.0, 1.0], [1.0, 1.0]]  # the ranks go on together
+
+
 def _unnamed_broadcasts_that_disagree_on_the_root():
     """Both roots' broadcast families cached, then rank 0 broadcasts from root 0 where the others do from
     root 1, under the same generated name: each rank's op is on a cached family's slot, but not the same one."""

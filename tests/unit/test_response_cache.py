@@ -29,6 +29,7 @@ def _unnamed(name, kind, shape, **fields):
 
 
 def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_rows():
+    """The same family for the same op of any later call (its counter), whatever each rank's rows."""
     gather = family_name(_unnamed("allgather.noname.2.7", OpKind.ALLGATHER, (3, 4)))
     assert gather == family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (5, 4)))  # rows: each rank's
     assert gather != family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (3, 5)))
@@ -43,9 +44,17 @@ def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_r
         _unnamed("reducescatter.noname.0", OpKind.REDUCESCATTER, (4,), reduce_op=ReduceOp.SUM, postscale=0.5))
     reduce = family_name(_unnamed("allreduce.noname.0", OpKind.ALLREDUCE, (4,), reduce_op=ReduceOp.SUM))
     assert reduce != family_name(_unnamed("allreduce.noname.0", OpKind.ALLREDUCE, (5,), reduce_op=ReduceOp.SUM))
-    # no family: a named op, a grouped op's member, an object's op, a barrier, a name of another kind
+    # a grouped op's members by their place in the group, a NaN mask as such
+    member = family_name(_unnamed("grouped_allreduce.noname.0.1", OpKind.ALLREDUCE, (4,)))
+    assert member == family_name(_unnamed("grouped_allreduce.noname.5.1", OpKind.ALLREDUCE, (4,)))
+    assert member != family_name(_unnamed("grouped_allreduce.noname.5.0", OpKind.ALLREDUCE, (4,)))
+    assert member != family_name(_unnamed("grouped_allreduce.noname.2.5.1", OpKind.ALLREDUCE, (4,)))  # call 2
+    nan = family_name(_unnamed("allreduce.noname.2.5.nan", OpKind.ALLREDUCE, (4,)))
+    assert nan == family_name(_unnamed("allreduce.noname.2.6.nan", OpKind.ALLREDUCE, (4,)))
+    assert nan != family_name(_unnamed("allreduce.noname.2.6", OpKind.ALLREDUCE, (4,)))
+    # no family: a named op, an object's op, a sparse allreduce's, a barrier, a name of another kind
     assert family_name(_unnamed("w", OpKind.ALLREDUCE, (4,))) is None
-    assert family_name(_unnamed("grouped_allreduce.noname.0.1", OpKind.ALLREDUCE, (4,))) is None
+    assert family_name(_unnamed("sparse_allreduce.noname.0.values", OpKind.ALLGATHER, (4,))) is None
     assert family_name(_unnamed("broadcast_object.noname.0", OpKind.BROADCAST, (4,), root=0)) is None
     assert family_name(barrier_desc("barrier.noname.0")) is None
     assert family_name(_unnamed("allgather.noname.0", OpKind.ALLREDUCE, (4,))) is None
@@ -121,22 +130,31 @@ def test_default_capacity_vector_is_tiny():
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 5])
-def test_flags_tell_whether_every_rank_has_the_same_unnamed_allreduce_on_a_family_slot(ranks):
-    """family_agreed: None unless every rank has one; then True exactly when all have the same slot and
-    generated name."""
+def test_flags_tell_whether_every_rank_has_the_same_unnamed_call_on_its_families_slots(ranks):
+    """family_agreed: None unless every rank has one; then True exactly when all have the same slots and
+    generated names (one op, or a call's several: a grouped op's, an op's and its NaN mask)."""
     def agreed(families):
-        vectors = [FlagVector(16).fill([f[0]] if f else [], False, False, True, f).clone() for f in families]
+        vectors = [FlagVector(16).fill([s for s, _ in f] if f else [], False, False, True, f).clone() for f in families]
         reader = FlagVector(16)
         reader.tensor.copy_(_combine(*vectors))
         reader.read()
         return reader.family_agreed
 
-    same = [(3, "allreduce.noname.1.7")] * ranks
+    same = [((3, "allreduce.noname.1.7"),)] * ranks
     assert agreed(same) is True
     assert agreed(same[:-1] + [None]) is None  # one rank has none yet: wait
-    assert agreed(same[:-1] + [(3, "allreduce.noname.1.8")]) is False  # another op of the family
-    assert agreed(same[:-1] + [(4, "allreduce.noname.1.7")]) is False  # another family under the same name
-    assert agreed([(3, f"allreduce.noname.{r}") for r in range(ranks)]) is False
+    assert agreed(same[:-1] + [((3, "allreduce.noname.1.8"),)]) is False  # another op of the family
+    assert agreed(same[:-1] + [((4, "allreduce.noname.1.7"),)]) is False  # another family under the same name
+    assert agreed([((3, f"allreduce.noname.{r}"),) for r in range(ranks)]) is False
+    def call(n, *slots):
+        return tuple((slot, f"grouped_allreduce.noname.1.{n}.{i}") for i, slot in enumerate(slots))
+
+    group = [call(7, 3, 5)] * ranks
+    assert agreed(group) is True
+    assert agreed(group[:-1] + [call(8, 3, 5)]) is False  # another call of the same families
+    assert agreed(group[:-1] + [call(7, 3)]) is False  # one op fewer
+    assert agreed(group[:-1] + [call(7, 3, 6)]) is False  # another family
+    assert agreed(group[:-1] + [call(7, 5, 3)]) is False  # the families in another order
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 7, 8, 13, 64, 1024])

@@ -2,7 +2,7 @@
 
 The :class:`Agreement` composes the replicated parts (the negotiation table, the response cache,
 the fusion planner, the round number) with this rank's requests waiting on them (on a cached slot,
-or to be announced by name; an unnamed op on its family's slot, see :meth:`Agreement._family_slot`),
+or to be announced by name; an unnamed call's ops on their families' slots, see :meth:`Agreement._family_slots`),
 the learned step and rank 0's stall inspector and autotuner. The engine thread drives it: sort new
 requests, fill the flags, say and absorb a full round's messages, plan what is ready. It never runs an
 op and never takes the engine's lock.
@@ -23,9 +23,24 @@ from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
-from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, family_name
+from hvdray.collective.protocol import GENERATED_NAME_MARK, family_name, generated_parts
 
 log = logging.getLogger(__name__)
+
+
+def _unnamed_call(queue: list[Request], at: int) -> list[Request]:
+    """The requests of the unnamed call whose first is ``queue[at]`` (generated): those after it with the same
+    call's name (:func:`generated_parts`; a grouped op's, an op's and its NaN mask, submitted together)."""
+    parts = generated_parts(queue[at].name)
+    if parts is None:
+        return [queue[at]]
+    end = at + 1
+    while end < len(queue) and queue[end].desc.generated:
+        following = generated_parts(queue[end].name)
+        if following is None or following[0] != parts[0]:
+            break
+        end += 1
+    return queue[at:end]
 
 
 class Agreement:
@@ -49,29 +64,35 @@ class Agreement:
         # this rank's requests not running yet: waiting on a cached slot, or to be announced by name
         self.slot_requests: dict[int, Request] = {}
         self.outbox: list[Request] = []
-        # the slot of this rank's unnamed op waiting on its family's slot, if one is (at most one is:
-        # :meth:`_family_slot`); stale once that request has left ``slot_requests``
-        self.family_slot: Optional[int] = None
+        # the slots of this rank's unnamed call waiting on its families' slots, one per request, if one is (at
+        # most one is: :meth:`_family_slots`); stale once its requests have left ``slot_requests``
+        self.family_slots: tuple[int, ...] = ()
         #: this tick's plan's family names (the cache's name of a family's slot) -> the generated name of the
         #: unnamed op that runs on it here (the request the engine runs under that name)
         self.renamed: dict[str, str] = {}
 
     def sort(self, queue: list[Request]) -> None:
         """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name). A
-        generated name is never cached; an unnamed op may go by its family's slot (:meth:`_family_slot`)."""
+        generated name is never cached; an unnamed call's requests (a grouped op's, an op's and its NaN mask's,
+        submitted together) may go by their families' slots (:meth:`_family_slots`)."""
         lookup = self.cache.lookup if self.cache.enabled else None
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
-        for request in queue:
+        at = 0
+        while at < len(queue):
+            request = queue[at]
             desc = request.desc
             if desc.generated:
-                slot = None if lookup is None else self._family_slot(desc)
-                if slot is None:
-                    outbox.append(request)
+                call = _unnamed_call(queue, at)
+                at += len(call)
+                families = None if lookup is None else self._family_slots(call)
+                if families is None:
+                    outbox.extend(call)
                 else:  # not counted in the learned step: a caller waits on it, and its tick runs it
-                    self.family_slot = slot
-                    slot_requests[slot] = request
+                    self.family_slots = families
+                    slot_requests.update(zip(families, call))
                 continue
+            at += 1
             slot = lookup(desc) if lookup is not None else None
             if slot is None:
                 outbox.append(request)
@@ -83,37 +104,43 @@ class Agreement:
         if slots:
             self.step.add(slots, nbytes)
 
-    def _family_slot(self, desc: OpDesc) -> Optional[int]:
-        """The slot of the family of an unnamed op (:func:`family_name`), if it can go by it: its family
-        is cached, no rank has joined, and nothing generated is on its way by name, from this rank (its
-        outbox, and another unnamed op on a family's slot) or any other (announced, not run yet): an
-        op by name never waits on one by slot. The ranks then run it when every rank's own is pending on one
-        slot under one generated name (the flags' digest, :meth:`read_flags`), else send it by name."""
-        if self.table.joined or self._family_request() is not None:
+    def _family_slots(self, call: list[Request]) -> Optional[tuple[int, ...]]:
+        """The slots of the families (:func:`family_name`) of an unnamed call's requests, if it can go by them:
+        every one's family is cached, no rank has joined, and nothing generated is on its way by name, from
+        this rank (its outbox, and another unnamed call on families' slots) or any other (announced, not run
+        yet): an op by name never waits on one by slot. The ranks then run it when every rank's own is pending
+        on the same slots under the same generated names (the flags' digest, :meth:`read_flags`), else send
+        it by name."""
+        if self.table.joined or self._family_requests():
             return None
         if any(r.desc.generated for r in self.outbox) or any(
             GENERATED_NAME_MARK in name for name in self.table.announced
         ):
             return None
-        family = family_name(desc)
-        return None if family is None else self.cache.lookup(desc, family)
+        slots = []
+        for request in call:
+            family = family_name(request.desc)
+            slot = None if family is None else self.cache.lookup(request.desc, family)
+            if slot is None:
+                return None
+            slots.append(slot)
+        return tuple(slots) if len(set(slots)) == len(slots) else None
 
-    def _family_request(self) -> Optional[Request]:
-        """This rank's unnamed op waiting on its family's slot, if one is."""
-        slot = self.family_slot
-        request = None if slot is None else self.slot_requests.get(slot)
-        return request if request is not None and request.desc.generated else None
+    def _family_requests(self) -> list[tuple[int, Request]]:
+        """This rank's unnamed call waiting on its families' slots, by slot, if one is (else empty)."""
+        pending = self.slot_requests
+        requests = [(slot, pending.get(slot)) for slot in self.family_slots]
+        return [(slot, request) for slot, request in requests if request is not None and request.desc.generated]
 
-    def _family_by_name(self) -> Optional[int]:
-        """Send this rank's unnamed op waiting on a family's slot by name instead (every rank does,
-        in the same round); its slot, if it had one."""
-        request = self._family_request()
-        slot, self.family_slot = self.family_slot, None
-        if request is None:
-            return None
-        del self.slot_requests[slot]
-        self.outbox.append(request)
-        return slot
+    def _family_by_name(self) -> list[int]:
+        """Send this rank's unnamed call waiting on families' slots by name instead (every rank does, in the
+        same round), in its order; the slots it had."""
+        family = self._family_requests()
+        self.family_slots = ()
+        for slot, request in family:
+            del self.slot_requests[slot]
+            self.outbox.append(request)
+        return [slot for slot, _ in family]
 
     def rank0_wants_full(self) -> bool:
         """Rank 0 asks for a full round to drop stalled ops, take a census of a stalled cached op, or send
@@ -123,10 +150,10 @@ class Agreement:
 
     def fill_flags(self, wants_full: bool, blocked: bool) -> torch.Tensor:
         """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op)."""
-        family = self._family_request()
+        family = self._family_requests()
         return self.flags.fill(
             self.slot_requests, self.rank in self.table.joined, wants_full, blocked,
-            None if family is None else (self.family_slot, family.name),
+            tuple((slot, request.name) for slot, request in family) if family else None,
         )
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
@@ -137,9 +164,9 @@ class Agreement:
         self.round += 1
         ready, somewhere, full = self.flags.read()
         if self.flags.family_agreed is False:
-            slot = self._family_by_name()
-            if slot is not None and slot in ready:
-                ready = [s for s in ready if s != slot]
+            slots = self._family_by_name()
+            if slots:
+                ready = [s for s in ready if s not in slots]
         return ready, somewhere, full
 
     # -- a full round ------------------------------------------------------------------------
@@ -194,10 +221,17 @@ class Agreement:
         """Forget a cached name on every rank; a request pending on its slot goes out by name instead."""
         slot = self.cache.evict(name)
         self._forget_plans()
-        request = self.slot_requests.pop(slot, None) if slot is not None else None
-        if request is not None:
-            self.outbox.append(request)
+        if slot is not None:
+            self._by_name_again(slot)
         self.stall.forget_slot(slot)
+
+    def _by_name_again(self, slot: int) -> None:
+        """``slot`` left the cache: a request pending on it goes out by name instead, and with it the rest of
+        its unnamed call, if it was one (in the call's order)."""
+        if slot in self.family_slots and any(s == slot for s, _ in self._family_requests()):
+            self._family_by_name()
+        elif slot in self.slot_requests:
+            self.outbox.append(self.slot_requests.pop(slot))
 
     def _forget_plans(self) -> None:
         """Slots changed meaning or fusion changed: plan ready slots again, and learn the step again."""
@@ -242,6 +276,5 @@ class Agreement:
                 evicted = cache.put(name, op.descs, self.round)
                 if evicted is not None:
                     self._forget_plans()
-                    if evicted in self.slot_requests:
-                        self.outbox.append(self.slot_requests.pop(evicted))
+                    self._by_name_again(evicted)
         return ready

@@ -10,6 +10,7 @@ full (named, JSON) negotiation round this tick.
 from __future__ import annotations
 
 import zlib
+from array import array
 from typing import Iterable, Optional
 
 import torch
@@ -91,15 +92,18 @@ class ResponseCache:
         return slot
 
 
-#: the digest of an unnamed op pending on a family's slot (:class:`FlagVector`)
+#: the digest of an unnamed call's ops pending on their families' slots (:class:`FlagVector`)
 _DIGEST_BYTES = 8
 _DIGEST_MASK = (1 << 8 * _DIGEST_BYTES) - 1
 
 
-def _digest(slot: int, name: str) -> int:
-    """64 bits that differ for ops that differ in slot or generated name (which differ in their counters,
-    a change CRC-32 always detects)."""
-    return zlib.crc32(name.encode()) << 32 | slot
+def _digest(family: tuple[tuple[int, str], ...]) -> int:
+    """64 bits that differ for unnamed calls that differ in their ops' slots or generated names: the CRC-32 of
+    the first op's name (the call's counter is in each of its ops' names, and CRC-32 detects any change of
+    one such run of digits) above, below its slot (one op: exact), or the CRC-32 of every op's slot."""
+    slots = [slot for slot, _ in family]
+    low = slots[0] if len(slots) == 1 else zlib.crc32(array("Q", slots).tobytes())
+    return zlib.crc32(family[0][1].encode()) << 32 | low
 
 
 #: the positions of the set bits of each byte value, ascending
@@ -125,8 +129,8 @@ class FlagVector:
     Four byte regions: in the first ``B = ceil(C / 8)`` bytes, bit ``i`` says slot ``i`` is pending here
     (AND: pending everywhere); in the next ``B`` bytes, bit ``i`` says slot ``i`` is *not* pending here
     (AND: pending nowhere, so its complement is "pending somewhere"); then 16 bytes that tell whether the
-    ranks' unnamed ops pending on a family's slot are the same op: a 64-bit digest of its slot and
-    generated name, then the digest's complement (the AND of the values equals the OR of them, the
+    ranks' unnamed calls pending on their families' slots are the same call: a 64-bit digest of its ops'
+    slots and generated names, then the digest's complement (the AND of the values equals the OR of them, the
     complement of the AND of the complements, only when every rank's value is the same); in the last
     byte, bit 0 says this rank does *not* need a full round, bit 1 that a caller on this rank is blocked
     waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed op pending on a
@@ -146,17 +150,17 @@ class FlagVector:
         self._buffer = bytearray(2 * self._span + 2 * _DIGEST_BYTES + 1)
         self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8)
         self.everyone_blocked = False
-        #: after :meth:`read`: None unless every rank has an unnamed op pending on a family's slot;
-        #: then whether all of them are the same op (the same slot and generated name)
+        #: after :meth:`read`: None unless every rank has an unnamed call pending on families' slots;
+        #: then whether all of them are the same call (the same slots and generated names)
         self.family_agreed: Optional[bool] = None
 
     def fill(
         self, pending: Iterable[int], joined: bool, wants_full: bool, blocked: bool = False,
-        family: Optional[tuple[int, str]] = None,
+        family: Optional[tuple[tuple[int, str], ...]] = None,
     ) -> torch.Tensor:
         """This rank's flags: the slots ``pending`` here, whether it has ``joined``, ``wants_full`` a full round
-        and a caller is ``blocked`` on one of its ops, and its unnamed op on a family's slot (``family``:
-        the slot and the op's generated name), if any."""
+        and a caller is ``blocked`` on one of its ops, and its unnamed call's ops on their families' slots
+        (``family``: each op's slot and generated name, in the call's order), if any."""
         span, buffer = self._span, self._buffer
         if joined:
             # a joined rank agrees to every slot (it contributes zeros) and has nothing pending itself
@@ -168,7 +172,7 @@ class FlagVector:
             free = self._every_slot ^ mine
         buffer[:span] = mine.to_bytes(span, "little")
         buffer[span : 2 * span] = free.to_bytes(span, "little")
-        digest = 0 if family is None else _digest(*family)
+        digest = 0 if family is None else _digest(family)
         at = 2 * span
         buffer[at : at + _DIGEST_BYTES] = digest.to_bytes(_DIGEST_BYTES, "little")
         buffer[at + _DIGEST_BYTES : at + 2 * _DIGEST_BYTES] = (digest ^ _DIGEST_MASK).to_bytes(_DIGEST_BYTES, "little")
