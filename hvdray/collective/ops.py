@@ -21,7 +21,7 @@ from hvdray.collective.transport import GLOO_DTYPES
 from hvdray.collective.engine import Engine, Handle, Request, submit_to_wait
 from hvdray.collective.errors import UnsupportedReductionError
 from hvdray.collective.process_sets import ProcessSet, resolve
-from hvdray.collective.protocol import GENERATED_NAME_MARK, OpDesc, OpKind, ReduceOp, barrier_desc
+from hvdray.collective.protocol import GENERATED_NAME_MARK, NAN_MASK_SUFFIX, OpDesc, OpKind, ReduceOp, barrier_desc
 
 
 Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
@@ -271,7 +271,7 @@ def _allreduce_requests(
     out = engine.outputs.empty_like(tensor) if output is None else output
     requests = [Request(_allreduce_desc(name, tensor, op, pre, post), tensor, out, Handle(name))]
     if (op is Min or op is Max) and tensor.is_floating_point():
-        nan, nan_name = tensor.isnan(), f"{name}.nan"
+        nan, nan_name = tensor.isnan(), f"{name}{NAN_MASK_SUFFIX}"
         nan_desc = _allreduce_desc(nan_name, nan, Max, 1.0, 1.0)
         requests.append(Request(nan_desc, nan, torch.empty_like(nan), Handle(nan_name)))
     return requests

@@ -158,9 +158,9 @@ class Agreement:
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round.
-        When every rank has an unnamed op on a family's slot and they are not all the same op (another
-        generated name, another family), every rank sends its own by name: the names pair them, and a
-        mismatch gets its error."""
+        When every rank has an unnamed call on its families' slots and they are not all the same call (another
+        generated name, another family, another op more or fewer), every rank sends its own by name: the names
+        pair them, and a mismatch gets its error."""
         self.round += 1
         ready, somewhere, full = self.flags.read()
         if self.flags.family_agreed is False:
@@ -228,7 +228,7 @@ class Agreement:
     def _by_name_again(self, slot: int) -> None:
         """``slot`` left the cache: a request pending on it goes out by name instead, and with it the rest of
         its unnamed call, if it was one (in the call's order)."""
-        if slot in self.family_slots and any(s == slot for s, _ in self._family_requests()):
+        if any(s == slot for s, _ in self._family_requests()):
             self._family_by_name()
         elif slot in self.slot_requests:
             self.outbox.append(self.slot_requests.pop(slot))

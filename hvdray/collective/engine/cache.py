@@ -98,9 +98,9 @@ _DIGEST_MASK = (1 << 8 * _DIGEST_BYTES) - 1
 
 
 def _digest(family: tuple[tuple[int, str], ...]) -> int:
-    """64 bits that differ for unnamed calls that differ in their ops' slots or generated names: the CRC-32 of
-    the first op's name (the call's counter is in each of its ops' names, and CRC-32 detects any change of
-    one such run of digits) above, below its slot (one op: exact), or the CRC-32 of every op's slot."""
+    """64 bits that differ for unnamed calls that differ in their ops' slots or generated names: in the high 32
+    the CRC-32 of the first op's name (the call's counter is in each of its ops' names, and CRC-32 detects any
+    change of one such run of digits), in the low 32 its slot (one op: exact) or the CRC-32 of every op's slot."""
     slots = [slot for slot, _ in family]
     low = slots[0] if len(slots) == 1 else zlib.crc32(array("Q", slots).tobytes())
     return zlib.crc32(family[0][1].encode()) << 32 | low
@@ -133,8 +133,8 @@ class FlagVector:
     slots and generated names, then the digest's complement (the AND of the values equals the OR of them, the
     complement of the AND of the complements, only when every rank's value is the same); in the last
     byte, bit 0 says this rank does *not* need a full round, bit 1 that a caller on this rank is blocked
-    waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed op pending on a
-    family's slot; AND: every rank is, or has (:attr:`everyone_blocked` and :attr:`family_agreed` after
+    waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed call pending on its
+    families' slots; AND: every rank is, or has (:attr:`everyone_blocked` and :attr:`family_agreed` after
     :meth:`read`). With the default capacity of 1024 the vector is 273 bytes.
 
     The engine fills and reads it on every tick, between a training step's compute, when little of this
