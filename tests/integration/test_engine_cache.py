@@ -148,17 +148,6 @@ def _unnamed_other_kinds_loop(steps: int):
     return wrong, stats.full_rounds - before
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_unnamed_allgathers_broadcasts_reducescatters_and_alltoalls_go_by_their_familys_slot(make_executor, workers):
-    steps = 12
-    ex = make_executor(num_workers=workers)
-    for wrong, full in ex.run(_unnamed_other_kinds_loop, args=[steps]):
-        assert wrong == []
-        # the first op of each of five families by name, and rank 0's allgather with new rows once (before:
-        # one full round per op, 4 * steps)
-        assert full <= 8, full
-
-
 def _unnamed_calls_of_several_ops_loop(steps: int):
     """Unnamed calls that submit several ops at once: grouped allreduces and allgathers, and a float max,
     which reduces a NaN mask beside its tensor (a NaN on one rank every third step): each call's ops go by
@@ -197,13 +186,25 @@ def _unnamed_calls_of_several_ops_loop(steps: int):
     return wrong, stats.full_rounds - before
 
 
+#: each loop of unnamed calls (12 steps) and the most full rounds it may take: the first op of each of five
+#: families by name, and rank 0's allgather with new rows once (before: one per op, 4 * 12); each of the three
+#: calls' first time (before: one per call, 3 * 12)
+_UNNAMED_LOOPS = {
+    "other kinds": (_unnamed_other_kinds_loop, 8),
+    "calls of several ops": (_unnamed_calls_of_several_ops_loop, 5),
+}
+
+
 @pytest.mark.parametrize("workers", [2, 3])
-def test_unnamed_grouped_ops_and_float_maxima_go_by_their_families_slots(make_executor, workers):
-    steps = 12
+@pytest.mark.parametrize("loop", list(_UNNAMED_LOOPS))
+def test_unnamed_allgathers_broadcasts_reducescatters_alltoalls_groups_and_maxima_go_by_their_families_slots(
+    make_executor, workers, loop
+):
+    run, most_full_rounds = _UNNAMED_LOOPS[loop]
     ex = make_executor(num_workers=workers)
-    for wrong, full in ex.run(_unnamed_calls_of_several_ops_loop, args=[steps]):
+    for wrong, full in ex.run(run, args=[12]):
         assert wrong == []
-        assert full <= 5, full  # each of the three calls' first time by name (before: one full round per call)
+        assert full <= most_full_rounds, full
 
 
 def _unnamed_groups_that_disagree_after_caching():
