@@ -262,10 +262,12 @@ class SharedBlocks:
     def place(self, flat: torch.Tensor) -> Optional[TensorPlace]:
         """Where ``flat`` lives, when it starts at a registered block and lies inside it."""
         place = self._places.get(flat.data_ptr())
-        nbytes = flat.numel() * flat.element_size()
-        if place is None or nbytes > place.nbytes:
+        if place is None:
             return None
-        return place._replace(nbytes=nbytes)
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes == place.nbytes:  # a whole block: an output of the pool, every op
+            return place
+        return None if nbytes > place.nbytes else place._replace(nbytes=nbytes)
 
     def __len__(self) -> int:
         return len(self._places)
@@ -334,9 +336,13 @@ def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
     so those tensors take the copies."""
     if not flat.numel():
         return None
+    if SHARED_BLOCKS:  # first: an output of the pool, every out-of-place op (its storage is not torch's shared one)
+        place = SHARED_BLOCKS.place(flat)
+        if place is not None:
+            return place
     storage = flat.untyped_storage()
     if not storage.is_shared():
-        return SHARED_BLOCKS.place(flat) if SHARED_BLOCKS else None
+        return None
     if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return None
     try:
