@@ -51,8 +51,6 @@ class OpKind(enum.Enum):
 
 #: ops whose every dimension must agree across ranks (the others may differ in dim 0)
 SAME_SHAPE_KINDS = frozenset((OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER))
-#: ops whose first dimension is each rank's own
-_ROWS_PER_RANK_KINDS = frozenset((OpKind.ALLGATHER, OpKind.ALLTOALL))
 #: the ops whose unnamed calls have families (:func:`family_name`), by the start of their generated names (the
 #: engine's ``auto_name``): kind, and whether it is a grouped op's (its members named ``<name>.<i>``)
 _FAMILY_OPS = {
@@ -126,7 +124,11 @@ class OpDesc:
         return value.value if isinstance(value, enum.Enum) else value
 
 
-def generated_parts(name: str) -> Optional[tuple[str, OpKind, str]]:
+#: :func:`generated_parts` of a generated name: its call's name, the op's kind, what follows the counter
+GeneratedParts = tuple[str, OpKind, str]
+
+
+def generated_parts(name: str) -> Optional[GeneratedParts]:
     """An unnamed collective's generated name (``allreduce.noname.N``, ``allreduce.noname.C.N`` in executor
     call C, a grouped op's member ``grouped_allreduce.noname.C.N.i``, a min's or max's NaN mask
     ``allreduce.noname.C.N.nan``) cut in three: its call's name (up to the counter N, which one call's
@@ -146,7 +148,7 @@ def generated_parts(name: str) -> Optional[tuple[str, OpKind, str]]:
     return f"{op}{mark}{'.'.join(numbers[:counted])}", kind, after
 
 
-def family_name(desc: OpDesc) -> Optional[str]:
+def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[str]:
     """The response cache's name for every unnamed collective of ``desc``'s executor call and description (a
     grouped op's member by its place in the group, a NaN mask as such), or None for a named op (or an
     object's, a barrier's, a sparse allreduce's). Unnamed ops get a new generated name each call, so they
@@ -157,12 +159,14 @@ def family_name(desc: OpDesc) -> Optional[str]:
 
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
-    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too."""
-    parts = generated_parts(desc.name)
+    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too. ``parts``:
+    :func:`generated_parts` of ``desc.name``, where the caller has it already."""
+    if parts is None:
+        parts = generated_parts(desc.name)
     if parts is None or parts[1] is not desc.kind:
         return None
     call_name, _, after = parts
-    shape = list(desc.shape[1:] if desc.kind in _ROWS_PER_RANK_KINDS else desc.shape)
+    shape = list(desc.shape if desc.kind in SAME_SHAPE_KINDS else desc.shape[1:])  # allgather, alltoall: rows
     return (
         f"{call_name.rpartition('.')[0]}.*{after} ({desc.dtype} {shape} "
         f"{desc.reduce_op.value if desc.reduce_op else None} {desc.prescale!r} {desc.postscale!r} {desc.root})"

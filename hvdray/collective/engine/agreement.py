@@ -23,24 +23,24 @@ from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
-from hvdray.collective.protocol import GENERATED_NAME_MARK, family_name, generated_parts
+from hvdray.collective.protocol import GENERATED_NAME_MARK, GeneratedParts, family_name, generated_parts
 
 log = logging.getLogger(__name__)
 
 
-def _unnamed_call(queue: list[Request], at: int) -> list[Request]:
+def _unnamed_call(queue: list[Request], at: int) -> tuple[list[Request], list[Optional[GeneratedParts]]]:
     """The requests of the unnamed call whose first is ``queue[at]`` (generated): those after it with the same
-    call's name (:func:`generated_parts`; a grouped op's, an op's and its NaN mask, submitted together)."""
-    parts = generated_parts(queue[at].name)
-    if parts is None:
-        return [queue[at]]
-    end = at + 1
-    while end < len(queue) and queue[end].desc.generated:
+    call's name (a grouped op's, an op's and its NaN mask, submitted together), and each one's
+    :func:`generated_parts` (None: an op without a family, alone)."""
+    first = generated_parts(queue[at].name)
+    parts, end = [first], at + 1
+    while first is not None and end < len(queue) and queue[end].desc.generated:
         following = generated_parts(queue[end].name)
-        if following is None or following[0] != parts[0]:
+        if following is None or following[0] != first[0]:
             break
+        parts.append(following)
         end += 1
-    return queue[at:end]
+    return queue[at:end], parts
 
 
 class Agreement:
@@ -83,9 +83,9 @@ class Agreement:
             request = queue[at]
             desc = request.desc
             if desc.generated:
-                call = _unnamed_call(queue, at)
+                call, parts = _unnamed_call(queue, at)
                 at += len(call)
-                families = None if lookup is None else self._family_slots(call)
+                families = None if lookup is None else self._family_slots(call, parts)
                 if families is None:
                     outbox.extend(call)
                 else:  # not counted in the learned step: a caller waits on it, and its tick runs it
@@ -104,13 +104,15 @@ class Agreement:
         if slots:
             self.step.add(slots, nbytes)
 
-    def _family_slots(self, call: list[Request]) -> Optional[tuple[int, ...]]:
-        """The slots of the families (:func:`family_name`) of an unnamed call's requests, if it can go by them:
-        every one's family is cached, no rank has joined, and nothing generated is on its way by name, from
-        this rank (its outbox, and another unnamed call on families' slots) or any other (announced, not run
-        yet): an op by name never waits on one by slot. The ranks then run it when every rank's own is pending
-        on the same slots under the same generated names (the flags' digest, :meth:`read_flags`), else send
-        it by name."""
+    def _family_slots(
+        self, call: list[Request], parts: list[Optional[GeneratedParts]]
+    ) -> Optional[tuple[int, ...]]:
+        """The slots of the families (:func:`family_name`, from each request's ``parts`` of its generated name)
+        of an unnamed call's requests, if it can go by them: every one's family is cached, no rank has joined,
+        and nothing generated is on its way by name, from this rank (its outbox, and another unnamed call on
+        families' slots) or any other (announced, not run yet): an op by name never waits on one by slot. The
+        ranks then run it when every rank's own is pending on the same slots under the same generated names
+        (the flags' digest, :meth:`read_flags`), else send it by name."""
         if self.table.joined or self._family_requests():
             return None
         if any(r.desc.generated for r in self.outbox) or any(
@@ -118,8 +120,8 @@ class Agreement:
         ):
             return None
         slots = []
-        for request in call:
-            family = family_name(request.desc)
+        for request, named in zip(call, parts):
+            family = None if named is None else family_name(request.desc, named)
             slot = None if family is None else self.cache.lookup(request.desc, family)
             if slot is None:
                 return None
