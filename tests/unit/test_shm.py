@@ -1496,6 +1496,55 @@ def test_mappings_of_storages_their_peers_freed_are_dropped_between_ops(local_si
         assert left == local_size - 1  # each peer's kept output only
 
 
+
+def _file_in_dev_shm(length: int) -> int:
+    path = f"/dev/shm/hvdray-test-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    os.ftruncate(fd, length)
+    return fd
+
+
+def test_files_of_two_file_systems_with_the_same_inode_number_are_told_apart():
+    """torch's shared storages and the output pool's blocks are files in /dev/shm, moved pages are memfd files:
+    two file systems that number their inodes each from 1, so one process often holds a file of each with the
+    same number. A peer's mapping of one must never serve the other (it once did: a view cut short at the
+    smaller file's size, or the wrong tensor's memory)."""
+    memfd, in_dev_shm = os.memfd_create("hvdray-test"), _file_in_dev_shm(4096)
+    for _ in range(1_000_000):  # make the two inode numbers meet: each file system counts up on its own
+        ours, theirs = os.fstat(memfd).st_ino, os.fstat(in_dev_shm).st_ino
+        if ours == theirs:
+            break
+        if ours < theirs:
+            os.close(memfd)
+            memfd = os.memfd_create("hvdray-test")
+        else:
+            os.close(in_dev_shm)
+            in_dev_shm = _file_in_dev_shm(4096)
+    small, large = os.fstat(in_dev_shm), os.fstat(memfd)
+    try:
+        assert small.st_ino == large.st_ino and small.st_dev != large.st_dev
+        os.ftruncate(memfd, 1 << 20)
+        os.pwrite(memfd, b"\x07" * 16, 0)
+        pid = os.getpid()
+        peers = shared_storage.PeerTensors(8, lambda pid: None)
+        first = peers.view(segment.TensorPlace(pid, in_dev_shm, small.st_dev, small.st_ino, 0, 4096), torch.uint8)
+        second = peers.view(segment.TensorPlace(pid, memfd, large.st_dev, large.st_ino, 0, 1 << 20), torch.uint8)
+        assert first.numel() == 4096 and first[:16].tolist() == [0] * 16
+        assert second.numel() == 1 << 20 and second[:16].tolist() == [7] * 16
+        assert len(peers) == 2
+    finally:
+        os.close(memfd)
+        os.close(in_dev_shm)
+
+
+@pytest.mark.parametrize("kind", [segment.TensorPlace, segment.PagesPlace])
+def test_a_place_goes_through_its_published_words_unchanged(kind):
+    place = kind((1 << 22) - 1, (1 << 31) - 1, 27, (1 << 63) + 5, 4095, (1 << 40) + 3)
+    words = segment.place_words(place)
+    assert len(words) == segment.PLACE_WORDS and all(0 <= word < 1 << 64 for word in words)
+    assert segment.place_from_words(kind, words) == place
+
 def _peer_tensor_unreadable_on_rank_1(node, rank, size):
     if rank == 1:  # as when /proc/<pid>/fd cannot be opened (another user, a restricted /proc)
         def refuse(place):

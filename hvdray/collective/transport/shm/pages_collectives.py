@@ -25,7 +25,15 @@ import torch
 
 from hvdray.collective.transport.reductions import block_operands, finish_block, reduce_in_order
 from hvdray.collective.transport.shm.parts import memmove
-from hvdray.collective.transport.shm.segment import PAGE_BYTES, PagesPlace, TensorPlace, check_published_sizes
+from hvdray.collective.transport.shm.segment import (
+    PAGE_BYTES,
+    PLACE_WORDS,
+    PagesPlace,
+    TensorPlace,
+    check_published_sizes,
+    place_from_words,
+    place_words,
+)
 from hvdray.collective.transport.shm.shared_storage import shared_place
 from hvdray.collective.transport.shm.shared_tensors import (
     all_into_operands,
@@ -39,8 +47,8 @@ if TYPE_CHECKING:
     from hvdray.collective.transport.strategy import Finish
 
 #: where in its slot a rank says where the output of an out-of-place allreduce of moved pages lives (after its
-#: edges, :func:`prepare_pages`): a flag (1: in shared memory) and its :class:`TensorPlace`, six words
-_OUTPUT_AT, _OUTPUT_WORDS = 2 * PAGE_BYTES, 6
+#: edges, :func:`prepare_pages`): a flag (1: in shared memory) and its :class:`TensorPlace` (:func:`place_words`)
+_OUTPUT_AT, _OUTPUT_WORDS = 2 * PAGE_BYTES, 1 + PLACE_WORDS
 #: the slot an allreduce of tensors whose pages moved into shared memory needs (allreduce_shared_pages)
 PAGES_SLOT_BYTES = _OUTPUT_AT + 8 * _OUTPUT_WORDS
 #: the plans of shared-pages allreduces a rank keeps (:class:`PagesPlans`): a tensor, output and half of the
@@ -84,7 +92,7 @@ def prepare_pages(source: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -
     if place is None:
         record[0] = 0
     else:
-        record[1:] = list(place)
+        record[1:] = list(place_words(place))
         record[0] = 1
 
 
@@ -96,7 +104,7 @@ def _published_outputs(slots: list[torch.Tensor]) -> Optional[list[TensorPlace]]
         record = _output_record(slot)
         if not record[0]:
             return None
-        places.append(TensorPlace(*record[1:]))
+        places.append(place_from_words(TensorPlace, record[1:]))
     return places
 
 

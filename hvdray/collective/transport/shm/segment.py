@@ -210,7 +210,8 @@ class Segment:
         if place is None:
             self._qwords[at] = PRIVATE
         else:
-            self._qwords[at + 1 : at + 1 + len(place)] = array.array("Q", place)
+            words = tuple(place) if isinstance(place, PeerAddresses) else place_words(place)
+            self._qwords[at + 1 : at + 1 + len(words)] = array.array("Q", words)
             self._qwords[at] = what
 
     def published_tensor(
@@ -223,9 +224,8 @@ class Segment:
             return PRIVATE, None
         if what == CROSS_MEMORY:
             return what, PeerAddresses(*self._qwords[at + 1 : at + 4])
-        if what == SHARED_PAGES or what == SOURCE_PAGES:
-            return what, PagesPlace(*self._qwords[at + 1 : at + 6])
-        return what, TensorPlace(*self._qwords[at + 1 : at + 6])
+        return what, place_from_words(PagesPlace if what == SHARED_PAGES or what == SOURCE_PAGES else TensorPlace,
+                                      self._qwords[at + 1 : at + 1 + PLACE_WORDS])
 
     def buffer(self) -> memoryview:
         """The data area (after the header), for tensors that view the shared memory."""
@@ -249,11 +249,14 @@ class Segment:
 
 class TensorPlace(NamedTuple):
     """Where a rank's tensor lives in a torch shared-memory storage: the owner's pid, the storage's
-    file descriptor in that process and the file's inode (so that a reused descriptor is never taken
-    for the storage), the tensor's byte offset in it and its size in bytes."""
+    file descriptor in that process and the file's device and inode (its identity: a reused descriptor is
+    never taken for the storage, nor a file of another file system whose inode has the same number, as
+    ``/dev/shm``'s and ``memfd_create``'s files often do), the tensor's byte offset in it and its size in
+    bytes."""
 
     pid: int
     fd: int
+    device: int
     inode: int
     offset: int
     nbytes: int
@@ -270,12 +273,13 @@ class PeerAddresses(NamedTuple):
 
 class PagesPlace(NamedTuple):
     """Where a rank's private tensor's whole pages lie in shared memory (``shared_pages.py``): the owner's
-    pid, the file's descriptor in that process and its inode (as in :class:`TensorPlace`), ``head``: how
+    pid, the file's descriptor in that process, device and inode (as in :class:`TensorPlace`), ``head``: how
     many bytes of the tensor lie before its first page boundary (where the file starts), and the tensor's
     size in bytes."""
 
     pid: int
     fd: int
+    device: int
     inode: int
     head: int
     nbytes: int
@@ -289,7 +293,28 @@ class PagesPlace(NamedTuple):
         """The tensor's bytes ``start:stop``, which must lie in its whole pages, as a place in the file."""
         if not self.head <= start <= stop <= self.head + self.interior:
             raise ValueError(f"bytes {start}:{stop} do not lie in the whole pages of the tensor ({self})")
-        return TensorPlace(self.pid, self.fd, self.inode, start - self.head, stop - start)
+        return TensorPlace(self.pid, self.fd, self.device, self.inode, start - self.head, stop - start)
+
+
+#: the 64-bit words a :class:`TensorPlace` or a :class:`PagesPlace` takes where a rank publishes it (its pid and
+#: descriptor share one: a pid is below 2**32 and a descriptor below 2**31)
+PLACE_WORDS = 5
+
+
+def place_words(place: "TensorPlace | PagesPlace") -> tuple[int, ...]:
+    """``place`` as its :data:`PLACE_WORDS` words (:func:`place_from_words` reads them back)."""
+    return (place.pid << 32 | place.fd, *place[2:])
+
+
+def place_from_words(kind: "type[TensorPlace] | type[PagesPlace]", words) -> "TensorPlace | PagesPlace":
+    """The ``kind`` of place that :func:`place_words` wrote as ``words``."""
+    return kind(words[0] >> 32, words[0] & 0xFFFFFFFF, *words[1:PLACE_WORDS])
+
+
+def is_place_of(place: "TensorPlace | PagesPlace", info: os.stat_result) -> bool:
+    """Whether ``info`` (an ``fstat`` of the file a place's descriptor opens now) is the place's file: its
+    device and inode."""
+    return info.st_dev == place.device and info.st_ino == place.inode
 
 
 def check_published_sizes(

@@ -106,7 +106,7 @@ class MovedPages:
         its place, or None while :data:`SHARED_PAGES_KEPT` are kept or the kernel refuses."""
         address, nbytes = flat.data_ptr(), flat.numel() * flat.element_size()
         head = -address % PAGE_BYTES
-        length = PagesPlace(0, 0, 0, head, nbytes).interior
+        length = PagesPlace(0, 0, 0, 0, head, nbytes).interior
         with self._lock:
             if len(self._moved) >= SHARED_PAGES_KEPT:
                 return None
@@ -123,7 +123,8 @@ class MovedPages:
                 finally:
                     self._libc.munmap(staging, length)
                 self._libc.map(fd, length, at=address + head)
-                place = PagesPlace(os.getpid(), fd, os.fstat(fd).st_ino, head, nbytes)
+                info = os.fstat(fd)
+                place = PagesPlace(os.getpid(), fd, info.st_dev, info.st_ino, head, nbytes)
             except OSError as exc:
                 os.close(fd)
                 log.debug("the pages of a %d-byte tensor stay private: %s", nbytes, exc)

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, map_file
+from hvdray.collective.transport.shm.segment import SharedMemoryError, TensorPlace, is_place_of, map_file
 
 #: how many shared tensor storages of each peer stay mapped between ops (a training loop's few buffers:
 #: two pooled outputs of a size, a scratch block or two, a shared tensor)
@@ -58,7 +58,7 @@ def map_peer_storage(place: TensorPlace) -> mmap.mmap:
         ) from exc
     try:
         info = os.fstat(fd)
-        if info.st_ino != place.inode or info.st_size < place.offset + place.nbytes:
+        if not is_place_of(place, info) or info.st_size < place.offset + place.nbytes:
             raise SharedMemoryError(f"local peer pid {place.pid} replaced its shared tensor during the op")
         return map_file(fd, info.st_size)
     finally:
@@ -66,7 +66,7 @@ def map_peer_storage(place: TensorPlace) -> mmap.mmap:
 
 
 class PeerTensors:
-    """The local peers' shared tensor storages this rank has mapped, by (pid, inode), least recently
+    """The local peers' shared tensor storages this rank has mapped, by (pid, device, inode), least recently
     used first. A mapping keeps its memory alive after the peer frees the tensor, so entries whose
     peer no longer holds that storage are dropped whenever a new one is mapped and, between ops, within
     :data:`RELEASE_CHECK_S` (:meth:`drop_released_now_and_then`); at most ``capacity`` stay. ``generation``
@@ -83,7 +83,7 @@ class PeerTensors:
 
     def view(self, place: TensorPlace, dtype: torch.dtype) -> torch.Tensor:
         """The peer's tensor described by ``place``, as a 1-D tensor of ``dtype`` on the mapped memory."""
-        key = (place.pid, place.inode)
+        key = (place.pid, place.device, place.inode)
         entry = self._maps.get(key)
         if entry is None:
             self._drop_released()
@@ -114,7 +114,7 @@ class PeerTensors:
     def _drop_released(self) -> None:
         for key, (place, _) in list(self._maps.items()):
             try:
-                held = os.stat(f"/proc/{place.pid}/fd/{place.fd}").st_ino == place.inode
+                held = is_place_of(place, os.stat(f"/proc/{place.pid}/fd/{place.fd}"))
             except OSError:
                 held = False
             if not held:
@@ -347,9 +347,10 @@ def shared_place(flat: torch.Tensor) -> Optional[TensorPlace]:
         return None
     try:
         fd, _ = storage._share_fd_cpu_()
-        inode = os.fstat(fd).st_ino
+        info = os.fstat(fd)
     except (RuntimeError, OSError):
         return None
-    return TensorPlace(os.getpid(), fd, inode, flat.data_ptr() - storage.data_ptr(), flat.numel() * flat.element_size())
+    return TensorPlace(os.getpid(), fd, info.st_dev, info.st_ino, flat.data_ptr() - storage.data_ptr(),
+                       flat.numel() * flat.element_size())
 
 
