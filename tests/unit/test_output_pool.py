@@ -185,3 +185,22 @@ def test_bfloat16_outputs_while_numpy_knows_a_bfloat16_of_its_own():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_outputs_alive_at_exit_end_the_interpreter_quietly():
+    # a lease that outlives the interpreter gives nothing back (its pool may be half torn down by then): no
+    # "Exception ignored" on stderr, exit code 0, for 1-D and shaped outputs, private and in shared memory
+    code = (
+        "import torch\n"
+        "from hvdray.collective.output_pool import MIN_BYTES, SHARED_MIN_BYTES, OutputPool\n"
+        "pool, shared = OutputPool(256 << 20), OutputPool(256 << 20, shared=True)\n"
+        "flat = pool.empty((MIN_BYTES // 4,), torch.float32)\n"
+        "rows = pool.empty((MIN_BYTES // 64, 16), torch.float32)\n"
+        "big = shared.empty((SHARED_MIN_BYTES // 4,), torch.float32)\n"
+        "assert flat.shape == (MIN_BYTES // 4,) and rows.shape == (MIN_BYTES // 64, 16) and rows.is_contiguous()\n"
+        "dropped = pool.empty((MIN_BYTES // 4,), torch.float32)\n"
+        "del dropped\n"
+        "assert pool.idle_bytes == MIN_BYTES\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-2000:]
