@@ -1496,7 +1496,6 @@ def test_mappings_of_storages_their_peers_freed_are_dropped_between_ops(local_si
         assert left == local_size - 1  # each peer's kept output only
 
 
-
 def _file_in_dev_shm(length: int) -> int:
     path = f"/dev/shm/hvdray-test-{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -1544,6 +1543,7 @@ def test_a_place_goes_through_its_published_words_unchanged(kind):
     words = segment.place_words(place)
     assert len(words) == segment.PLACE_WORDS and all(0 <= word < 1 << 64 for word in words)
     assert segment.place_from_words(kind, words) == place
+
 
 def _peer_tensor_unreadable_on_rank_1(node, rank, size):
     if rank == 1:  # as when /proc/<pid>/fd cannot be opened (another user, a restricted /proc)
