@@ -77,14 +77,20 @@ def _allreduce_round(size_mb: float, iterations: int) -> dict[str, float]:
 
 
 #: the small ops' rows (:func:`_small_ops_round`): raw Gloo's is its own op, or a grouped op's tensors one after
-#: the other; its max does not reduce a NaN mask beside the tensor, as hvdray's of a float tensor does
+#: the other; its max does not reduce a NaN mask beside the tensor, as hvdray's of a float tensor does; the
+#: allreduces in flight are submitted asynchronously (raw Gloo's with ``async_op=True``), then each waited on
 SMALL_OPS = ("allgather", "broadcast", "grouped allreduce of 2 x", "allreduce max of")
+#: how many allreduces the "in flight" row submits before it waits on them (hvdray's unnamed ones go by their
+#: families' slots up to FAMILY_VARIANTS in flight)
+IN_FLIGHT = 8
+IN_FLIGHT_ROW = f"{IN_FLIGHT} allreduces in flight of"
+SMALL_OPS += (IN_FLIGHT_ROW,)
 
 
 def _small_ops_round(iterations: int) -> dict[str, float]:
-    """Seconds per 4-byte allgather, broadcast (from rank 0), grouped allreduce of two tensors, and float max
-    over shared memory: raw Gloo, hvdray with a name and without one (from the second call on by its
-    families' cached slots, like the unnamed allreduce)."""
+    """Seconds per 4-byte allgather, broadcast (from rank 0), grouped allreduce of two tensors, float max, and
+    :data:`IN_FLIGHT` asynchronous allreduces waited on together, over shared memory: raw Gloo, hvdray with a
+    name and without one (from the second call on by its families' cached slots, like the unnamed allreduce)."""
     import torch
     import torch.distributed as dist
 
@@ -97,6 +103,20 @@ def _small_ops_round(iterations: int) -> dict[str, float]:
     def gloo_pair() -> None:
         dist.all_reduce(tensor)
         dist.all_reduce(other)
+
+    several = [torch.ones(1) for _ in range(IN_FLIGHT)]
+
+    def gloo_in_flight() -> None:
+        for work in [dist.all_reduce(t, async_op=True) for t in several]:
+            work.wait()
+
+    def in_flight(named: bool) -> Callable[[], None]:
+        def run() -> None:
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"shm_bench.f{i}" if named else None)
+                       for i, t in enumerate(several)]
+            for handle in handles:
+                hvd.synchronize(handle)
+        return run
 
     return {
         "grouped allreduce of 2 x raw gloo": timed(gloo_pair, iterations),
@@ -114,6 +134,9 @@ def _small_ops_round(iterations: int) -> dict[str, float]:
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray shm": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="shm_bench.bc"), iterations),
         f"broadcast {UNNAMED}": timed(lambda: hvd.broadcast_(tensor, root_rank=0), iterations),
+        f"{IN_FLIGHT_ROW} raw gloo": timed(gloo_in_flight, iterations),
+        f"{IN_FLIGHT_ROW} hvdray shm": timed(in_flight(True), iterations),
+        f"{IN_FLIGHT_ROW} {UNNAMED}": timed(in_flight(False), iterations),
     }
 
 

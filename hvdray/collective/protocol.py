@@ -148,27 +148,39 @@ def generated_parts(name: str) -> Optional[GeneratedParts]:
     return f"{op}{mark}{'.'.join(numbers[:counted])}", kind, after
 
 
-def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[str]:
-    """The response cache's name for every unnamed collective of ``desc``'s executor call and description (a
-    grouped op's member by its place in the group, a NaN mask as such), or None for a named op (or an
-    object's, a barrier's, a sparse allreduce's). Unnamed ops get a new generated name each call, so they
-    cannot be cached by name; the engine caches their family instead, and an unnamed call's ops go by their
-    families' slots when every rank's pending ones have the same generated names
-    (``hvdray/collective/engine/agreement.py``). Every rank that agreed on a generated name makes the same
-    family name from the lowest rank's description.
+#: how many consecutive unnamed calls of one op may be in flight at once and still go by their families' slots:
+#: a family has this many variants, one for each remainder of the calls' counter (:func:`family_name`), each a
+#: slot of the response cache
+FAMILY_VARIANTS = 8
+
+
+def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: Optional[int] = None) -> Optional[str]:
+    """The response cache's name for the unnamed collectives of ``desc``'s executor call and description (a
+    grouped op's member by its place in the group, a NaN mask as such) whose counter leaves the same remainder
+    by :data:`FAMILY_VARIANTS` (its variant), or None for a named op (or an object's, a barrier's, a sparse
+    allreduce's). Unnamed ops get a new generated name each call, so they cannot be cached by name; the engine
+    caches their family instead, every variant at once, and an unnamed call's ops go by their families' slots
+    when every rank's oldest pending one has the same generated names (``hvdray/collective/engine/agreement.py``).
+    Consecutive calls of an op have consecutive counters on every rank, so up to :data:`FAMILY_VARIANTS`
+    consecutive calls in flight at once, of one family or several, wait on as many slots. Every rank that
+    agreed on a generated name makes the same family name from the lowest rank's description.
 
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
     this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too. ``parts``:
-    :func:`generated_parts` of ``desc.name``, where the caller has it already."""
+    :func:`generated_parts` of ``desc.name``, where the caller has it already; ``variant``: another variant's
+    name than the counter's own."""
     if parts is None:
         parts = generated_parts(desc.name)
     if parts is None or parts[1] is not desc.kind:
         return None
     call_name, _, after = parts
+    prefix, _, counter = call_name.rpartition(".")
+    if variant is None:
+        variant = int(counter) % FAMILY_VARIANTS
     shape = list(desc.shape if desc.kind in SAME_SHAPE_KINDS else desc.shape[1:])  # allgather, alltoall: rows
     return (
-        f"{call_name.rpartition('.')[0]}.*{after} ({desc.dtype} {shape} "
+        f"{prefix}.*{after} #{variant} ({desc.dtype} {shape} "
         f"{desc.reduce_op.value if desc.reduce_op else None} {desc.prescale!r} {desc.postscale!r} {desc.root})"
     )
 

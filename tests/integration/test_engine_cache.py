@@ -310,6 +310,89 @@ def test_unnamed_allreduces_that_disagree_fail_fast_on_every_rank_though_their_f
         assert after == [1.0, 1.0, 1.0]  # the ranks go on together
 
 
+def _unnamed_calls_in_flight_loop(steps: int, in_flight: int):
+    """Per step, ``in_flight`` unnamed allreduces submitted before any is waited on: one family (the same shape)
+    and, every other call, a second one (another shape), plus an unnamed grouped allreduce among them; the
+    values change every step and differ per rank, so a mispairing shows. Returns the wrong results and the full
+    rounds after the first step."""
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    stats = session.engine().stats
+    size, rank = hvd.size(), hvd.rank()
+    wrong, full_after_first = [], 0
+    for step in range(steps):
+        before = stats.full_rounds
+        handles, expected = [], []
+        for i in range(in_flight):
+            numel = 4 if i % 2 == 0 else 6
+            handles.append(hvd.allreduce_async(torch.full((numel,), float(rank * 100 + step * 10 + i)), op=hvd.Sum))
+            expected.append([float(sum(r * 100 + step * 10 + i for r in range(size)))] * numel)
+        group = hvd.grouped_allreduce_async([torch.full((2,), float(rank + step)), torch.full((3,), float(step))])
+        results = [hvd.synchronize(h).tolist() for h in handles]
+        grouped = [t.tolist() for t in hvd.synchronize(group)]
+        if results != expected or grouped != [[sum(r + step for r in range(size)) / size] * 2, [float(step)] * 3]:
+            wrong.append((step, results, grouped))
+        if step:
+            full_after_first += stats.full_rounds - before
+    return wrong, full_after_first
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unnamed_calls_in_flight_at_once_go_by_their_families_slots(make_executor, workers):
+    """Up to FAMILY_VARIANTS consecutive unnamed calls in flight at once wait on as many slots (their families'
+    variants, cached together with the first call of each family), so that a loop of them needs no full rounds
+    after its first step (before: every call after the first went by name, two full rounds a step); more in
+    flight at once go by name, with the same results."""
+    from hvdray.collective.protocol import FAMILY_VARIANTS
+
+    ex = make_executor(num_workers=workers)
+    for wrong, full in ex.run(_unnamed_calls_in_flight_loop, args=[8, FAMILY_VARIANTS]):
+        assert wrong == []
+        assert full == 0, full
+    for wrong, full in ex.run(_unnamed_calls_in_flight_loop, args=[4, FAMILY_VARIANTS + 3]):
+        assert wrong == []  # a variant's slot taken: by name, paired by the generated names
+
+
+def _unnamed_calls_in_flight_that_disagree():
+    """Both families cached, then unnamed calls in flight at once where the third differs on rank 0 (2 elements
+    where the others reduce 3): it fails on every rank, naming its generated name, and the others go through."""
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    for _ in range(3):
+        [hvd.synchronize(hvd.allreduce_async(torch.ones(n), op=hvd.Sum)) for n in (2, 3, 3, 3)]
+    started = time.monotonic()
+    handles = [hvd.allreduce_async(torch.ones(2 if rank == 0 and i == 2 else 3), op=hvd.Sum) for i in range(4)]
+    outcomes = []
+    for handle in handles:
+        try:
+            outcomes.append(hvd.synchronize(handle).tolist())
+        except hvd.TensorMismatchError as exc:
+            outcomes.append(str(exc))
+    elapsed = time.monotonic() - started
+    after = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum).tolist()
+    return outcomes, elapsed, after
+
+
+def test_unnamed_calls_in_flight_that_disagree_fail_fast_on_every_rank(make_executor):
+    ex = make_executor(num_workers=2)
+    for outcomes, elapsed, after in ex.run(_unnamed_calls_in_flight_that_disagree):
+        assert outcomes[0] == outcomes[1] == outcomes[3] == [2.0, 2.0, 2.0], outcomes
+        assert "mismatched shapes" in outcomes[2] and "allreduce.noname." in outcomes[2], outcomes[2]
+        assert "[2]" in outcomes[2] and "[3]" in outcomes[2]
+        assert elapsed < 5
+        assert after == [1.0, 1.0, 1.0]  # the ranks go on together
+
+
 def _unnamed_async_and_join(named: bool):
     """Several unnamed allreduces of one family in flight at once (the first may go by the family's slot, the
     rest by name), then a rank joins while the others go on with that family: the same results as with

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
-from hvdray.collective.protocol import OpDesc, OpKind, ReduceOp, barrier_desc, family_name
+from hvdray.collective.protocol import FAMILY_VARIANTS, OpDesc, OpKind, ReduceOp, barrier_desc, family_name
 
 
 def meta(name, shape=(4,), dtype=torch.float32):
@@ -29,16 +29,24 @@ def _unnamed(name, kind, shape, **fields):
 
 
 def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_rows():
-    """The same family for the same op of any later call (its counter), whatever each rank's rows."""
+    """The same family for the same op of any later call whose counter leaves the same remainder by
+    FAMILY_VARIANTS (its variant), whatever each rank's rows."""
     gather = family_name(_unnamed("allgather.noname.2.7", OpKind.ALLGATHER, (3, 4)))
-    assert gather == family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (5, 4)))  # rows: each rank's
-    assert gather != family_name(_unnamed("allgather.noname.2.9", OpKind.ALLGATHER, (3, 5)))
-    assert gather != family_name(_unnamed("allgather.noname.3.9", OpKind.ALLGATHER, (3, 4)))  # another call
+    later = 7 + FAMILY_VARIANTS
+    assert gather == family_name(_unnamed(f"allgather.noname.2.{later}", OpKind.ALLGATHER, (5, 4)))  # each rank's rows
+    assert gather != family_name(_unnamed(f"allgather.noname.2.{later}", OpKind.ALLGATHER, (3, 5)))
+    assert gather != family_name(_unnamed(f"allgather.noname.3.{later}", OpKind.ALLGATHER, (3, 4)))  # another call
+    # the next counters: other variants of the family, so that calls in flight at once wait on other slots
+    variants = {family_name(_unnamed(f"allgather.noname.2.{n}", OpKind.ALLGATHER, (3, 4)))
+                for n in range(8, 8 + FAMILY_VARIANTS)}
+    assert gather in variants and len(variants) == FAMILY_VARIANTS
+    assert variants == {family_name(_unnamed("allgather.noname.2.7", OpKind.ALLGATHER, (3, 4)), variant=v)
+                        for v in range(FAMILY_VARIANTS)}
     swap = family_name(_unnamed("alltoall.noname.0", OpKind.ALLTOALL, (4,), splits=[1, 3]))
-    assert swap == family_name(_unnamed("alltoall.noname.1", OpKind.ALLTOALL, (6,), splits=[2, 4]))
+    assert swap == family_name(_unnamed(f"alltoall.noname.{FAMILY_VARIANTS}", OpKind.ALLTOALL, (6,), splits=[2, 4]))
     root0 = family_name(_unnamed("broadcast.noname.0", OpKind.BROADCAST, (4,), root=0))
-    assert root0 != family_name(_unnamed("broadcast.noname.1", OpKind.BROADCAST, (4,), root=1))
-    assert root0 != family_name(_unnamed("broadcast.noname.1", OpKind.BROADCAST, (5,), root=0))
+    assert root0 != family_name(_unnamed(f"broadcast.noname.{FAMILY_VARIANTS}", OpKind.BROADCAST, (4,), root=1))
+    assert root0 != family_name(_unnamed(f"broadcast.noname.{FAMILY_VARIANTS}", OpKind.BROADCAST, (5,), root=0))
     scatter = family_name(_unnamed("reducescatter.noname.0", OpKind.REDUCESCATTER, (4,), reduce_op=ReduceOp.SUM))
     assert scatter != family_name(
         _unnamed("reducescatter.noname.0", OpKind.REDUCESCATTER, (4,), reduce_op=ReduceOp.SUM, postscale=0.5))
@@ -46,12 +54,12 @@ def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_r
     assert reduce != family_name(_unnamed("allreduce.noname.0", OpKind.ALLREDUCE, (5,), reduce_op=ReduceOp.SUM))
     # a grouped op's members by their place in the group, a NaN mask as such
     member = family_name(_unnamed("grouped_allreduce.noname.0.1", OpKind.ALLREDUCE, (4,)))
-    assert member == family_name(_unnamed("grouped_allreduce.noname.5.1", OpKind.ALLREDUCE, (4,)))
-    assert member != family_name(_unnamed("grouped_allreduce.noname.5.0", OpKind.ALLREDUCE, (4,)))
-    assert member != family_name(_unnamed("grouped_allreduce.noname.2.5.1", OpKind.ALLREDUCE, (4,)))  # call 2
+    assert member == family_name(_unnamed(f"grouped_allreduce.noname.{FAMILY_VARIANTS}.1", OpKind.ALLREDUCE, (4,)))
+    assert member != family_name(_unnamed(f"grouped_allreduce.noname.{FAMILY_VARIANTS}.0", OpKind.ALLREDUCE, (4,)))
+    assert member != family_name(_unnamed("grouped_allreduce.noname.2.0.1", OpKind.ALLREDUCE, (4,)))  # call 2
     nan = family_name(_unnamed("allreduce.noname.2.5.nan", OpKind.ALLREDUCE, (4,)))
-    assert nan == family_name(_unnamed("allreduce.noname.2.6.nan", OpKind.ALLREDUCE, (4,)))
-    assert nan != family_name(_unnamed("allreduce.noname.2.6", OpKind.ALLREDUCE, (4,)))
+    assert nan == family_name(_unnamed(f"allreduce.noname.2.{5 + FAMILY_VARIANTS}.nan", OpKind.ALLREDUCE, (4,)))
+    assert nan != family_name(_unnamed(f"allreduce.noname.2.{5 + FAMILY_VARIANTS}", OpKind.ALLREDUCE, (4,)))
     # no family: a named op, an object's op, a sparse allreduce's, a barrier, a name of another kind
     assert family_name(_unnamed("w", OpKind.ALLREDUCE, (4,))) is None
     assert family_name(_unnamed("sparse_allreduce.noname.0.values", OpKind.ALLGATHER, (4,))) is None

@@ -23,7 +23,9 @@ from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
-from hvdray.collective.protocol import GENERATED_NAME_MARK, GeneratedParts, family_name, generated_parts
+from hvdray.collective.protocol import (
+    FAMILY_VARIANTS, GENERATED_NAME_MARK, GeneratedParts, family_name, generated_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +66,15 @@ class Agreement:
         # this rank's requests not running yet: waiting on a cached slot, or to be announced by name
         self.slot_requests: dict[int, Request] = {}
         self.outbox: list[Request] = []
-        # the slots of this rank's unnamed call waiting on its families' slots, one per request, if one is (at
-        # most one is: :meth:`_family_slots`); stale once its requests have left ``slot_requests``
-        self.family_slots: tuple[int, ...] = ()
+        # this rank's unnamed calls waiting on their families' slots, oldest first, each its ops' slots and requests
+        # (:meth:`_family_slots`); a call is over once its requests have left ``slot_requests``
+        self.family_calls: list[tuple[tuple[int, Request], ...]] = []
         #: this tick's plan's family names (the cache's name of a family's slot) -> the generated name of the
         #: unnamed op that runs on it here (the request the engine runs under that name)
         self.renamed: dict[str, str] = {}
+        #: the slots this tick's unnamed calls left for going by name (a full round's announcement can send them,
+        #: after the flags found them ready): not run by slot this tick, on any rank
+        self.moved_by_name: set[int] = set()
 
     def sort(self, queue: list[Request]) -> None:
         """New requests go to their cached slot (announced by one flag bit) or to the outbox (by name). A
@@ -89,7 +94,7 @@ class Agreement:
                 if families is None:
                     outbox.extend(call)
                 else:  # not counted in the learned step: a caller waits on it, and its tick runs it
-                    self.family_slots = families
+                    self.family_calls.append(tuple(zip(families, call)))
                     slot_requests.update(zip(families, call))
                 continue
             at += 1
@@ -109,11 +114,14 @@ class Agreement:
     ) -> Optional[tuple[int, ...]]:
         """The slots of the families (:func:`family_name`, from each request's ``parts`` of its generated name)
         of an unnamed call's requests, if it can go by them: every one's family is cached, no rank has joined,
-        and nothing generated is on its way by name, from this rank (its outbox, and another unnamed call on
-        families' slots) or any other (announced, not run yet): an op by name never waits on one by slot. The
-        ranks then run it when every rank's own is pending on the same slots under the same generated names
-        (the flags' digest, :meth:`read_flags`), else send it by name."""
-        if self.table.joined or self._family_requests():
+        nothing generated is on its way by name, from this rank (its outbox) or any other (announced, not run
+        yet): an op by name never waits on one by slot; and none of this rank's unnamed calls still waits on
+        these slots (one :data:`FAMILY_VARIANTS` counts earlier, of the same family). A slot pending on every
+        rank holds the same call on each (the ranks count their calls alike, and none can be that many calls
+        ahead of another: the calls between ran on every rank); the ranks run it when every rank's oldest such
+        call is the same call (its slots and generated names: the flags' digest, :meth:`read_flags`), else send
+        them all by name."""
+        if self.table.joined:
             return None
         if any(r.desc.generated for r in self.outbox) or any(
             GENERATED_NAME_MARK in name for name in self.table.announced
@@ -126,22 +134,26 @@ class Agreement:
             if slot is None:
                 return None
             slots.append(slot)
-        return tuple(slots) if len(set(slots)) == len(slots) else None
+        taken = {slot for slot, _ in self._family_requests()}
+        return tuple(slots) if len(set(slots)) == len(slots) and taken.isdisjoint(slots) else None
 
     def _family_requests(self) -> list[tuple[int, Request]]:
-        """This rank's unnamed call waiting on its families' slots, by slot, if one is (else empty)."""
+        """This rank's unnamed calls waiting on their families' slots, oldest first, by slot (forgetting the calls
+        that are over)."""
         pending = self.slot_requests
-        requests = [(slot, pending.get(slot)) for slot in self.family_slots]
-        return [(slot, request) for slot, request in requests if request is not None and request.desc.generated]
+        calls = [call for call in self.family_calls if any(pending.get(slot) is request for slot, request in call)]
+        self.family_calls = calls
+        return [(slot, request) for call in calls for slot, request in call if pending.get(slot) is request]
 
     def _family_by_name(self) -> list[int]:
-        """Send this rank's unnamed call waiting on families' slots by name instead (every rank does, in the
-        same round), in its order; the slots it had."""
+        """Send this rank's unnamed calls waiting on families' slots by name instead (every rank does, in the
+        same round), in their order; the slots they had."""
         family = self._family_requests()
-        self.family_slots = ()
+        self.family_calls = []
         for slot, request in family:
             del self.slot_requests[slot]
             self.outbox.append(request)
+        self.moved_by_name.update(slot for slot, _ in family)
         return [slot for slot, _ in family]
 
     def rank0_wants_full(self) -> bool:
@@ -151,18 +163,20 @@ class Agreement:
         return stalls or (self.tuner is not None and self.tuner.pending is not None)
 
     def fill_flags(self, wants_full: bool, blocked: bool) -> torch.Tensor:
-        """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op)."""
-        family = self._family_requests()
-        return self.flags.fill(
-            self.slot_requests, self.rank in self.table.joined, wants_full, blocked,
-            tuple((slot, request.name) for slot, request in family) if family else None,
-        )
+        """This tick's flag vector, to be AND-combined across ranks (``blocked``: a caller here waits on an op);
+        its digest is of this rank's oldest unnamed call on its families' slots, if it has one."""
+        if self.moved_by_name:
+            self.moved_by_name.clear()
+        pending = self.slot_requests
+        oldest = self._family_requests() and tuple(
+            (slot, request.name) for slot, request in self.family_calls[0] if pending.get(slot) is request)
+        return self.flags.fill(pending, self.rank in self.table.joined, wants_full, blocked, oldest or None)
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round.
-        When every rank has an unnamed call on its families' slots and they are not all the same call (another
-        generated name, another family, another op more or fewer), every rank sends its own by name: the names
-        pair them, and a mismatch gets its error."""
+        When every rank has an unnamed call on its families' slots and the oldest are not all the same call
+        (another generated name, another family, another op more or fewer), every rank sends its own by name:
+        the names pair them, and a mismatch gets its error."""
         self.round += 1
         ready, somewhere, full = self.flags.read()
         if self.flags.family_agreed is False:
@@ -248,6 +262,8 @@ class Agreement:
         renamed = self.renamed
         if renamed:
             renamed.clear()
+        if self.moved_by_name:
+            ready_slots = [slot for slot in ready_slots if slot not in self.moved_by_name]
         for slot in ready_slots:
             request = self.slot_requests.pop(slot, None)  # a joined rank has none pending
             if request is not None and request.desc.generated:  # an unnamed op on its family's slot
@@ -271,12 +287,24 @@ class Agreement:
         cache, table = self.cache, self.table
         for op in ready:
             op.problem = table.problem(op.name, op.descs, op.cached)
-            name = op.name if not op.desc.generated else family_name(op.desc)
-            if op.problem is None and cache.enabled and not op.cached and name and len(op.descs) == self.size:
-                if op.desc.generated and not cache.holds(name, op.descs):
-                    self._uncache(name)  # a family's rows or splits changed on some rank: its slot anew
-                evicted = cache.put(name, op.descs, self.round)
-                if evicted is not None:
-                    self._forget_plans()
-                    self._by_name_again(evicted)
+            if op.problem is None and cache.enabled and not op.cached and len(op.descs) == self.size:
+                if not op.desc.generated:
+                    self._cache(op.name, op)
+                    continue
+                parts = generated_parts(op.desc.name)
+                for variant in range(FAMILY_VARIANTS):  # every variant: the family's next calls, in flight or not
+                    name = family_name(op.desc, parts, variant)
+                    if name is None:
+                        break
+                    if not cache.holds(name, op.descs):
+                        self._uncache(name)  # a family's rows or splits changed on some rank: its slot anew
+                    self._cache(name, op)
         return ready
+
+    def _cache(self, name: str, op: ReadyOp) -> None:
+        """Cache ``op``'s descriptions under ``name`` (its own, or a variant of its family's); a request pending on
+        the slot that makes room goes by name."""
+        evicted = self.cache.put(name, op.descs, self.round)
+        if evicted is not None:
+            self._forget_plans()
+            self._by_name_again(evicted)
