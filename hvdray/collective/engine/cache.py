@@ -129,8 +129,8 @@ class FlagVector:
     Four byte regions: in the first ``B = ceil(C / 8)`` bytes, bit ``i`` says slot ``i`` is pending here
     (AND: pending everywhere); in the next ``B`` bytes, bit ``i`` says slot ``i`` is *not* pending here
     (AND: pending nowhere, so its complement is "pending somewhere"); then 16 bytes that tell whether the
-    ranks' unnamed calls pending on their families' slots are the same call: a 64-bit digest of its ops'
-    slots and generated names, then the digest's complement (the AND of the values equals the OR of them, the
+    ranks' oldest unnamed calls pending on their families' slots are the same call: a 64-bit digest of its
+    ops' slots and generated names, then the digest's complement (the AND of the values equals the OR of them, the
     complement of the AND of the complements, only when every rank's value is the same); in the last
     byte, bit 0 says this rank does *not* need a full round, bit 1 that a caller on this rank is blocked
     waiting on one of its ops (or it has joined), and bit 2 that it has an unnamed call pending on its
@@ -159,7 +159,7 @@ class FlagVector:
         family: Optional[tuple[tuple[int, str], ...]] = None,
     ) -> torch.Tensor:
         """This rank's flags: the slots ``pending`` here, whether it has ``joined``, ``wants_full`` a full round
-        and a caller is ``blocked`` on one of its ops, and its unnamed call's ops on their families' slots
+        and a caller is ``blocked`` on one of its ops, and its oldest unnamed call's ops on their families' slots
         (``family``: each op's slot and generated name, in the call's order), if any."""
         span, buffer = self._span, self._buffer
         if joined:
