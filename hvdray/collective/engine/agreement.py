@@ -138,12 +138,13 @@ class Agreement:
         return tuple(slots) if len(set(slots)) == len(slots) and taken.isdisjoint(slots) else None
 
     def _family_requests(self) -> list[tuple[int, Request]]:
-        """This rank's unnamed calls waiting on their families' slots, oldest first, by slot (forgetting the calls
-        that are over)."""
+        """The ops of this rank's unnamed calls still waiting on their families' slots, oldest call first, by slot
+        (``family_calls`` keeps only those, and so forgets the calls that are over)."""
         pending = self.slot_requests
-        calls = [call for call in self.family_calls if any(pending.get(slot) is request for slot, request in call)]
-        self.family_calls = calls
-        return [(slot, request) for call in calls for slot, request in call if pending.get(slot) is request]
+        calls = [tuple((slot, request) for slot, request in call if pending.get(slot) is request)
+                 for call in self.family_calls]
+        self.family_calls = [call for call in calls if call]
+        return [entry for call in self.family_calls for entry in call]
 
     def _family_by_name(self) -> list[int]:
         """Send this rank's unnamed calls waiting on families' slots by name instead (every rank does, in the
@@ -167,10 +168,9 @@ class Agreement:
         its digest is of this rank's oldest unnamed call on its families' slots, if it has one."""
         if self.moved_by_name:
             self.moved_by_name.clear()
-        pending = self.slot_requests
-        oldest = self._family_requests() and tuple(
-            (slot, request.name) for slot, request in self.family_calls[0] if pending.get(slot) is request)
-        return self.flags.fill(pending, self.rank in self.table.joined, wants_full, blocked, oldest or None)
+        oldest = self.family_calls[0] if self._family_requests() else ()
+        return self.flags.fill(self.slot_requests, self.rank in self.table.joined, wants_full, blocked,
+                               tuple((slot, request.name) for slot, request in oldest) or None)
 
     def read_flags(self) -> tuple[list[int], list[int], bool]:
         """After the AND: (slots ready everywhere, slots pending somewhere, full round wanted); a new round.
