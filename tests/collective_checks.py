@@ -1,6 +1,6 @@
 """Worker-side checks of the collectives against numpy, shared by the shared-memory and hierarchical
 tests. They run inside Ray workers (sent by value) and return what failed, so that one ``ex.run``
-covers every dtype, op and size."""
+covers every dtype, op and size; and a rank's place in its job, shared by the executor's tests."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ def init():
     hvd.init()
     torch.set_num_threads(1)
     return hvd
+
+
+def rank_and_size():
+    """This rank's (rank, size, local rank, local size, cross rank, cross size), after ``hvd.init()``."""
+    import hvdray.torch as hvd
+
+    hvd.init()
+    return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
 
 
 def transport():

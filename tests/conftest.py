@@ -99,6 +99,10 @@ def _shut_down_the_shared_local_ray():
         ray.shutdown()
 
 
+#: the settings of the executors that tests start (:func:`make_executor`'s and the shared ones), unless told
+EXECUTOR_SETTINGS = {"timeout_s": 20, "placement_group_timeout_s": 20}
+
+
 @pytest.fixture
 def make_executor(ray_local):
     """``make_executor(num_workers=2, **kw)`` -> a started RayExecutor, shut down after the test."""
@@ -107,7 +111,7 @@ def make_executor(ray_local):
     made = []
 
     def factory(start: bool = True, settings=None, **kwargs):
-        settings = settings or RayExecutor.create_settings(timeout_s=20, placement_group_timeout_s=20)
+        settings = settings or RayExecutor.create_settings(**EXECUTOR_SETTINGS)
         executor = RayExecutor(settings, **kwargs)
         made.append(executor)
         if start:
@@ -117,6 +121,54 @@ def make_executor(ray_local):
     yield factory
     for executor in made:
         executor.shutdown()
+
+
+#: executors that the tests of a module share (the ``shared_executor`` fixture), by name: their workers and the
+#: settings they have beyond :func:`make_executor`'s; a module adds its own in a dict named ``EXECUTORS``
+SHARED_EXECUTORS: dict[str, tuple[int, dict]] = {"pair": (2, {}), "trio": (3, {})}
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes ``shared_executor`` runs once for each executor that its
+    ``@pytest.mark.shared_executor(name, ...)`` names (the pair without the mark). As a module-scoped
+    parametrized fixture, pytest runs the tests of one executor together: each starts once per module, and
+    only one holds the local Ray's CPUs at a time."""
+    if "shared_executor" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("shared_executor")
+        metafunc.parametrize("shared_executor", marker.args if marker else ["pair"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def shared_executor(request, ray_local):
+    """A started executor shared by the tests of a module (all of them, see
+    :func:`_no_test_beside_a_shared_executor`; which executor: :func:`pytest_generate_tests`).
+    Its workers keep their engines from test to test, as they do from call to call, so a check counts
+    what it measures from where it starts; a test that leaves a worker broken has the next call restart
+    the workers, as any executor does."""
+    from hvdray import RayExecutor
+
+    workers, settings = {**SHARED_EXECUTORS, **getattr(request.module, "EXECUTORS", {})}[request.param]
+    settings = RayExecutor.create_settings(**{**EXECUTOR_SETTINGS, **settings})
+    with RayExecutor(settings, num_workers=workers) as ex:
+        _open_shared_executors[request.node.nodeid] = request.param
+        try:
+            yield ex
+        finally:
+            del _open_shared_executors[request.node.nodeid]
+
+
+#: the shared executors alive now, by the module that holds them
+_open_shared_executors: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _no_test_beside_a_shared_executor(request):
+    """A module's shared executor lives until the module ends, and pytest runs the tests that take none
+    after those that do: they would find its workers holding the local Ray's CPUs and its actors alive.
+    So a module's tests take the shared executor all or none."""
+    if "shared_executor" not in request.fixturenames and _open_shared_executors:
+        pytest.fail(f"{request.node.nodeid} takes no shared executor, but {_open_shared_executors} are alive: "
+                    "a module's tests take the `shared_executor` fixture all or none")
 
 
 @pytest.fixture(params=["first worker", "driver's host"])

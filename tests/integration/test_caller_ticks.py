@@ -4,6 +4,14 @@ inference mode and a timed wait take the engine thread's way where they must."""
 
 from __future__ import annotations
 
+import pytest
+
+#: the module's executors beyond tests/conftest.py's pair: one per ``steps_on_waiting_thread`` (None: auto)
+STEPS_ON_WAITING_THREAD = {"steps on the waiting thread": True, "steps on the engine thread": False,
+                           "steps where auto puts them": None}
+EXECUTORS = {name: (2, {"steps_on_waiting_thread": setting, "idle_cycle_time_ms": 200})
+             for name, setting in STEPS_ON_WAITING_THREAD.items()}
+
 
 def _blocking_ops(count: int):
     import torch
@@ -31,9 +39,8 @@ def _blocking_ops(count: int):
     return wrong, stats.caller_ticks - before_ticks, stats.rounds - before_rounds
 
 
-def test_blocking_ops_tick_on_the_waiting_thread(make_executor):
-    ex = make_executor(num_workers=2)
-    for wrong, caller_ticks, rounds in ex.run(_blocking_ops, args=[60]):
+def test_blocking_ops_tick_on_the_waiting_thread(shared_executor):
+    for wrong, caller_ticks, rounds in shared_executor.run(_blocking_ops, args=[60]):
         assert wrong == []
         # 241 ops: most rounds ran on the caller's thread (the engine thread takes one when it wakes by itself
         # first, or when a rank's round met the peer's idle round and the op went on on the engine thread)
@@ -121,9 +128,8 @@ def _async_and_concurrent():
     return out
 
 
-def test_async_ops_threads_and_modes_around_caller_ticks(make_executor):
-    ex = make_executor(num_workers=2)
-    for out in ex.run(_async_and_concurrent):
+def test_async_ops_threads_and_modes_around_caller_ticks(shared_executor):
+    for out in shared_executor.run(_async_and_concurrent):
         assert out["async done by polling"], out
         assert out["async ticks on the caller"] == 0, out
         assert out["timed wait"], out
@@ -200,23 +206,19 @@ def _training_steps(steps: int):
     return out
 
 
-def test_a_learned_step_runs_on_the_thread_that_waits_for_it_or_on_the_engine_thread(make_executor):
-    from hvdray import RayExecutor
+@pytest.mark.shared_executor(*STEPS_ON_WAITING_THREAD)
+def test_a_learned_step_runs_on_the_thread_that_waits_for_it_or_on_the_engine_thread(shared_executor):
     from hvdray.collective.topology import engine_threads_have_cores
 
-    for setting in (True, False, None):
-        settings = RayExecutor.create_settings(
-            timeout_s=20, placement_group_timeout_s=20, steps_on_waiting_thread=setting, idle_cycle_time_ms=200)
-        ex = make_executor(num_workers=2, settings=settings)
-        for out in ex.run(_training_steps, args=[12]):
-            # auto: True where 2 ranks leave no core to spare for their engine threads (this 2-core machine)
-            assert out["mode"] is (setting if setting is not None else not engine_threads_have_cores(2))
-            assert out["replicas agree"], out
-            if out["mode"]:  # the steps ran on the waiting thread (but for one the engine thread woke up for)
-                assert sum(t >= 1 for t in out["late caller ticks"]) >= 5, out
-            else:
-                assert out["late caller ticks"] == [0] * 6, out
-            assert out["unwaited step done"] and out["unwaited step took"] < 5.0, out
-            assert out["polled step done"] and out["polled caller ticks"] == 0, out
-            assert out["late waiter done"], out
-        ex.shutdown()
+    setting = shared_executor.settings.steps_on_waiting_thread
+    for out in shared_executor.run(_training_steps, args=[12]):
+        # auto: True where 2 ranks leave no core to spare for their engine threads (this 2-core machine)
+        assert out["mode"] is (setting if setting is not None else not engine_threads_have_cores(2))
+        assert out["replicas agree"], out
+        if out["mode"]:  # the steps ran on the waiting thread (but for one the engine thread woke up for)
+            assert sum(t >= 1 for t in out["late caller ticks"]) >= 5, out
+        else:
+            assert out["late caller ticks"] == [0] * 6, out
+        assert out["unwaited step done"] and out["unwaited step took"] < 5.0, out
+        assert out["polled step done"] and out["polled caller ticks"] == 0, out
+        assert out["late waiter done"], out

@@ -9,12 +9,17 @@ import sys
 import pytest
 import ray.cloudpickle
 
-from hvdray import RayExecutor
 from hvdray.collective.transport import shm
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MB = 1 << 20
+#: the module's shared executors (tests/conftest.py), one per setting it checks
+EXECUTORS = {
+    "default": (2, {"timeout_s": 60}),
+    "sharing reduced tensors": (2, {"timeout_s": 60, "share_reduced_tensors": True}),
+    "pool and cross memory off": (2, {"timeout_s": 60, "output_pool_mb": 0, "cross_memory_attach": False}),
+}
 
 
 def _memory_use(steps: int) -> dict:
@@ -66,9 +71,9 @@ def _memory_use(steps: int) -> dict:
     }
 
 
-def test_outputs_reused_and_tensors_left_private_by_default(make_executor):
-    executor = make_executor(settings=RayExecutor.create_settings(timeout_s=60), num_workers=2)
-    for result in executor.run(_memory_use, args=[8]):
+@pytest.mark.shared_executor("default")
+def test_outputs_reused_and_tensors_left_private_by_default(shared_executor):
+    for result in shared_executor.run(_memory_use, args=[8]):
         assert result["wrong"] == []
         assert result["reused"] >= 8  # from the second step on, both outputs come back warm
         assert not result["bucket shared"] and not result["grads shared"] and result["grads kept"]
@@ -79,10 +84,9 @@ def test_outputs_reused_and_tensors_left_private_by_default(make_executor):
 
 
 @pytest.mark.skipif(shm.unsupported_reason() is not None, reason=str(shm.unsupported_reason()))
-def test_tensors_reduced_again_move_into_shared_memory_when_asked(make_executor):
-    settings = RayExecutor.create_settings(timeout_s=60, share_reduced_tensors=True)
-    executor = make_executor(settings=settings, num_workers=2)
-    for result in executor.run(_memory_use, args=[8]):
+@pytest.mark.shared_executor("sharing reduced tensors")
+def test_tensors_reduced_again_move_into_shared_memory_when_asked(shared_executor):
+    for result in shared_executor.run(_memory_use, args=[8]):
         assert result["wrong"] == []
         assert result["reused"] >= 8
         assert result["bucket shared"] and result["grads shared"] and result["grads kept"]
@@ -90,10 +94,9 @@ def test_tensors_reduced_again_move_into_shared_memory_when_asked(make_executor)
         assert result["adopted"] == 3
 
 
-def test_the_pool_and_the_cross_memory_way_off_by_their_settings(make_executor):
-    settings = RayExecutor.create_settings(timeout_s=60, output_pool_mb=0, cross_memory_attach=False)
-    executor = make_executor(settings=settings, num_workers=2)
-    for result in executor.run(_memory_use, args=[4]):
+@pytest.mark.shared_executor("pool and cross memory off")
+def test_the_pool_and_the_cross_memory_way_off_by_their_settings(shared_executor):
+    for result in shared_executor.run(_memory_use, args=[4]):
         assert result["wrong"] == []
         assert result["reused"] == 0
         assert not result["bucket shared"] and not result["grads shared"] and not result["sharded shared"]
@@ -123,10 +126,10 @@ def _outputs_outlive_nothing() -> dict:
     return {"held": held, "addresses": len(addresses)}
 
 
-def test_an_output_the_caller_dropped_is_held_by_nothing(make_executor):
+@pytest.mark.shared_executor("default")
+def test_an_output_the_caller_dropped_is_held_by_nothing(shared_executor):
     """The engine lets go of an op once it has run: an output kept until the next op would make the pool
     hand out a second block, colder, for every other op of a size."""
-    executor = make_executor(settings=RayExecutor.create_settings(timeout_s=60), num_workers=2)
-    for result in executor.run(_outputs_outlive_nothing):
+    for result in shared_executor.run(_outputs_outlive_nothing):
         assert result["held"] == [False] * 6
         assert result["addresses"] == 1

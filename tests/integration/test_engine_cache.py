@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdray import RayExecutor
+#: the executor of the check without a response cache (the others share tests/conftest.py's pair and trio)
+EXECUTORS = {"pair without cache": (2, {"cache_capacity": 0})}
 
 
 def _steady_state(steps: int):
@@ -28,9 +29,8 @@ def _steady_state(steps: int):
     return correct, [a - b for a, b in zip(after, before)]
 
 
-def test_steady_state_needs_no_full_rounds_and_fuses(make_executor):
-    ex = make_executor(num_workers=2)
-    for correct, (rounds, full, calls, fused) in ex.run(_steady_state, args=[20]):
+def test_steady_state_needs_no_full_rounds_and_fuses(shared_executor):
+    for correct, (rounds, full, calls, fused) in shared_executor.run(_steady_state, args=[20]):
         assert correct
         assert rounds >= 20
         assert full <= 3  # the first step negotiates by name; afterwards only the flag vector travels
@@ -38,10 +38,9 @@ def test_steady_state_needs_no_full_rounds_and_fuses(make_executor):
         assert fused >= 12 * 10
 
 
-def test_without_cache_every_step_negotiates_by_name(make_executor):
-    settings = RayExecutor.create_settings(timeout_s=20, cache_capacity=0)
-    ex = make_executor(settings=settings, num_workers=2)
-    for correct, (rounds, full, _, _) in ex.run(_steady_state, args=[10]):
+@pytest.mark.shared_executor("pair without cache")
+def test_without_cache_every_step_negotiates_by_name(shared_executor):
+    for correct, (rounds, full, _, _) in shared_executor.run(_steady_state, args=[10]):
         assert correct
         assert full >= 10
 
@@ -64,9 +63,8 @@ def _changed_shapes():
     return out, error
 
 
-def test_cached_name_renegotiates_on_new_shape_and_mismatch_still_caught(make_executor):
-    ex = make_executor(num_workers=2)
-    for out, error in ex.run(_changed_shapes):
+def test_cached_name_renegotiates_on_new_shape_and_mismatch_still_caught(shared_executor):
+    for out, error in shared_executor.run(_changed_shapes):
         assert out == [[3.0] * 3, [3.0] * 3, [3.0] * 5, [3.0] * 5, [2.0, 2.0]]
         assert error is not None and "'w'" in error and "[7]" in error and "[5]" in error
 
@@ -96,14 +94,13 @@ def _unnamed_loop(steps: int):
     return wrong, rounds, full
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_unnamed_allreduces_go_by_their_familys_slot_after_the_first(make_executor, workers):
+@pytest.mark.shared_executor("pair", "trio")
+def test_unnamed_allreduces_go_by_their_familys_slot_after_the_first(shared_executor):
     """Each unnamed allreduce has a new generated name, which the response cache cannot hold; its family (the
     call, dtype, shape, reduction and scale factors) is cached instead, so that from the second one on it
     goes by one flag bit like a named op, not by a full negotiation round."""
     steps = 30
-    ex = make_executor(num_workers=workers)
-    for wrong, rounds, full in ex.run(_unnamed_loop, args=[steps]):
+    for wrong, rounds, full in shared_executor.run(_unnamed_loop, args=[steps]):
         assert wrong == []
         assert rounds >= 2 * steps
         assert full <= 4  # the first op of each family goes by name (before: one full round per op)
@@ -195,14 +192,13 @@ _UNNAMED_LOOPS = {
 }
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.shared_executor("pair", "trio")
 @pytest.mark.parametrize("loop", list(_UNNAMED_LOOPS))
 def test_unnamed_allgathers_broadcasts_reducescatters_alltoalls_groups_and_maxima_go_by_their_families_slots(
-    make_executor, workers, loop
+    shared_executor, loop
 ):
     run, most_full_rounds = _UNNAMED_LOOPS[loop]
-    ex = make_executor(num_workers=workers)
-    for wrong, full in ex.run(run, args=[12]):
+    for wrong, full in shared_executor.run(run, args=[12]):
         assert wrong == []
         assert full <= most_full_rounds, full
 
@@ -232,9 +228,8 @@ def _unnamed_groups_that_disagree_after_caching():
     return error, elapsed, [t.tolist() for t in after]
 
 
-def test_unnamed_groups_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
-    ex = make_executor(num_workers=2)
-    for error, elapsed, after in ex.run(_unnamed_groups_that_disagree_after_caching):
+def test_unnamed_groups_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(shared_executor):
+    for error, elapsed, after in shared_executor.run(_unnamed_groups_that_disagree_after_caching):
         assert "mismatched shapes" in error and "grouped_allreduce.noname." in error, error
         assert "[2]" in error and "[3]" in error
         assert elapsed < 5
@@ -265,9 +260,8 @@ def _unnamed_broadcasts_that_disagree_on_the_root():
     return error, elapsed, after
 
 
-def test_unnamed_broadcasts_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
-    ex = make_executor(num_workers=2)
-    for error, elapsed, after in ex.run(_unnamed_broadcasts_that_disagree_on_the_root):
+def test_unnamed_broadcasts_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(shared_executor):
+    for error, elapsed, after in shared_executor.run(_unnamed_broadcasts_that_disagree_on_the_root):
         assert "broadcast.noname." in error and "root" in error, error
         assert elapsed < 5
         assert after == [1.0, 1.0]  # the ranks go on together
@@ -299,9 +293,8 @@ def _unnamed_mismatch_after_caching():
     return errors, after
 
 
-def test_unnamed_allreduces_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(make_executor):
-    ex = make_executor(num_workers=2)
-    for errors, after in ex.run(_unnamed_mismatch_after_caching):
+def test_unnamed_allreduces_that_disagree_fail_fast_on_every_rank_though_their_families_are_cached(shared_executor):
+    for errors, after in shared_executor.run(_unnamed_mismatch_after_caching):
         for message, elapsed in errors:
             assert "mismatched shapes" in message and "allreduce.noname." in message, message
             assert elapsed < 5
@@ -341,19 +334,18 @@ def _unnamed_calls_in_flight_loop(steps: int, in_flight: int):
     return wrong, full_after_first
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_unnamed_calls_in_flight_at_once_go_by_their_families_slots(make_executor, workers):
+@pytest.mark.shared_executor("pair", "trio")
+def test_unnamed_calls_in_flight_at_once_go_by_their_families_slots(shared_executor):
     """Up to FAMILY_VARIANTS consecutive unnamed calls in flight at once wait on as many slots (their families'
     variants, cached together with the first call of each family), so that a loop of them needs no full rounds
     after its first step (before: every call after the first went by name, two full rounds a step); more in
     flight at once go by name, with the same results."""
     from hvdray.collective.protocol import FAMILY_VARIANTS
 
-    ex = make_executor(num_workers=workers)
-    for wrong, full in ex.run(_unnamed_calls_in_flight_loop, args=[8, FAMILY_VARIANTS]):
+    for wrong, full in shared_executor.run(_unnamed_calls_in_flight_loop, args=[8, FAMILY_VARIANTS]):
         assert wrong == []
         assert full == 0, full
-    for wrong, full in ex.run(_unnamed_calls_in_flight_loop, args=[4, FAMILY_VARIANTS + 3]):
+    for wrong, full in shared_executor.run(_unnamed_calls_in_flight_loop, args=[4, FAMILY_VARIANTS + 3]):
         assert wrong == []  # a variant's slot taken: by name, paired by the generated names
 
 
@@ -383,9 +375,8 @@ def _unnamed_calls_in_flight_that_disagree():
     return outcomes, elapsed, after
 
 
-def test_unnamed_calls_in_flight_that_disagree_fail_fast_on_every_rank(make_executor):
-    ex = make_executor(num_workers=2)
-    for outcomes, elapsed, after in ex.run(_unnamed_calls_in_flight_that_disagree):
+def test_unnamed_calls_in_flight_that_disagree_fail_fast_on_every_rank(shared_executor):
+    for outcomes, elapsed, after in shared_executor.run(_unnamed_calls_in_flight_that_disagree):
         assert outcomes[0] == outcomes[1] == outcomes[3] == [2.0, 2.0, 2.0], outcomes
         assert "mismatched shapes" in outcomes[2] and "allreduce.noname." in outcomes[2], outcomes[2]
         assert "[2]" in outcomes[2] and "[3]" in outcomes[2]
@@ -420,9 +411,9 @@ def _unnamed_async_and_join(named: bool):
     return out, last
 
 
-def test_unnamed_allreduces_in_flight_together_and_across_a_join_give_the_named_results(make_executor):
-    ex = make_executor(num_workers=2)
-    assert ex.run(_unnamed_async_and_join, args=[False]) == ex.run(_unnamed_async_and_join, args=[True])
+def test_unnamed_allreduces_in_flight_together_and_across_a_join_give_the_named_results(shared_executor):
+    unnamed, named = (shared_executor.run(_unnamed_async_and_join, args=[named]) for named in (False, True))
+    assert unnamed == named
 
 
 def _unnamed_until_one_rank_returns():
@@ -446,8 +437,7 @@ def _unnamed_until_one_rank_returns():
     return "no error", 0.0
 
 
-def test_an_unnamed_allreduce_on_its_familys_slot_fails_fast_when_a_rank_returns(make_executor):
-    ex = make_executor(num_workers=2)
-    (message, elapsed), _ = ex.run(_unnamed_until_one_rank_returns)
+def test_an_unnamed_allreduce_on_its_familys_slot_fails_fast_when_a_rank_returns(shared_executor):
+    (message, elapsed), _ = shared_executor.run(_unnamed_until_one_rank_returns)
     assert "rank 1 returned from its function" in message, message
     assert elapsed < 10

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
+import ray.cloudpickle
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hvdray import RayExecutor, WorkerLostError, ray_logger
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import collective_checks as checks  # noqa: E402 - shared with the other executor and collective tests
 
-def _rank_and_size():
-    import hvdray.torch as hvd
-
-    hvd.init()
-    return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
+ray.cloudpickle.register_pickle_by_value(checks)
 
 
 def _live_placement_groups() -> int:
@@ -38,7 +39,7 @@ def _wait_for_cpus(expected: float, timeout_s: float = 15) -> float:
 
 def test_run_returns_results_in_rank_order(make_executor):
     ex = make_executor(num_workers=3)
-    assert ex.run(_rank_and_size) == [(r, 3, r, 3, 0, 1) for r in range(3)]
+    assert ex.run(checks.rank_and_size) == [(r, 3, r, 3, 0, 1) for r in range(3)]
     refs = ex.run_remote(lambda x, y=0: x + y, args=[1], kwargs={"y": 2})
     assert all(isinstance(r, ray.ObjectRef) for r in refs)
     assert ray.get(refs) == [3, 3, 3]
@@ -113,7 +114,7 @@ def test_a_callback_that_calls_its_executor_is_refused_instead_of_waiting_for_it
     ex = make_executor(num_workers=2)
 
     def calls_the_executor(record):
-        ex.run(_rank_and_size)
+        ex.run(checks.rank_and_size)
 
     with pytest.raises(RuntimeError, match=r"run\(\) was called on hvdray executor \w+ from within a call of its own"):
         ex.run(_logs_then_trains_for_a_minute, callbacks=[calls_the_executor])
@@ -194,7 +195,7 @@ def test_a_callback_that_raises_ends_the_run_and_stops_its_workers(make_executor
     assert time.monotonic() - started < 30
     assert any("raised by the callback _broken_callback of run(); the run was stopped" in note for note in raised.value.__notes__)
     started = time.monotonic()
-    assert ex.run(_rank_and_size)[1][:2] == (1, 2)
+    assert ex.run(checks.rank_and_size)[1][:2] == (1, 2)
     assert time.monotonic() - started < 30  # not behind the first call's minute
 
 
@@ -244,7 +245,7 @@ def test_an_executor_dropped_without_shutdown_is_released_by_the_next_start(ray_
         executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=10), num_workers=2)
         gc.collect()  # the executor before it is gone (at once where nothing else refers to it)
         executor.start()
-        assert [r[:2] for r in executor.run(_rank_and_size)] == [(0, 2), (1, 2)]
+        assert [r[:2] for r in executor.run(checks.rank_and_size)] == [(0, 2), (1, 2)]
         assert _live_placement_groups() == 1
     deadline = time.monotonic() + 10
     while len(actors_left_behind()) != 2 and time.monotonic() < deadline:
@@ -256,7 +257,7 @@ def test_an_executor_dropped_without_shutdown_is_released_by_the_next_start(ray_
 def test_num_hosts_layout_places_workers_per_host(make_executor):
     ex = make_executor(num_hosts=1, num_workers_per_host=2)
     assert ex.num_workers == 2
-    assert ex.run(_rank_and_size) == [(0, 2, 0, 2, 0, 1), (1, 2, 1, 2, 0, 1)]
+    assert ex.run(checks.rank_and_size) == [(0, 2, 0, 2, 0, 1), (1, 2, 1, 2, 0, 1)]
 
 
 @pytest.mark.parametrize(
@@ -303,7 +304,7 @@ def test_a_feasible_placement_the_cluster_is_too_busy_for_waits_for_the_timeout_
     remove_placement_group(busy)
     ex.start()  # once the other job is gone, the same executor starts (a failed start shut it down before)
     try:
-        assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+        assert [r[:2] for r in ex.run(checks.rank_and_size)] == [(0, 2), (1, 2)]
     finally:
         ex.shutdown()
 
@@ -350,7 +351,7 @@ def test_existing_placement_group_is_reused(ray_local):
         ex = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2)
         ex.start()
         try:
-            return ex.run(_rank_and_size), _live_placement_groups()
+            return ex.run(checks.rank_and_size), _live_placement_groups()
         finally:
             ex.shutdown()
 
@@ -366,169 +367,11 @@ def test_context_manager_and_repeated_start_shutdown_release_everything(ray_loca
     groups = _live_placement_groups()
     for _ in range(3):
         with RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2) as ex:
-            assert ex.run(_rank_and_size)[1][:2] == (1, 2)
+            assert ex.run(checks.rank_and_size)[1][:2] == (1, 2)
         assert _wait_for_cpus(total) == total
         assert _live_placement_groups() == groups
     with pytest.raises(RuntimeError, match="shut down"):
-        ex.run(_rank_and_size)
-
-
-def test_worker_exception_raises_promptly_with_rank_and_executor_recovers(make_executor):
-    ex = make_executor(num_workers=2)
-
-    def fail_on_rank_one():
-        import torch
-
-        import hvdray.torch as hvd
-
-        hvd.init()
-        if hvd.rank() == 1:
-            raise KeyError("bad batch 17")
-        # rank 0 waits on a collective rank 1 never joins: it must be stopped, not left hanging
-        hvd.allreduce(torch.ones(1), name="never-completed")
-        time.sleep(60)
-
-    started = time.monotonic()
-    with pytest.raises(KeyError, match="bad batch 17") as info:
-        ex.run(fail_on_rank_one)
-    assert time.monotonic() - started < 10
-    assert any("rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
-    assert str(info.value).startswith("rank 1 of 2: 'bad batch 17'\n"), str(info.value)
-    assert "fail_on_rank_one" in str(info.value)  # the worker's traceback comes along
-    assert ex.run(_rank_and_size) == [(r, 2, r, 2, 0, 1) for r in range(2)]
-
-
-def test_str_of_a_workers_error_names_its_rank_for_builtin_and_custom_exceptions(make_executor):
-    ex = make_executor(num_workers=2)
-
-    class QuotaError(Exception):  # a user's exception whose __init__ is not (message)
-        def __init__(self, user, limit):
-            super().__init__(user, limit)
-            self.user, self.limit = user, limit
-
-        def __str__(self):
-            return f"{self.user} is over the quota of {self.limit}"
-
-    def fail_on(rank, error):
-        import hvdray.torch as hvd
-
-        hvd.init()
-        if hvd.rank() == rank:
-            raise error
-
-    for rank, error in [(1, ValueError("bad value")), (0, ZeroDivisionError("division by zero")),
-                        (1, QuotaError("ana", 3))]:
-        with pytest.raises(type(error)) as info:
-            ex.run(fail_on, args=[rank, error])
-        assert str(info.value).startswith(f"rank {rank} of 2: {error}\n"), str(info.value)
-        assert "fail_on" in str(info.value)  # the worker's traceback
-    assert (info.value.user, info.value.limit) == ("ana", 3)
-    try:
-        ex.run(fail_on, args=[0, ValueError("caught as itself")])
-    except ValueError as caught:  # what a user writes
-        assert "rank 0 of 2: caught as itself" in str(caught)
-
-
-def _pid_after(rank_raises: int, then: str):
-    """Rank ``rank_raises`` raises; the other rank then waits for it in an allreduce (``"allreduce"``),
-    goes on computing for 10 s (``"busy"``), or finds its engine stopped by the raising rank's
-    ``hvd.shutdown()`` (``"shutdown"``). Returns the worker's pid (from the ranks that do not raise)."""
-    import os
-    import time
-
-    import torch
-
-    import hvdray.torch as hvd
-
-    hvd.init()
-    if hvd.rank() == rank_raises:
-        if then == "shutdown":
-            hvd.shutdown()
-        raise ValueError(f"rank {rank_raises} gives up")
-    if then == "busy":
-        time.sleep(10)
-    hvd.allreduce(torch.ones(2))  # unnamed: the ranks' counts of generated names now differ
-    return os.getpid()
-
-
-def _pid_and_sum():
-    import os
-
-    import torch
-
-    import hvdray.torch as hvd
-
-    hvd.init()
-    return os.getpid(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # the same generated name on every rank
-
-
-def test_a_rank_that_raises_leaves_the_workers_to_the_next_call_unless_one_is_busy_or_broken(make_executor):
-    """A rank's function raises: ``run`` raises at once, and the next call takes the same worker
-    processes (their state, such as a stateful executable, with them) once every other worker's call
-    has ended, as its ops the raising rank never submitted fail naming it; their unnamed ops get the
-    same generated names again, though the ranks submitted different ops before. A worker still busy in the
-    failed call after a few seconds, or one whose engine stopped (the raising rank shut hvdray down
-    under it), gives the next call new workers instead."""
-    ex = make_executor(num_workers=2)
-    pids = [pid for pid, total in ex.run(_pid_and_sum)]
-    assert ex.run(_pid_and_sum) == [(pid, 2.0) for pid in pids]
-
-    for rank in (1, 0):  # the peer waits in an allreduce: its op fails at once and its call ends
-        started = time.monotonic()
-        with pytest.raises(ValueError, match=f"rank {rank} gives up"):
-            ex.run(_pid_after, args=[rank, "allreduce"])
-        assert ex.run(_pid_and_sum) == [(pid, 2.0) for pid in pids], "the workers were replaced"
-        assert time.monotonic() - started < 10
-
-    with pytest.raises(ValueError, match="rank 1 gives up"):
-        ex.run(_pid_after, args=[1, "busy"])  # raises at once, while rank 0 computes on
-    fresh = [pid for pid, total in ex.run(_pid_and_sum)]
-    assert not set(fresh) & set(pids), (fresh, pids)
-    assert [total for _, total in ex.run(_pid_and_sum)] == [2.0, 2.0]
-
-    with pytest.raises(ValueError, match="rank 1 gives up"):
-        ex.run(_pid_after, args=[1, "shutdown"])
-    again = [pid for pid, total in ex.run(_pid_and_sum)]
-    assert not set(again) & set(fresh), (again, fresh)
-
-
-def _exits_on_rank_1(code):
-    import os
-    import sys
-
-    import torch
-
-    import hvdray.torch as hvd
-
-    hvd.init()
-    if hvd.rank() == 1:
-        if code == "exit_actor":
-            import ray
-
-            ray.actor.exit_actor()  # Ray's own intentional exit (a SystemExit that Ray marks)
-        sys.exit(code)
-    hvd.allreduce(torch.ones(2), name="after_the_exit")  # rank 1 never submits it
-    return os.getpid()
-
-
-def test_sys_exit_in_a_ranks_function_is_that_ranks_result_not_a_dead_worker(make_executor):
-    """``sys.exit(n)`` in the function, as in a script: 0 or None ends the rank's call (its result
-    None), any other code fails the run naming the rank and the code. The worker process lives on (in a
-    Ray actor SystemExit would end it, and run() reported a worker that died unexpectedly); the peer
-    waiting for the rank in an allreduce is told the rank left its function."""
-    ex = make_executor(num_workers=2)
-    pids = [pid for pid, _ in ex.run(_pid_and_sum)]
-    with pytest.raises(RuntimeError, match=r"called sys\.exit\(3\) on rank 1"):
-        ex.run(_exits_on_rank_1, args=[3])
-    assert [pid for pid, _ in ex.run(_pid_and_sum)] == pids, "the workers were replaced"
-    for code in (0, None):
-        with pytest.raises(Exception, match="rank 1 returned from its function") as info:
-            ex.run(_exits_on_rank_1, args=[code])
-        assert "rank 0 of 2" in str(info.value)
-        assert [pid for pid, _ in ex.run(_pid_and_sum)] == pids
-    with pytest.raises(WorkerLostError, match="rank 1"):  # ray.actor.exit_actor() still ends the worker
-        ex.run(_exits_on_rank_1, args=["exit_actor"])
-    assert not set(pid for pid, _ in ex.run(_pid_and_sum)) & set(pids)
+        ex.run(checks.rank_and_size)
 
 
 def test_a_stateful_executable_survives_a_call_that_raised(make_executor):
@@ -572,7 +415,7 @@ def test_dead_worker_becomes_an_error_within_the_timeout(make_executor):
     with pytest.raises(WorkerLostError, match="rank 0"):
         ex.run(die_on_rank_zero)
     assert time.monotonic() - started < 5 + 5
-    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+    assert [r[:2] for r in ex.run(checks.rank_and_size)] == [(0, 2), (1, 2)]
 
 
 class _RefusesWhenMarked:
@@ -608,7 +451,7 @@ def test_a_restart_that_fails_leaves_no_actors_behind(make_executor, tmp_path, c
         ex.run(die_on_rank_one)
     open(marker, "w").close()
     with pytest.raises(Exception, match="refuses to start again"):
-        ex.run(_rank_and_size)  # the executor starts new workers, and that start fails
+        ex.run(checks.rank_and_size)  # the executor starts new workers, and that start fails
     names = [f"hvdray-{ex._id}-{role}" for role in ("rank-0", "rank-1")]
     deadline = time.monotonic() + 10
     while any(_named_actor_alive(n) for n in names) and time.monotonic() < deadline:
@@ -650,7 +493,7 @@ def test_a_start_waits_for_a_rank_name_the_last_group_still_holds(make_executor)
     threading.Timer(1.0, ray.kill, (holder,), {"no_restart": True}).start()
     ex.start()
     assert time.monotonic() - started >= 1.0, "the start did not wait for the name"
-    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+    assert [r[:2] for r in ex.run(checks.rank_and_size)] == [(0, 2), (1, 2)]
 
 
 def test_a_rank_name_taken_for_good_fails_the_start_within_its_budget(make_executor):
@@ -711,9 +554,9 @@ def test_bad_call_arguments(make_executor):
     with pytest.raises(TypeError, match="fn"):
         ex.run("not a function")
     with pytest.raises(TypeError, match="args"):
-        ex.run(_rank_and_size, args="abc")
+        ex.run(checks.rank_and_size, args="abc")
     with pytest.raises(TypeError, match="callbacks"):
-        ex.run(_rank_and_size, callbacks=[42])
+        ex.run(checks.rank_and_size, callbacks=[42])
 
 
 class _Counter:
@@ -737,8 +580,8 @@ def test_after_ray_shutdown_the_executor_starts_anew_and_shutdown_does_not_raise
     ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     assert ex.execute(lambda counter: counter.bump()) == [11, 11]  # built anew in the new session
-    assert [r[:2] for r in ex.run(_rank_and_size)] == [(0, 2), (1, 2)]
+    assert [r[:2] for r in ex.run(checks.rank_and_size)] == [(0, 2), (1, 2)]
     ray.shutdown()
     ex.shutdown()  # nothing to release: it went with the session
     with pytest.raises(RuntimeError, match="shut down"):
-        ex.run(_rank_and_size)
+        ex.run(checks.rank_and_size)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from hvdray import RayExecutor
-
-
-def _settings():
-    """Three and four workers on a loaded 2-core machine: give their start-up room."""
-    return RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=90)
+#: the module's shared executors (tests/conftest.py): three and four workers on a loaded 2-core machine get
+#: room for their start. Each check begins with ``hvd.shutdown()``, so that its ``hvd.init()`` starts a job
+#: without the sets an earlier check added.
+EXECUTORS = {name: (workers, {"timeout_s": 30, "placement_group_timeout_s": 90})
+             for name, workers in (("three", 3), ("four", 4))}
 
 
 def _isolation():
@@ -18,6 +17,7 @@ def _isolation():
 
     import hvdray.torch as hvd
 
+    hvd.shutdown()
     evens, odds = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
     hvd.init(process_sets=[evens, odds])
     mine = evens if hvd.rank() % 2 == 0 else odds
@@ -50,9 +50,9 @@ def _isolation():
     return out
 
 
-def test_sets_isolate_and_every_op_takes_process_set(make_executor):
-    ex = make_executor(settings=_settings(), num_workers=4)
-    results = ex.run(_isolation)
+@pytest.mark.shared_executor("four")
+def test_sets_isolate_and_every_op_takes_process_set(shared_executor):
+    results = shared_executor.run(_isolation)
     for r, out in enumerate(results):
         members = [0, 2] if r % 2 == 0 else [1, 3]
         assert out["ids"] == (1, 2)
@@ -79,6 +79,7 @@ def _concurrent():
 
     import hvdray.torch as hvd
 
+    hvd.shutdown()
     hvd.init()
     evens = hvd.add_process_set([0, 2])
     odds = hvd.add_process_set(hvd.ProcessSet([1, 3]))
@@ -96,9 +97,9 @@ def _concurrent():
     return took, stamps, removed, threading.active_count()
 
 
-def test_disjoint_sets_run_concurrently(make_executor):
-    ex = make_executor(settings=_settings(), num_workers=4)
-    results = ex.run(_concurrent)
+@pytest.mark.shared_executor("four")
+def test_disjoint_sets_run_concurrently(shared_executor):
+    results = shared_executor.run(_concurrent)
     stamps = results[0][1]
     # ranks 0 and 2 finished their set's 20 ops before rank 1 (which slept 2 s first) finished
     assert max(stamps[0], stamps[2]) < stamps[1]
@@ -109,6 +110,7 @@ def _errors():
 
     import hvdray.torch as hvd
 
+    hvd.shutdown()
     hvd.init()
     pair = hvd.add_process_set([0, 1])
     errors = {}
@@ -139,9 +141,9 @@ def _errors():
     return errors, ok, removed
 
 
-def test_misuse_raises_value_error_naming_process_set(make_executor):
-    ex = make_executor(settings=_settings(), num_workers=3)
-    for r, (errors, ok, removed) in enumerate(ex.run(_errors)):
+@pytest.mark.shared_executor("three")
+def test_misuse_raises_value_error_naming_process_set(shared_executor):
+    for r, (errors, ok, removed) in enumerate(shared_executor.run(_errors)):
         assert ok == 3.0 and removed is True
         if r == 2:
             assert "process_set" in errors["not_member"] and "rank 2" in errors["not_member"]
@@ -164,6 +166,7 @@ def _tensorflow_sets():
 
     import hvdray.tensorflow as hvd
 
+    hvd.shutdown()
     hvd.init()
     mine = hvd.add_process_set([0, 1]), hvd.add_process_set([2])
     ps = mine[0] if hvd.rank() < 2 else mine[1]
@@ -188,10 +191,10 @@ def _tensorflow_sets():
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_tensorflow_ops_take_process_set(make_executor):
+@pytest.mark.shared_executor("three")
+def test_tensorflow_ops_take_process_set(shared_executor):
     pytest.importorskip("tensorflow")
-    ex = make_executor(settings=_settings(), num_workers=3)
-    results = ex.run(_tensorflow_sets)
+    results = shared_executor.run(_tensorflow_sets)
     for r, out in enumerate(results):
         members = [0, 1] if r < 2 else [2]
         assert out["allreduce"] == out["graph"] == sum(members)
