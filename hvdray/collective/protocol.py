@@ -8,6 +8,7 @@ JSON list :meth:`OpDesc.to_wire` gives; nothing read from a socket is ever unpic
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -128,6 +129,7 @@ class OpDesc:
 GeneratedParts = tuple[str, OpKind, str]
 
 
+@functools.lru_cache(maxsize=256)  # the engine reads an unnamed call's name more than once while sorting it
 def generated_parts(name: str) -> Optional[GeneratedParts]:
     """An unnamed collective's generated name (``allreduce.noname.N``, ``allreduce.noname.C.N`` in executor
     call C, a grouped op's member ``grouped_allreduce.noname.C.N.i``, a min's or max's NaN mask
@@ -165,24 +167,34 @@ def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: O
     consecutive calls in flight at once, of one family or several, wait on as many slots. Every rank that
     agreed on a generated name makes the same family name from the lowest rank's description.
 
+    ``parts``: :func:`generated_parts` of ``desc.name``, where the caller has it already; ``variant``: another
+    variant's name than the counter's own. The name is :func:`family_and_variant`'s family and the variant."""
+    found = family_and_variant(desc, parts)
+    if found is None:
+        return None
+    family, own = found
+    return f"{family} #{own if variant is None else variant}"
+
+
+def family_and_variant(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[tuple[str, int]]:
+    """The family of an unnamed collective whatever its variant (:func:`family_name`), and its variant; None
+    for a named op.
+
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
-    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too. ``parts``:
-    :func:`generated_parts` of ``desc.name``, where the caller has it already; ``variant``: another variant's
-    name than the counter's own."""
+    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too."""
     if parts is None:
         parts = generated_parts(desc.name)
     if parts is None or parts[1] is not desc.kind:
         return None
     call_name, _, after = parts
     prefix, _, counter = call_name.rpartition(".")
-    if variant is None:
-        variant = int(counter) % FAMILY_VARIANTS
     shape = list(desc.shape if desc.kind in SAME_SHAPE_KINDS else desc.shape[1:])  # allgather, alltoall: rows
-    return (
-        f"{prefix}.*{after} #{variant} ({desc.dtype} {shape} "
+    family = (
+        f"{prefix}.*{after} ({desc.dtype} {shape} "
         f"{desc.reduce_op.value if desc.reduce_op else None} {desc.prescale!r} {desc.postscale!r} {desc.root})"
     )
+    return family, int(counter) % FAMILY_VARIANTS
 
 
 def barrier_desc(name: str) -> OpDesc:

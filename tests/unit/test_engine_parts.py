@@ -197,6 +197,24 @@ def test_a_closed_step_is_learned_and_forgotten():
     assert step.expected == frozenset() and step.missing() == 1
 
 
+
+def test_a_step_counts_unnamed_calls_by_family_not_by_their_variants_slots():
+    step = LearnedStep()
+    sums, maxima = "allreduce.noname.* #0 (float32 [5] sum)", "allreduce.noname.* #0 (float32 [2] max)"
+    step.add([1], 40, (sums, sums))  # a named op's slot 1, two unnamed calls of one family
+    step.add([], 20, (maxima,))
+    step.close()
+    step.learn_if_over()
+    assert step.learned and step.expected == {1} and step.expected_families == {sums: 2, maxima: 1}
+    assert not step.is_open
+    step.add([1], 40, (sums,))
+    assert step.is_open and not step.submitted_whole() and step.missing() == 2  # one more sum, one maximum
+    step.add([], 20, (sums, maxima))
+    assert step.submitted_whole()
+    step.forget()
+    assert not step.learned and not step.is_open and step.missing() == 1
+
+
 def _float_sums(dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Sums an average divides: ordinary ones, ones whose quotients fall below the normal range, signed
     zeros, the extremes and an infinity."""

@@ -83,6 +83,26 @@ def test_a_repeated_training_step_costs_one_round_and_one_fused_reduction(on_wai
         assert [step[:3] for step in per_step[4:]] == [(1, 1, 0)] * 8, per_step
 
 
+@pytest.mark.parametrize("per_step", [8, 3], ids=["every variant", "variants rotating"])
+def test_a_repeated_step_of_unnamed_calls_in_flight_costs_one_round(per_step):
+    # unnamed async allreduces (each call a new generated name, its family's next variant slot), submitted
+    # with a gradient's worth of work between them and then waited on: once learned, the step is "per_step
+    # calls of this family" whichever variants they take (3 a step rotate through the 8 variants), so the
+    # engine waits for all of them and runs them in one round and one fused reduction, as a named step's
+    with _engine_with(idle_cycle_time_ms=5000.0, steps_on_waiting_thread=False) as engine:
+        stats, rounds = engine.stats, []
+        for step in range(12):
+            before = stats.rounds, stats.allreduce_calls
+            handles = []
+            for i in range(per_step):
+                handles.append(hvd.allreduce_async(torch.full((5,), float(step + i)), op=hvd.Sum))
+                time.sleep(0.002)  # the next gradient's computation: the engine would tick on this one meanwhile
+            results = [hvd.synchronize(h).tolist() for h in handles]
+            assert results == [[float(step + i)] * 5 for i in range(per_step)]
+            rounds.append((stats.rounds - before[0], stats.allreduce_calls - before[1]))
+    assert rounds[4:] == [(1, 1)] * 8, rounds
+
+
 def test_a_learned_step_nobody_waits_for_still_runs():
     # steps on the waiting thread (auto's choice for a job of one rank): the engine thread runs a whole step
     # nobody waits for (or polls) when its wait for the rest of the step ends (the idle cycle, 100 ms by

@@ -24,7 +24,7 @@ from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTabl
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
 from hvdray.collective.protocol import (
-    FAMILY_VARIANTS, GENERATED_NAME_MARK, GeneratedParts, family_name, generated_parts,
+    FAMILY_VARIANTS, GENERATED_NAME_MARK, GeneratedParts, family_and_variant, family_name, generated_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class Agreement:
         lookup = self.cache.lookup if self.cache.enabled else None
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
+        step_families: list[str] = []  # the learned step counts an unnamed op by its family, not its variant's slot
         at = 0
         while at < len(queue):
             request = queue[at]
@@ -90,12 +91,15 @@ class Agreement:
             if desc.generated:
                 call, parts = _unnamed_call(queue, at)
                 at += len(call)
-                families = None if lookup is None else self._family_slots(call, parts)
-                if families is None:
+                found = None if lookup is None else self._family_slots(call, parts)
+                if found is None:
                     outbox.extend(call)
-                else:  # not counted in the learned step: a caller waits on it, and its tick runs it
+                else:
+                    families, keys = found
                     self.family_calls.append(tuple(zip(families, call)))
                     slot_requests.update(zip(families, call))
+                    step_families.extend(keys)
+                    nbytes += sum(r.tensor.nbytes for r in call if r.tensor is not None)
                 continue
             at += 1
             slot = lookup(desc) if lookup is not None else None
@@ -106,14 +110,15 @@ class Agreement:
                 slots.append(slot)
                 if request.tensor is not None:  # its description's shape and dtype: the cache matched them
                     nbytes += request.tensor.nbytes
-        if slots:
-            self.step.add(slots, nbytes)
+        if slots or step_families:
+            self.step.add(slots, nbytes, tuple(step_families))
 
     def _family_slots(
         self, call: list[Request], parts: list[Optional[GeneratedParts]]
-    ) -> Optional[tuple[int, ...]]:
+    ) -> Optional[tuple[tuple[int, ...], list[str]]]:
         """The slots of the families (:func:`family_name`, from each request's ``parts`` of its generated name)
-        of an unnamed call's requests, if it can go by them: every one's family is cached, no rank has joined,
+        of an unnamed call's requests, and each family's name whatever the variant (the learned step's count of
+        it), if it can go by them: every one's family is cached, no rank has joined,
         nothing generated is on its way by name, from this rank (its outbox) or any other (announced, not run
         yet): an op by name never waits on one by slot; and none of this rank's unnamed calls still waits on
         these slots (one :data:`FAMILY_VARIANTS` counts earlier, of the same family). A slot pending on every
@@ -127,15 +132,19 @@ class Agreement:
             GENERATED_NAME_MARK in name for name in self.table.announced
         ):
             return None
-        slots = []
+        slots, families = [], []
+        lookup, pending = self.cache.lookup, self.slot_requests
         for request, named in zip(call, parts):
-            family = None if named is None else family_name(request.desc, named)
-            slot = None if family is None else self.cache.lookup(request.desc, family)
-            if slot is None:
+            found = None if named is None else family_and_variant(request.desc, named)
+            if found is None:
+                return None
+            family, variant = found
+            slot = lookup(request.desc, f"{family} #{variant}")
+            if slot is None or slot in pending:  # pending: one of this rank's unnamed calls waits on it
                 return None
             slots.append(slot)
-        taken = {slot for slot, _ in self._family_requests()}
-        return tuple(slots) if len(set(slots)) == len(slots) and taken.isdisjoint(slots) else None
+            families.append(family)
+        return (tuple(slots), families) if len(set(slots)) == len(slots) else None
 
     def _family_requests(self) -> list[tuple[int, Request]]:
         """The ops of this rank's unnamed calls still waiting on their families' slots, oldest call first, by slot
@@ -292,13 +301,17 @@ class Agreement:
                     self._cache(op.name, op)
                     continue
                 parts = generated_parts(op.desc.name)
+                new_family = False
                 for variant in range(FAMILY_VARIANTS):  # every variant: the family's next calls, in flight or not
                     name = family_name(op.desc, parts, variant)
                     if name is None:
                         break
                     if not cache.holds(name, op.descs):
                         self._uncache(name)  # a family's rows or splits changed on some rank: its slot anew
+                    new_family = new_family or cache.slot_of(name) is None
                     self._cache(name, op)
+                if new_family:
+                    self.step.family_negotiated()
         return ready
 
     def _cache(self, name: str, op: ReadyOp) -> None:

@@ -237,7 +237,7 @@ class Engine:
         self._hurry(handle, blocking)
 
     def _hurry(self, handle: Handle, may_tick: bool) -> None:
-        if handle._done and not self._step.current:
+        if handle._done and not self._step.is_open:
             # finished, and no step open to end: every wait of a step's synchronize but the first comes
             # here, so it skips the lock (read without it, a step that opens meanwhile is ended later)
             return
@@ -498,7 +498,7 @@ class Engine:
                 ):
                     break
                 now = time.monotonic()
-                if step.expected and not older:
+                if step.learned and not older:
                     if step.submitted_whole():
                         step.close()
                         break
