@@ -173,7 +173,12 @@ def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: O
     if found is None:
         return None
     family, own = found
-    return f"{family} #{own if variant is None else variant}"
+    return variant_name(family, own if variant is None else variant)
+
+
+def variant_name(family: str, variant: int) -> str:
+    """The response cache's name of one variant of a family (:func:`family_and_variant`'s family)."""
+    return f"{family} #{variant}"
 
 
 def family_and_variant(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[tuple[str, int]]:

@@ -25,6 +25,7 @@ from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
 from hvdray.collective.protocol import (
     FAMILY_VARIANTS, GENERATED_NAME_MARK, GeneratedParts, family_and_variant, family_name, generated_parts,
+    variant_name,
 )
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class Agreement:
             if found is None:
                 return None
             family, variant = found
-            slot = lookup(request.desc, f"{family} #{variant}")
+            slot = lookup(request.desc, variant_name(family, variant))
             if slot is None or slot in pending:  # pending: one of this rank's unnamed calls waits on it
                 return None
             slots.append(slot)
