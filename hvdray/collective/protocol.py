@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -128,6 +129,14 @@ class OpDesc:
 #: :func:`generated_parts` of a generated name: its call's name, the op's kind, what follows the counter
 GeneratedParts = tuple[str, OpKind, str]
 
+#: what follows the mark in a generated name (:func:`generated_parts`): ``[C.]N`` and a NaN mask's suffix, or a
+#: grouped op's ``[C.]N.i`` and the suffix (the counters' regex backtracks to leave the member's index)
+_COUNTERS = r"(\d+(?:\.\d+)?)"
+_AFTER_COUNTER = {
+    False: re.compile(_COUNTERS + "(" + re.escape(NAN_MASK_SUFFIX) + ")?"),
+    True: re.compile(_COUNTERS + r"(\.\d+(?:" + re.escape(NAN_MASK_SUFFIX) + ")?)"),
+}
+
 
 @functools.lru_cache(maxsize=256)  # the engine reads an unnamed call's name more than once while sorting it
 def generated_parts(name: str) -> Optional[GeneratedParts]:
@@ -141,19 +150,21 @@ def generated_parts(name: str) -> Optional[GeneratedParts]:
     if known is None:
         return None
     kind, grouped = known
-    nan = rest.endswith(NAN_MASK_SUFFIX)
-    numbers = (rest[: -len(NAN_MASK_SUFFIX)] if nan else rest).split(".")
-    counted = len(numbers) - grouped  # [C,] N
-    if counted not in (1, 2) or not all(number.isdigit() for number in numbers):
+    found = _AFTER_COUNTER[grouped].fullmatch(rest)
+    if found is None:
         return None
-    after = "".join(f".{number}" for number in numbers[counted:]) + (NAN_MASK_SUFFIX if nan else "")
-    return f"{op}{mark}{'.'.join(numbers[:counted])}", kind, after
+    counters, after = found.groups()
+    return f"{op}{mark}{counters}", kind, after or ""
 
 
 #: how many consecutive unnamed calls of one op may be in flight at once and still go by their families' slots:
 #: a family has this many variants, one for each remainder of the calls' counter (:func:`family_name`), each a
 #: slot of the response cache
 FAMILY_VARIANTS = 8
+
+#: :func:`family_variants` of an unnamed op: its family, the response cache's names of the family's
+#: :data:`FAMILY_VARIANTS` variants (:func:`variant_name`), and the variant of the op's own counter
+FamilyVariants = tuple[str, tuple[str, ...], int]
 
 
 def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: Optional[int] = None) -> Optional[str]:
@@ -168,38 +179,50 @@ def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: O
     agreed on a generated name makes the same family name from the lowest rank's description.
 
     ``parts``: :func:`generated_parts` of ``desc.name``, where the caller has it already; ``variant``: another
-    variant's name than the counter's own. The name is :func:`family_and_variant`'s family and the variant."""
-    found = family_and_variant(desc, parts)
+    variant's name than the counter's own. The name is one of :func:`family_variants`' names."""
+    found = family_variants(desc, parts)
     if found is None:
         return None
-    family, own = found
-    return variant_name(family, own if variant is None else variant)
+    _, names, own = found
+    return names[own if variant is None else variant]
 
 
 def variant_name(family: str, variant: int) -> str:
-    """The response cache's name of one variant of a family (:func:`family_and_variant`'s family)."""
+    """The response cache's name of one variant of a family (:func:`family_variants`' family)."""
     return f"{family} #{variant}"
 
 
-def family_and_variant(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[tuple[str, int]]:
-    """The family of an unnamed collective whatever its variant (:func:`family_name`), and its variant; None
-    for a named op.
+def family_variants(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[FamilyVariants]:
+    """The family of an unnamed collective whatever its variant (:func:`family_name`), its variants' names and
+    its own variant; None for a named op.
 
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
-    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too."""
+    this rank checks it, :meth:`ResponseCache.lookup`), so that uneven ranks share a family too. The names
+    are made once for the calls of a loop (:func:`_family`): the engine asks for every unnamed op it sorts."""
     if parts is None:
         parts = generated_parts(desc.name)
     if parts is None or parts[1] is not desc.kind:
         return None
-    call_name, _, after = parts
+    call_name, kind, after = parts
     prefix, _, counter = call_name.rpartition(".")
-    shape = list(desc.shape if desc.kind in SAME_SHAPE_KINDS else desc.shape[1:])  # allgather, alltoall: rows
+    shape = desc.shape if kind in SAME_SHAPE_KINDS else desc.shape[1:]  # allgather, alltoall: rows their own
+    family, names = _family(prefix, after, desc.dtype, tuple(shape), desc.reduce_op, desc.prescale, desc.postscale,
+                            desc.root)
+    return family, names, int(counter) % FAMILY_VARIANTS
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: a scale factor 1 and 1.0 print apart
+def _family(
+    prefix: str, after: str, dtype: Optional[torch.dtype], shape: tuple[int, ...],
+    reduce_op: Optional[ReduceOp], prescale: float, postscale: float, root: Optional[int],
+) -> tuple[str, tuple[str, ...]]:
+    """:func:`family_variants`' family and its variants' names, from what the family holds."""
     family = (
-        f"{prefix}.*{after} ({desc.dtype} {shape} "
-        f"{desc.reduce_op.value if desc.reduce_op else None} {desc.prescale!r} {desc.postscale!r} {desc.root})"
+        f"{prefix}.*{after} ({dtype} {list(shape)} "
+        f"{reduce_op.value if reduce_op else None} {prescale!r} {postscale!r} {root})"
     )
-    return family, int(counter) % FAMILY_VARIANTS
+    return family, tuple(variant_name(family, variant) for variant in range(FAMILY_VARIANTS))
 
 
 def barrier_desc(name: str) -> OpDesc:

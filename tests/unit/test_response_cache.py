@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from hvdray.collective.engine.cache import FlagVector, ResponseCache
-from hvdray.collective.protocol import FAMILY_VARIANTS, OpDesc, OpKind, ReduceOp, barrier_desc, family_name
+from hvdray.collective.protocol import (
+    FAMILY_VARIANTS, OpDesc, OpKind, ReduceOp, barrier_desc, family_name, family_variants, generated_parts,
+)
 
 
 def meta(name, shape=(4,), dtype=torch.float32):
@@ -66,6 +68,37 @@ def test_an_unnamed_ops_family_holds_what_every_rank_must_agree_on_but_its_own_r
     assert family_name(_unnamed("broadcast_object.noname.0", OpKind.BROADCAST, (4,), root=0)) is None
     assert family_name(barrier_desc("barrier.noname.0")) is None
     assert family_name(_unnamed("allgather.noname.0", OpKind.ALLREDUCE, (4,))) is None
+
+
+@pytest.mark.parametrize("name,parts", [
+    ("allreduce.noname.7", ("allreduce.noname.7", OpKind.ALLREDUCE, "")),
+    ("allreduce.noname.2.7", ("allreduce.noname.2.7", OpKind.ALLREDUCE, "")),
+    ("allreduce.noname.2.7.nan", ("allreduce.noname.2.7", OpKind.ALLREDUCE, ".nan")),
+    ("grouped_allreduce.noname.7.3", ("grouped_allreduce.noname.7", OpKind.ALLREDUCE, ".3")),
+    ("grouped_allreduce.noname.2.7.3", ("grouped_allreduce.noname.2.7", OpKind.ALLREDUCE, ".3")),
+    ("grouped_allreduce.noname.2.7.3.nan", ("grouped_allreduce.noname.2.7", OpKind.ALLREDUCE, ".3.nan")),
+    ("alltoall.noname.10.12", ("alltoall.noname.10.12", OpKind.ALLTOALL, "")),
+    # not an unnamed collective's: a member's index on an op that has none, or none on a grouped op's, three
+    # counters, an empty counter, a word for a counter, another suffix, an op without a family
+    ("allreduce.noname.2.7.3", None), ("grouped_allreduce.noname.7", None), ("allreduce.noname.1.2.3.4", None),
+    ("allreduce.noname..3", None), ("allreduce.noname.x", None), ("allreduce.noname.3.values", None),
+    ("allreduce.noname.3.", None), ("broadcast_object.noname.0", None), ("w", None),
+])
+def test_a_generated_name_is_cut_into_its_calls_name_kind_and_what_follows_the_counter(name, parts):
+    assert generated_parts(name) == parts
+
+
+def test_an_unnamed_ops_variants_are_named_once_per_family_and_scale_factors_print_as_given():
+    """The variants' names come with the family; a family holds its scale factors as the description has them,
+    so an int factor and the float of its value make two families (the frontends pass floats)."""
+    family, names, variant = family_variants(_unnamed("allreduce.noname.2.11", OpKind.ALLREDUCE, (4,)))
+    assert variant == 11 % FAMILY_VARIANTS and len(names) == len(set(names)) == FAMILY_VARIANTS
+    assert names == tuple(family_name(_unnamed("allreduce.noname.2.0", OpKind.ALLREDUCE, (4,)), variant=v)
+                          for v in range(FAMILY_VARIANTS))
+    assert all(name.startswith(family) for name in names)
+    as_int = family_variants(_unnamed("allreduce.noname.2.0", OpKind.ALLREDUCE, (4,), postscale=1))[0]
+    as_float = family_variants(_unnamed("allreduce.noname.2.0", OpKind.ALLREDUCE, (4,), postscale=1.0))[0]
+    assert as_int != as_float and as_float == family
 
 
 def test_a_familys_slot_holds_every_ranks_rows_and_splits_as_negotiated():

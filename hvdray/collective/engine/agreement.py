@@ -23,10 +23,7 @@ from hvdray.collective.engine.handle import Request
 from hvdray.collective.engine.negotiation import Drop, Finished, NegotiationTable, RoundMessage
 from hvdray.collective.engine.stall import StallInspector
 from hvdray.collective.engine.steps import LearnedStep
-from hvdray.collective.protocol import (
-    FAMILY_VARIANTS, GENERATED_NAME_MARK, GeneratedParts, family_and_variant, family_name, generated_parts,
-    variant_name,
-)
+from hvdray.collective.protocol import GENERATED_NAME_MARK, GeneratedParts, family_variants, generated_parts
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +82,7 @@ class Agreement:
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
         step_families: list[str] = []  # the learned step counts an unnamed op by its family, not its variant's slot
+        by_families = lookup is not None and self._families_open()
         at = 0
         while at < len(queue):
             request = queue[at]
@@ -92,9 +90,10 @@ class Agreement:
             if desc.generated:
                 call, parts = _unnamed_call(queue, at)
                 at += len(call)
-                found = None if lookup is None else self._family_slots(call, parts)
+                found = self._family_slots(call, parts) if by_families else None
                 if found is None:
                     outbox.extend(call)
+                    by_families = False  # something generated now goes by name from here: the later calls too
                 else:
                     families, keys = found
                     self.family_calls.append(tuple(zip(families, call)))
@@ -119,33 +118,32 @@ class Agreement:
     ) -> Optional[tuple[tuple[int, ...], list[str]]]:
         """The slots of the families (:func:`family_name`, from each request's ``parts`` of its generated name)
         of an unnamed call's requests, and each family's name whatever the variant (the learned step's count of
-        it), if it can go by them: every one's family is cached, no rank has joined,
-        nothing generated is on its way by name, from this rank (its outbox) or any other (announced, not run
-        yet): an op by name never waits on one by slot; and none of this rank's unnamed calls still waits on
-        these slots (one :data:`FAMILY_VARIANTS` counts earlier, of the same family). A slot pending on every
-        rank holds the same call on each (the ranks count their calls alike, and none can be that many calls
-        ahead of another: the calls between ran on every rank); the ranks run it when every rank's oldest such
-        call is the same call (its slots and generated names: the flags' digest, :meth:`read_flags`), else send
-        them all by name."""
-        if self.table.joined:
-            return None
-        if any(r.desc.generated for r in self.outbox) or any(
-            GENERATED_NAME_MARK in name for name in self.table.announced
-        ):
-            return None
+        it), if it can go by them (the caller has asked :meth:`_families_open`): every one's family is cached,
+        and none of this rank's unnamed calls still waits on these slots (one :data:`FAMILY_VARIANTS` counts
+        earlier, of the same family). A slot pending on every rank holds the same call on each (the ranks count
+        their calls alike, and none can be that many calls ahead of another: the calls between ran on every
+        rank); the ranks run it when every rank's oldest such call is the same call (its slots and generated
+        names: the flags' digest, :meth:`read_flags`), else send them all by name."""
         slots, families = [], []
         lookup, pending = self.cache.lookup, self.slot_requests
         for request, named in zip(call, parts):
-            found = None if named is None else family_and_variant(request.desc, named)
+            found = None if named is None else family_variants(request.desc, named)
             if found is None:
                 return None
-            family, variant = found
-            slot = lookup(request.desc, variant_name(family, variant))
+            family, names, variant = found
+            slot = lookup(request.desc, names[variant])
             if slot is None or slot in pending:  # pending: one of this rank's unnamed calls waits on it
                 return None
             slots.append(slot)
             families.append(family)
         return (tuple(slots), families) if len(set(slots)) == len(slots) else None
+
+    def _families_open(self) -> bool:
+        """Whether unnamed calls may go by their families' slots at all (:meth:`_family_slots`): no rank has
+        joined, and nothing generated is on its way by name, from this rank (its outbox) or any other (announced,
+        not run yet): an op by name never waits on one by slot."""
+        return not self.table.joined and not any(r.desc.generated for r in self.outbox) and not any(
+            GENERATED_NAME_MARK in name for name in self.table.announced)
 
     def _family_requests(self) -> list[tuple[int, Request]]:
         """The ops of this rank's unnamed calls still waiting on their families' slots, oldest call first, by slot
@@ -301,12 +299,9 @@ class Agreement:
                 if not op.desc.generated:
                     self._cache(op.name, op)
                     continue
-                parts = generated_parts(op.desc.name)
+                found = family_variants(op.desc)
                 new_family = False
-                for variant in range(FAMILY_VARIANTS):  # every variant: the family's next calls, in flight or not
-                    name = family_name(op.desc, parts, variant)
-                    if name is None:
-                        break
+                for name in found[1] if found is not None else ():  # every variant: the next calls, in flight or not
                     if not cache.holds(name, op.descs):
                         self._uncache(name)  # a family's rows or splits changed on some rank: its slot anew
                     new_family = new_family or cache.slot_of(name) is None

@@ -6,7 +6,7 @@ A step is the cached ops submitted until nothing is in flight any more after the
 whole or a caller waited on one of its ops (a backward pass and ``optimizer.step()``).
 
 A named op counts by its cached slot. An unnamed op counts by its family
-(``protocol.family_and_variant``): its calls take a new slot, one of the family's variants, from call to call, so a
+(``protocol.family_variants``): its calls take a new slot, one of the family's variants, from call to call, so a
 step of three unnamed allreduces of one family is "three of that family" whichever variants they take.
 A step in which a family's slots were made is not learned: its first call went by name, uncounted, and the
 calls after it by the family's slots.
