@@ -82,7 +82,7 @@ class Agreement:
         outbox, slot_requests = self.outbox, self.slot_requests
         slots, nbytes = [], 0
         step_families: list[str] = []  # the learned step counts an unnamed op by its family, not its variant's slot
-        by_families = lookup is not None and self._families_open()
+        by_families: Optional[bool] = None if lookup is not None else False  # asked at the first unnamed call
         at = 0
         while at < len(queue):
             request = queue[at]
@@ -90,6 +90,8 @@ class Agreement:
             if desc.generated:
                 call, parts = _unnamed_call(queue, at)
                 at += len(call)
+                if by_families is None:
+                    by_families = self._families_open()
                 found = self._family_slots(call, parts) if by_families else None
                 if found is None:
                     outbox.extend(call)
