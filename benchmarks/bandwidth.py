@@ -26,7 +26,9 @@ against the same ideal, which has no division in it.
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. "hvdray in place, transport alone" and "hvdray out of place, transport alone" are the same
+smallest sizes. Each ratio is the median's; beside it, the lowest and highest of the rounds' own ratios (each
+round's time against the same round's ideal), the spread that a busy host gives a median of few rounds.
+"hvdray in place, transport alone" and "hvdray out of place, transport alone" are the same
 allreduces through the shared-memory transport called directly (no negotiation, submission or handle;
 out of place into an output of the engine's pool): the gap to the engine's rows is the engine's work
 around an op, paid with the cache just emptied by the previous op. They need every rank on one node
@@ -198,6 +200,15 @@ def bandwidth_rows(
             record(f"{collective} {size:g} MB bus bandwidth, {ranks} ranks", busbw, "GB/s", IDEAL, True)
 
 
+def _spread(values: list[float], baseline: list[float], higher: bool) -> str:
+    """The lowest and highest of a row's ratios round by round, each against its own round's baseline (the
+    rounds' samples are in the same order), when there are several: how much the machine moved the median."""
+    if len(values) < 2:
+        return ""
+    ratios = [v / b if higher else b / v for v, b in zip(values, baseline)]
+    return f" (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
@@ -218,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         for impl, values in samples.items():
             median = statistics.median(values)
             ratio = median / base if higher else base / median
-            print(f"{section:40s} {impl:38s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}", flush=True)
+            print(f"{section:40s} {impl:38s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}"
+                  f"{_spread(values, samples[baseline], higher) if impl != baseline else ''}", flush=True)
 
     from hvdray import RayExecutor
 
