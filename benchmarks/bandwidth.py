@@ -51,7 +51,7 @@ from typing import Callable
 import ray
 import ray.cloudpickle
 
-from harness import alternate, setup_raw_gloo, timed
+from harness import alternate, rounds_range, setup_raw_gloo, timed
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -200,15 +200,6 @@ def bandwidth_rows(
             record(f"{collective} {size:g} MB bus bandwidth, {ranks} ranks", busbw, "GB/s", IDEAL, True)
 
 
-def _spread(values: list[float], baseline: list[float], higher: bool) -> str:
-    """The lowest and highest of a row's ratios round by round, each against its own round's baseline (the
-    rounds' samples are in the same order), when there are several: how much the machine moved the median."""
-    if len(values) < 2:
-        return ""
-    ratios = [v / b if higher else b / v for v, b in zip(values, baseline)]
-    return f" (rounds {min(ratios):.2f}-{max(ratios):.2f})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
@@ -230,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(values)
             ratio = median / base if higher else base / median
             print(f"{section:40s} {impl:38s} {median:9.3f} {unit:5s} {ratio:6.2f}x vs {baseline}"
-                  f"{_spread(values, samples[baseline], higher) if impl != baseline else ''}", flush=True)
+                  f"{rounds_range(values, samples[baseline], higher) if impl != baseline else ''}", flush=True)
 
     from hvdray import RayExecutor
 

@@ -1,7 +1,8 @@
 """hvdray vs raw torch.distributed Gloo vs DDP on Gloo, in the same worker processes.
 
 Every measurement runs inside the same Ray worker actors, alternating the implementations A B A B
-(``--repeats`` rounds), so machine noise hits all of them alike; the report gives medians and ratios.
+(``--repeats`` rounds), so machine noise hits all of them alike; the report gives medians and ratios, and beside
+each ratio the lowest and highest of the rounds' own ratios (:func:`harness.rounds_range`).
 
     python benchmarks/bench.py --workers 2 --repeats 5    # full run (several minutes)
     python benchmarks/bench.py --quick                   # a smoke run (well under two minutes)
@@ -35,7 +36,7 @@ import ray.cloudpickle
 
 import bandwidth
 import bench_shm
-from harness import MODELS, alternate, setup_raw_gloo, timed, training_round
+from harness import MODELS, alternate, rounds_range, setup_raw_gloo, timed, training_round
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = None if base is None else (median / base) if higher_is_better else (base / median)
             rows.append({"section": section, "impl": impl, "median": median, "unit": unit,
                          "samples": values, "vs": baseline, "speed ratio": ratio})
-            versus = f"{ratio:6.2f}x vs {baseline}" if ratio is not None else ""
+            versus = "" if ratio is None else f"{ratio:6.2f}x vs {baseline}" + (
+                rounds_range(values, samples[baseline], higher_is_better) if impl != baseline else "")
             print(f"{section:42s} {impl:38s} {median:12.4g} {unit:10s} {versus}", flush=True)
 
     started = time.perf_counter()

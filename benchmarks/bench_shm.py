@@ -23,7 +23,7 @@ from typing import Callable
 import ray
 import ray.cloudpickle
 
-from harness import alternate, setup_raw_gloo, timed, training_round
+from harness import alternate, rounds_range, setup_raw_gloo, timed, training_round
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         for impl, values in samples.items():
             median = statistics.median(values)
             ratio = median / base if higher else base / median
-            print(f"{section:58s} {impl:36s} {median:12.4g} {unit:9s} {ratio:6.2f}x vs {baseline}", flush=True)
+            print(f"{section:58s} {impl:36s} {median:12.4g} {unit:9s} {ratio:6.2f}x vs {baseline}"
+                  f"{rounds_range(values, samples[baseline], higher) if impl != baseline else ''}", flush=True)
 
     try:
         shared_memory_rows(record, args.local_ranks, args.repeats, args.quick, tuple(args.rows))

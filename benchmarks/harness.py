@@ -40,6 +40,16 @@ def setup_raw_gloo() -> str:
     return "ok"
 
 
+def rounds_range(values: list[float], baseline: list[float], higher_is_better: bool) -> str:
+    """`` (rounds LO-HI)``: the lowest and highest of a row's ratios round by round, each against its own round's
+    baseline (:func:`alternate` keeps every row's samples in the rounds' order), when there are several rounds;
+    else "". How far the machine moved the median of a few rounds."""
+    if len(values) < 2 or len(values) != len(baseline):
+        return ""
+    ratios = [v / b if higher_is_better else b / v for v, b in zip(values, baseline)]
+    return f" (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+
+
 #: untimed calls before each timing, the same for every implementation: DDP builds its buckets in its
 #: first step, and hvdray negotiates names in its first step and learns what a step is in its second
 WARMUP_CALLS = 3

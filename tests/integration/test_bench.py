@@ -117,6 +117,20 @@ def test_resnet50_has_161_gradient_shapes_and_25_6_million_parameters(monkeypatc
     assert total == 25_557_032  # torchvision's resnet50: 25,557,032 parameters
 
 
+def test_the_rounds_range_pairs_each_round_with_its_own_baseline(monkeypatch):
+    """Beside a median ratio the benchmarks print the lowest and highest ratio of the rounds, each round's sample
+    against the same round's baseline (not against the baseline's median)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from harness import rounds_range
+
+    # higher is better (GB/s): round ratios 2/4, 3/3, 8/4
+    assert rounds_range([2.0, 3.0, 8.0], [4.0, 3.0, 4.0], True) == " (rounds 0.50-2.00)"
+    # lower is better (us): the baseline over the sample, 100/50 and 100/400
+    assert rounds_range([50.0, 400.0], [100.0, 100.0], False) == " (rounds 0.25-2.00)"
+    assert rounds_range([1.0], [1.0], True) == ""  # one round: no range
+    assert rounds_range([1.0, 2.0], [1.0], True) == ""  # rows that are not paired round by round
+
+
 def test_memory_ideal_is_the_least_a_rank_must_copy_and_add(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from bandwidth import bus_bytes, ideal_seconds
