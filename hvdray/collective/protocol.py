@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 #: part of every generated op name (``allreduce.noname.3``); such names are never cached themselves (an
-#: unnamed collective's family is: :func:`family_name`)
+#: unnamed collective's family is: :func:`family_variants`)
 GENERATED_NAME_MARK = ".noname."
 #: a floating-point min's or max's NaN mask's name: its allreduce's, and this
 NAN_MASK_SUFFIX = ".nan"
@@ -53,7 +53,7 @@ class OpKind(enum.Enum):
 
 #: ops whose every dimension must agree across ranks (the others may differ in dim 0)
 SAME_SHAPE_KINDS = frozenset((OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER))
-#: the ops whose unnamed calls have families (:func:`family_name`), by the start of their generated names (the
+#: the ops whose unnamed calls have families (:func:`family_variants`), by the start of their generated names (the
 #: engine's ``auto_name``): kind, and whether it is a grouped op's (its members named ``<name>.<i>``)
 _FAMILY_OPS = {
     **{kind.value: (kind, False) for kind in (
@@ -158,43 +158,28 @@ def generated_parts(name: str) -> Optional[GeneratedParts]:
 
 
 #: how many consecutive unnamed calls of one op may be in flight at once and still go by their families' slots:
-#: a family has this many variants, one for each remainder of the calls' counter (:func:`family_name`), each a
+#: a family has this many variants, one for each remainder of the calls' counter (:func:`family_variants`), each a
 #: slot of the response cache
 FAMILY_VARIANTS = 8
 
 #: :func:`family_variants` of an unnamed op: its family, the response cache's names of the family's
-#: :data:`FAMILY_VARIANTS` variants (:func:`variant_name`), and the variant of the op's own counter
+#: :data:`FAMILY_VARIANTS` variants, and the variant of the op's own counter
 FamilyVariants = tuple[str, tuple[str, ...], int]
 
 
-def family_name(desc: OpDesc, parts: Optional[GeneratedParts] = None, variant: Optional[int] = None) -> Optional[str]:
-    """The response cache's name for the unnamed collectives of ``desc``'s executor call and description (a
-    grouped op's member by its place in the group, a NaN mask as such) whose counter leaves the same remainder
-    by :data:`FAMILY_VARIANTS` (its variant), or None for a named op (or an object's, a barrier's, a sparse
-    allreduce's). Unnamed ops get a new generated name each call, so they cannot be cached by name; the engine
-    caches their family instead, every variant at once, and an unnamed call's ops go by their families' slots
-    when every rank's oldest pending one has the same generated names (``hvdray/collective/engine/agreement.py``).
+def family_variants(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[FamilyVariants]:
+    """The family of an unnamed collective (``desc``'s executor call and description, a grouped op's member by its
+    place in the group, a NaN mask as such), the response cache's names of its :data:`FAMILY_VARIANTS` variants
+    (``"<family> #<v>"``), and the variant of the op's own counter (its remainder by :data:`FAMILY_VARIANTS`);
+    None for a named op (or an object's, a barrier's, a sparse allreduce's). ``parts``: :func:`generated_parts`
+    of ``desc.name``, where the caller has it already.
+
+    Unnamed ops get a new generated name each call, so they cannot be cached by name; the engine caches their
+    family instead, every variant at once, and an unnamed call's ops go by their families' slots when every
+    rank's oldest pending one has the same generated names (``hvdray/collective/engine/agreement.py``).
     Consecutive calls of an op have consecutive counters on every rank, so up to :data:`FAMILY_VARIANTS`
     consecutive calls in flight at once, of one family or several, wait on as many slots. Every rank that
-    agreed on a generated name makes the same family name from the lowest rank's description.
-
-    ``parts``: :func:`generated_parts` of ``desc.name``, where the caller has it already; ``variant``: another
-    variant's name than the counter's own. The name is one of :func:`family_variants`' names."""
-    found = family_variants(desc, parts)
-    if found is None:
-        return None
-    _, names, own = found
-    return names[own if variant is None else variant]
-
-
-def variant_name(family: str, variant: int) -> str:
-    """The response cache's name of one variant of a family (:func:`family_variants`' family)."""
-    return f"{family} #{variant}"
-
-
-def family_variants(desc: OpDesc, parts: Optional[GeneratedParts] = None) -> Optional[FamilyVariants]:
-    """The family of an unnamed collective whatever its variant (:func:`family_name`), its variants' names and
-    its own variant; None for a named op.
+    agreed on a generated name makes the same family names from the lowest rank's description.
 
     The family holds what must agree across ranks: kind, dtype, reduction, scale factors, root, and the
     shape, but for an allgather's or alltoall's first dimension (each rank's own; the cache's description of
@@ -222,7 +207,7 @@ def _family(
         f"{prefix}.*{after} ({dtype} {list(shape)} "
         f"{reduce_op.value if reduce_op else None} {prescale!r} {postscale!r} {root})"
     )
-    return family, tuple(variant_name(family, variant) for variant in range(FAMILY_VARIANTS))
+    return family, tuple(f"{family} #{variant}" for variant in range(FAMILY_VARIANTS))
 
 
 def barrier_desc(name: str) -> OpDesc:

@@ -118,7 +118,7 @@ class Agreement:
     def _family_slots(
         self, call: list[Request], parts: list[Optional[GeneratedParts]]
     ) -> Optional[tuple[tuple[int, ...], list[str]]]:
-        """The slots of the families (:func:`family_name`, from each request's ``parts`` of its generated name)
+        """The slots of the families (:func:`family_variants`, from each request's ``parts`` of its generated name)
         of an unnamed call's requests, and each family's name whatever the variant (the learned step's count of
         it), if it can go by them (the caller has asked :meth:`_families_open`): every one's family is cached,
         and none of this rank's unnamed calls still waits on these slots (one :data:`FAMILY_VARIANTS` counts
