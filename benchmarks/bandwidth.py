@@ -26,8 +26,14 @@ against the same ideal, which has no division in it.
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. Each ratio is the median's; beside it, the lowest and highest of the rounds' own ratios (each
-round's time against the same round's ideal), the spread that a busy host gives a median of few rounds.
+smallest sizes. "one core, passes in place" and "one core, passes out of place" are the ideal's own passes
+(an add of (n-1)/n of the message, then a copy of the sum) done by each core alone, with no peer and no
+barrier between them, in the layout of each kind of allreduce: in place the sum lands in the lines just read;
+out of place in two results the inputs do not share, and a core reads a line it writes but does not hold
+first. They are what the passes cost where the data lies, beside the ideal (a copy and an add of tensors
+that stay in the cache at small sizes). Each ratio is the median's; beside it, the lowest and highest of the
+rounds' own ratios (each round's time against the same round's ideal), the spread that a busy host gives a
+median of few rounds.
 "hvdray in place, transport alone" and "hvdray out of place, transport alone" are the same
 allreduces through the shared-memory transport called directly (no negotiation, submission or handle;
 out of place into an output of the engine's pool): the gap to the engine's rows is the engine's work
@@ -57,6 +63,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 Record = Callable[[str, dict[str, list[float]], str, str, bool], None]
 IDEAL = "memory ideal"
+#: the allreduce rows of one core doing the ideal's passes alone (no peer, no barrier) in each layout
+PASSES_IN_PLACE = "one core, passes in place"
+PASSES_OUT_OF_PLACE = "one core, passes out of place"
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
 
 
@@ -66,6 +75,15 @@ def _gloo_average(tensor, size: int) -> None:
 
     dist.all_reduce(tensor)
     tensor.div_(size)
+
+
+def _passes(mine, peers, result, part: int, peer_result=None) -> None:
+    """The memory ideal's passes over ``part`` elements by one core: ``mine`` and ``peers`` added into ``result``,
+    then the sum copied into ``peer_result`` (in place, ``peers`` itself)."""
+    import torch
+
+    torch.add(mine[:part], peers[:part], out=result[:part])
+    (peers if peer_result is None else peer_result)[:part].copy_(result[:part])
 
 
 def _round(size_mb: float, iterations: int) -> dict[str, float]:
@@ -79,10 +97,20 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
 
     numel = max(16, int(size_mb * (1 << 20)) // 4)
     tensor, other = torch.ones(numel), torch.ones(numel)
+    # the ideal's passes in an allreduce's two layouts, by one core alone (every rank at once): its part of the
+    # peers' data added into its own and copied back out, over (n-1)/n of the message
+    part = numel * (hvd.size() - 1) // hvd.size()
+    own_result, peer_result = torch.ones(numel), torch.ones(numel)
     times = {
         "copy": timed(lambda: other.copy_(tensor), iterations),
         "copy into a fresh tensor": timed(lambda: torch.empty(numel).copy_(tensor), iterations),
         "add": timed(lambda: torch.add(tensor, other, out=other), iterations),
+        # in place: the sum lands in the lines just read (its own tensor's and the peer's)
+        f"allreduce {PASSES_IN_PLACE}": timed(lambda: _passes(other, peer_result, other, part), iterations),
+        # out of place: the sum goes to two results the inputs do not share, the least an out-of-place
+        # allreduce writes; a core writing a line it does not hold reads it first
+        f"allreduce {PASSES_OUT_OF_PLACE}": timed(lambda: _passes(tensor, other, own_result, part, peer_result),
+                                                    iterations),
         "allreduce raw gloo": timed(lambda: dist.all_reduce(tensor), iterations),
         "allreduce hvdray in place": timed(lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bw.ar"), iterations),
         "allreduce hvdray out of place": timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bw.aro"), iterations),

@@ -40,7 +40,8 @@ def test_quick_benchmark_writes_sane_results(tmp_path):
     impls = {(r["section"], r["impl"]) for r in rows}
     assert {impl for section, impl in impls if section.startswith("allreduce ") and "bus bandwidth" in section} == {
         "memory ideal", "raw gloo", "hvdray in place", "hvdray in place, transport alone", "hvdray out of place",
-        "hvdray out of place, transport alone",
+        "hvdray out of place, transport alone", "one core, passes in place",
+        "one core, passes out of place",
         "raw gloo, average", "hvdray in place, average", "hvdray out of place, average"}
     assert {impl for section, impl in impls if section.startswith("allreduce of 4 bytes")} == {"raw gloo", "hvdray"}
     assert {impl for section, impl in impls if section.startswith(("allgather", "broadcast", "reducescatter"))} == {
