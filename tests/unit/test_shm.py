@@ -1298,6 +1298,57 @@ def test_a_loop_runs_on_its_plans_until_a_peer_lets_its_tensor_go(local_size):
     assert len({reduced for _, reduced in results}) == 1  # each part reduced by one rank: the same bits everywhere
 
 
+def _plans_hold_nothing_of_this_rank(node, rank, size):
+    """The plans of a loop on moved pages (PagesPlans) hold none of this rank's tensors, in a dtype numpy has
+    (float32: numpy views of the memory) and in one it lacks (bfloat16: torch views): after the loop, while
+    its plans are still kept, an output the caller drops dies (the output pool's block would come back), and a
+    dropped input's moved pages go back at once. Also reducescatters, whose plans are kept alike."""
+    import weakref
+
+    from hvdray.collective.transport.shm.shared_pages import SharedPages
+
+    node.shared_pages = SharedPages(True)
+    n = size * (shared_storage.ADOPT_MIN_BYTES // 2 // size + 1001)  # a tail beyond the last whole page
+    checks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        source, t, chunks = (torch.empty(n, dtype=dtype) for _ in range(3))
+        # the outputs' memory, watched: the numpy arrays die once nothing holds a tensor on them
+        owners = [np.empty(count * source.element_size(), dtype=np.uint8) for count in (n, n // size)]
+        alive = [weakref.ref(owner) for owner in owners]
+        out, scattered = (torch.from_numpy(owner).view(dtype) for owner in owners)
+        del owners
+        for i in range(4):
+            source.copy_(_inputs(rank, dtype, n) * (i + 1))
+            t.copy_(source)
+            chunks.copy_(source)
+            want = sum(_inputs(r, dtype, n) * (i + 1) for r in range(size))
+            node.allreduce(out, ReduceOp.SUM, source=source)
+            node.allreduce(t, ReduceOp.SUM)
+            node.reducescatter(chunks, scattered, ReduceOp.SUM)
+            checks[f"{dtype} sums {i}"] = torch.equal(out, want) and torch.equal(t, want) and torch.equal(
+                scattered, want.view(size, -1)[rank])
+        # from the second round on each op on moved pages, on both halves of the slots (three ops a round)
+        checks[f"{dtype}: on plans"] = node.shared_pages.moved == 3 * (1 if dtype is torch.float32 else 2) and len(
+            node.pages_plans) == 6
+        del out, scattered
+        checks[f"{dtype}: outputs dropped die"] = all(watch() is None for watch in alive)
+        moved = len(MOVED_PAGES)
+        del source, t, chunks
+        MOVED_PAGES.release_unheld()
+        checks[f"{dtype}: moved pages of dropped inputs go back"] = moved == 3 and len(MOVED_PAGES) == 0
+        node.allreduce(torch.ones(4), ReduceOp.SUM)  # every rank has let its tensors go
+        time.sleep(shared_storage.RELEASE_CHECK_S + 0.2)
+        node.allreduce(torch.ones(4), ReduceOp.SUM)  # after it, the peers' mappings are found let go
+        checks[f"{dtype}: plans gone with the peers' tensors"] = len(node.pages_plans) == 0
+    return checks
+
+
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_a_loops_plans_hold_none_of_its_tensors(local_size):
+    for checks in _run_node(local_size, _plans_hold_nothing_of_this_rank, slot_bytes=1 << 20):
+        assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+
+
 def _in_place_beside_out_of_place(node, rank, size):
     """One op, in place on rank 0 and out of place on the others (Horovod allows it: each rank's own
     business), with tensors whose pages moved, and with tensors in torch shared memory: every rank gets the

@@ -90,6 +90,18 @@ class _RawMemory:
         self.__array_interface__ = {"data": (address, False), "shape": (count,), "typestr": dtype.str, "version": 3}
 
 
+def unowned(tensor: torch.Tensor) -> torch.Tensor:
+    """The contiguous ``tensor``'s memory as a 1-D tensor of its dtype that does not keep that memory alive (it
+    stands on the address, as :func:`block_operands`' numpy views do): for operands kept from one op to the next
+    (``pages_collectives.py``'s plans), which must hold nothing of this rank's. A plan that held a rank's output
+    would keep it from ever going back to the output pool (every such op would then take fresh memory, and up to
+    a plan's worth of outputs would stay alive); one that held its tensor, the tensor's moved pages. Valid only
+    while the caller holds ``tensor``; the plans' keys are the addresses and sizes for that reason."""
+    nbytes = tensor.numel() * tensor.element_size()
+    raw = np.asarray(_RawMemory(tensor.data_ptr(), nbytes, np.dtype(np.uint8)))
+    return torch.from_numpy(raw).view(tensor.dtype)
+
+
 def block_operands(
     reducer: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor],
 ) -> tuple[Callable[..., Operand], list[Operand]]:

@@ -582,7 +582,7 @@ class NodeCollectives:
         agreed = self._agree_on_places(what, place, lambda h=half: self._expose_chunks(rows, pieces[0], h), prepare)
         if agreed is not None:
             if what == SHARED_PAGES:
-                reducescatter_shared_pages(self, rows, out, agreed[1], self.slot_views(torch.uint8)[half], reducer)
+                reducescatter_shared_pages(self, rows, out, agreed[1], half, reducer)
             else:
                 reducescatter_shared_inputs(self, rows, out, agreed[1], reducer)
             return

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from hvdray.collective.transport.reductions import block_operands, finish_block, reduce_in_order
+from hvdray.collective.transport.reductions import (
+    Operand,
+    block_operands,
+    finish_block,
+    reduce_in_order,
+    unowned,
+)
 from hvdray.collective.transport.shm.parts import memmove
 from hvdray.collective.transport.shm.segment import (
     PAGE_BYTES,
@@ -127,6 +133,10 @@ class _PagesPlan:
         self, node: "NodeCollectives", out: torch.Tensor, source: torch.Tensor, places: list[PagesPlace],
         slots: list[torch.Tensor], outputs: Optional[list[TensorPlace]], reducer: Callable[..., torch.Tensor],
     ) -> None:
+        # this rank's tensors by their addresses: where numpy has no such dtype (bfloat16), the operands are
+        # torch views of them, which the plan must not keep alive (:func:`unowned`)
+        out, source = unowned(out), (None if source is out else unowned(source))
+        source = out if source is None else source
         me, isz, numel = node.local_rank, out.element_size(), out.numel()
         lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
         page = PAGE_BYTES // isz
@@ -168,10 +178,11 @@ class _PagesPlan:
 
 
 class PagesPlans:
-    """The plans (:class:`_PagesPlan`) of the shared-pages allreduces a rank ran last, by their key, least
-    recently used first: a loop that reduces the same tensor again and again finds its operands made, where
-    making them again (a few dozen numpy and torch views, each costly with the cache cold after the op
-    before) cost about a third of a 4 MB op on the development machine. When the peers' mapped storages
+    """The plans (:class:`_PagesPlan`, :class:`_ReducescatterPlan`) of the shared-pages allreduces and
+    reducescatters a rank ran last, by their key, least recently used first: a loop that reduces the same
+    tensor again and again finds its operands made, where making them again (a few dozen numpy and torch
+    views, each costly with the cache cold after the op before) cost about a third of a 4 MB allreduce on the
+    development machine. When the peers' mapped storages
     change (:attr:`PeerTensors.generation`: one a peer let go was dropped), every plan goes, so that none
     keeps such memory mapped."""
 
@@ -210,35 +221,65 @@ class PagesPlans:
 
 
 def reducescatter_shared_pages(
-    node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[PagesPlace],
-    slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+    node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[PagesPlace], half: int,
+    reducer: Callable[..., torch.Tensor],
 ) -> None:
     """Every local rank's chunks (``rows``, one per local rank) with their whole pages in shared memory
-    (``places``) and their first and last :data:`PAGE_BYTES` in its slot (:func:`copy_edges`; ``slots``:
-    every rank's, as bytes): each rank reduces its own chunk into ``out``, its own data first and then the
-    peers' in local-rank order, as the slots' way does (so the results are the same bit for bit), reading
-    the peers' elements that lie in every rank's whole pages straight from their tensors and the few
-    outside them (at the start of chunk 0 and the end of the last) from their slots. The last barrier
-    keeps every input unchanged until all ranks have read it."""
-    me, flat = node.local_rank, rows.reshape(-1)
-    isz, numel, width = flat.element_size(), flat.numel(), rows.shape[1]
-    lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
-    page = PAGE_BYTES // isz
-    edges = [slot[: 2 * PAGE_BYTES].view(flat.dtype) for slot in slots]
-    start, stop = me * width, (me + 1) * width
-    peers = [rank for rank in range(node.local_size) if rank != me]
-    for a, b, where in ((start, min(stop, lo), "head"), (max(start, lo), min(stop, hi), "pages"),
-                        (max(start, hi), stop, "tail")):
-        if a >= b:
-            continue
-        if where == "head":
-            theirs = [edges[rank][a:b] for rank in peers]
-        elif where == "tail":
-            theirs = [edges[rank][a - numel + 2 * page : b - numel + 2 * page] for rank in peers]
-        else:
-            theirs = [node.peer_tensors.view(places[rank].span(a * isz, b * isz), flat.dtype) for rank in peers]
-        reduce_in_order(reducer, flat[a:b], theirs, out[a - start : b - start])
+    (``places``) and their first and last :data:`PAGE_BYTES` in its slot of ``half`` (:func:`copy_edges`):
+    each rank reduces its own chunk into ``out``, its own data first and then the peers' in local-rank order,
+    as the slots' way does (so the results are the same bit for bit), reading the peers' elements that lie in
+    every rank's whole pages straight from their tensors and the few outside them (at the start of chunk 0 and
+    the end of the last) from their slots. The last barrier keeps every input unchanged until all ranks have
+    read it. The operands come from ``node.pages_plans`` (:class:`_ReducescatterPlan`), made once for a loop
+    that reduces the same tensors into the same outputs again and again, as an allreduce's."""
+    key = ("reducescatter", rows.data_ptr(), rows.numel(), out.data_ptr(), out.dtype, reducer, half, *places)
+    plan = node.pages_plans.get(
+        key, lambda: _ReducescatterPlan(node, rows, out, places, node.slot_views(torch.uint8)[half], reducer))
+    plan.run()
     node.barrier.wait()
+
+
+class _ReducescatterPlan:
+    """The operands of one :func:`reducescatter_shared_pages`, made once: :func:`block_operands`' views of this
+    rank's chunk where it lies before every rank's whole pages, in them and after them, of the peers' same
+    elements (in their slots' edges, or in their mapped pages) and of the output. As :class:`_PagesPlan`, it
+    holds the peers' mapped tensors and nothing of this rank's (:func:`unowned`)."""
+
+    __slots__ = ("parts", "_peers_mapped")
+
+    def __init__(
+        self, node: "NodeCollectives", rows: torch.Tensor, out: torch.Tensor, places: list[PagesPlace],
+        slots: list[torch.Tensor], reducer: Callable[..., torch.Tensor],
+    ) -> None:
+        me, width = node.local_rank, rows.shape[1]
+        flat, out = unowned(rows), unowned(out)
+        isz, numel = flat.element_size(), flat.numel()
+        lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
+        page = PAGE_BYTES // isz
+        edges = [slot[: 2 * PAGE_BYTES].view(flat.dtype) for slot in slots]
+        start, stop = me * width, (me + 1) * width
+        peers = [rank for rank in range(node.local_size) if rank != me]
+        #: each part's reducer and operands: this rank's elements, the peers' (in rank order), the output's
+        self.parts: list[tuple[Callable[..., Operand], Operand, list[Operand], Operand]] = []
+        self._peers_mapped: list[torch.Tensor] = []
+        for a, b, where in ((start, min(stop, lo), "head"), (max(start, lo), min(stop, hi), "pages"),
+                            (max(start, hi), stop, "tail")):
+            if a >= b:
+                continue
+            if where == "head":
+                theirs = [edges[rank][a:b] for rank in peers]
+            elif where == "tail":
+                theirs = [edges[rank][a - numel + 2 * page : b - numel + 2 * page] for rank in peers]
+            else:
+                theirs = [node.peer_tensors.view(places[rank].span(a * isz, b * isz), flat.dtype) for rank in peers]
+                self._peers_mapped += theirs
+            reduce, (own, result, *operands) = block_operands(reducer, [flat[a:b], out[a - start : b - start], *theirs])
+            self.parts.append((reduce, own, operands, result))
+
+    def run(self) -> None:
+        with np.errstate(all="ignore"):
+            for reduce, own, theirs, result in self.parts:
+                reduce_in_order(reduce, own, theirs, result)
 
 
 def _whole_pages_of_all(places: list[PagesPlace], me: int, nbytes: int, isz: int) -> tuple[int, int]:
