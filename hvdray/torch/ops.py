@@ -36,6 +36,13 @@ __all__ = [
 ]
 
 
+def _records(tensors: Sequence[Any]) -> bool:
+    """Whether autograd records an op on ``tensors``: only then does a differentiable op go through its
+    Function, whose call costs about 5 us warm on the development machine (a metric's, a buffer's or a
+    parameter broadcast's op skips it)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 # -- allreduce -----------------------------------------------------------------------------------
 def _allreduce_form(form: Form) -> Callable[..., Any]:
     inplace, blocking = form.inplace, form.blocking
@@ -96,8 +103,7 @@ def allreduce(
     _c.check_tensor(tensor, name=name)
     compressed, cctx = compression.compress(tensor)
     args = (compressed, name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set)
-    # through autograd only when it records: a metric's or a buffer's allreduce skips the Function's cost
-    reduced = _Allreduce.apply(*args) if compressed.requires_grad and torch.is_grad_enabled() else _allreduce_now(*args)
+    reduced = _Allreduce.apply(*args) if _records((compressed,)) else _allreduce_now(*args)
     return compression.decompress(reduced, cctx)
 
 
@@ -127,11 +133,17 @@ grouped_allreduce_async, grouped_allreduce_, grouped_allreduce_async_ = surface.
 )
 
 
+def _grouped_allreduce_now(
+    name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    return tuple(_c.call_blocking(_c.grouped_allreduce_async, list(tensors), name, op, pre, post, process_set=ps))
+
+
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
         ctx.args = (op, pre, post, ps)
-        return tuple(_c.call_blocking(_c.grouped_allreduce_async, list(tensors), name, op, pre, post, process_set=ps))
+        return _grouped_allreduce_now(name, op, pre, post, ps, *tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
@@ -157,9 +169,9 @@ def grouped_allreduce(
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
     packed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(
-        name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set, *[t for t, _ in packed]
-    )
+    compressed = [t for t, _ in packed]
+    args = (name, _c.resolve_op(op, average), prescale_factor, postscale_factor, process_set, *compressed)
+    reduced = _GroupedAllreduce.apply(*args) if _records(compressed) else _grouped_allreduce_now(*args)
     return [compression.decompress(t, cctx) for t, (_, cctx) in zip(reduced, packed)]
 
 
@@ -167,10 +179,14 @@ def grouped_allreduce(
 allgather_async = _c.allgather_async
 
 
+def _allgather_now(tensor: torch.Tensor, name: Optional[str], ps: Any) -> torch.Tensor:
+    return _c.call_blocking(_c.allgather_async, tensor, name, ps)  # checks the argument first
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], ps: Any):
-        gathered = _c.call_blocking(_c.allgather_async, tensor, name, ps)  # checks the argument first
+        gathered = _allgather_now(tensor, name, ps)
         ctx.rows, ctx.ps = tensor.shape[0], ps
         return gathered
 
@@ -192,18 +208,22 @@ def allgather(
     tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
-    return _Allgather.apply(tensor, name, process_set)
+    return (_Allgather.apply if _records((tensor,)) else _allgather_now)(tensor, name, process_set)
 
 
 grouped_allgather_async = _c.grouped_allgather_async
 
 
+def _grouped_allgather_now(name: Optional[str], ps: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(_c.call_blocking(_c.grouped_allgather_async, list(tensors), name, ps))
+
+
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], ps: Any, *tensors: torch.Tensor):
-        gathered = _c.call_blocking(_c.grouped_allgather_async, list(tensors), name, ps)
+        gathered = _grouped_allgather_now(name, ps, *tensors)
         ctx.rows, ctx.ps = [t.shape[0] for t in tensors], ps
-        return tuple(gathered)
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):  # as allgather's, for each tensor of the group
@@ -218,7 +238,8 @@ def grouped_allgather(
     """Allgather each of ``tensors`` (negotiated together); differentiable."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    gather = _GroupedAllgather.apply if _records(tensors) else _grouped_allgather_now
+    return list(gather(name, process_set, *tensors))
 
 
 def _broadcast_form(form: Form) -> Callable[..., Any]:
@@ -240,11 +261,15 @@ broadcast_async, broadcast_, broadcast_async_ = surface.forms(
 )
 
 
+def _broadcast_now(tensor: torch.Tensor, root_rank: int, name: Optional[str], ps: Any) -> torch.Tensor:
+    return _c.call_blocking(_c.broadcast_async, tensor, root_rank, name, process_set=ps)
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], ps: Any):
         ctx.root_rank, ctx.ps = root_rank, ps
-        return _c.call_blocking(_c.broadcast_async, tensor, root_rank, name, process_set=ps)
+        return _broadcast_now(tensor, root_rank, name, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # Horovod's: the ranks' average on the root, zeros elsewhere
@@ -258,16 +283,20 @@ def broadcast(
     tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Root's ``tensor`` on every rank, as a new tensor; differentiable."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return (_Broadcast.apply if _records((tensor,)) else _broadcast_now)(tensor, root_rank, name, process_set)
 
 
 alltoall_async = _c.alltoall_async  # result: (output, received_splits)
 
 
+def _alltoall_now(tensor: torch.Tensor, splits: Any, name: Optional[str], ps: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _c.call_blocking(_c.alltoall_async, tensor, splits, name, ps)
+
+
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str], ps: Any):
-        output, received = _c.call_blocking(_c.alltoall_async, tensor, splits, name, ps)
+        output, received = _alltoall_now(tensor, splits, name, ps)
         ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return output, received
@@ -285,7 +314,7 @@ def alltoall(
 
     Returns the gathered tensor, and also the received splits when ``splits`` was given (Horovod's API).
     """
-    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    output, received = (_Alltoall.apply if _records((tensor,)) else _alltoall_now)(tensor, splits, name, process_set)
     return (output, received) if splits is not None else output
 
 
@@ -315,11 +344,17 @@ def grouped_reducescatter_async(
     return _c.grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor, process_set=process_set)
 
 
+def _reducescatter_now(
+    tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any
+) -> torch.Tensor:
+    return _c.call_blocking(_c.reducescatter_async, tensor, name, op, pre, post, process_set=ps)
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any):
         ctx.args = (op, pre, post, ps)
-        return _c.call_blocking(_c.reducescatter_async, tensor, name, op, pre, post, process_set=ps)
+        return _reducescatter_now(tensor, name, op, pre, post, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -347,15 +382,22 @@ def reducescatter(
     """Reduce across ranks, then keep this rank's slice of dim 0; differentiable for Sum and Average."""
     _c.check_tensor(tensor, name=name)
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set)
+    args = (compressed, name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set)
+    out = _Reducescatter.apply(*args) if _records((compressed,)) else _reducescatter_now(*args)
     return compression.decompress(out, cctx)
+
+
+def _grouped_reducescatter_now(
+    name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    return tuple(_c.call_blocking(_c.grouped_reducescatter_async, list(tensors), name, op, pre, post, process_set=ps))
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], op: ReduceOp, pre: float, post: float, ps: Any, *tensors: torch.Tensor):
         ctx.args = (op, pre, post, ps)
-        return tuple(_c.call_blocking(_c.grouped_reducescatter_async, list(tensors), name, op, pre, post, process_set=ps))
+        return _grouped_reducescatter_now(name, op, pre, post, ps, *tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
@@ -378,9 +420,9 @@ def grouped_reducescatter(
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list of tensors")
     packed = [compression.compress(t) for t in tensors]
-    out = _GroupedReducescatter.apply(
-        name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set, *[t for t, _ in packed]
-    )
+    compressed = [t for t, _ in packed]
+    args = (name, _c.resolve_op(op), prescale_factor, postscale_factor, process_set, *compressed)
+    out = _GroupedReducescatter.apply(*args) if _records(compressed) else _grouped_reducescatter_now(*args)
     return [compression.decompress(t, cctx) for t, (_, cctx) in zip(out, packed)]
 
 

@@ -691,6 +691,22 @@ def _autograd():
     out, _ = hvd.alltoall(x, splits=sp, name="g.a2a")
     (out * weight("g.a2a", (sum(recv), 2))).sum().backward()
     grads["alltoall"] = x.grad
+
+    # not recorded (no_grad, on a leaf that requires grad): the same results without autograd's history (the
+    # ops skip their autograd Functions then)
+    x = leaf("g.ng", (n, 2))
+    with torch.no_grad():
+        plain = {
+            "allreduce": hvd.allreduce(x, name="g.ng.ar", op=hvd.Sum),
+            "grouped_allreduce": hvd.grouped_allreduce([x], name="g.ng.gar", op=hvd.Sum)[0],
+            "allgather": hvd.allgather(x, name="g.ng.ag"),
+            "grouped_allgather": hvd.grouped_allgather([x], name="g.ng.gag")[0],
+            "broadcast": hvd.broadcast(x, n - 1, name="g.ng.bc"),
+            "alltoall": hvd.alltoall(x, name="g.ng.a2a"),
+            "reducescatter": hvd.reducescatter(x, name="g.ng.rs", op=hvd.Sum),
+            "grouped_reducescatter": hvd.grouped_reducescatter([x], name="g.ng.grs", op=hvd.Sum)[0],
+        }
+    grads["not recorded"] = {op: (y, y.grad_fn is None and not y.requires_grad) for op, y in plain.items()}
     return grads
 
 
@@ -732,3 +748,14 @@ def test_autograd_matches_the_math(ex):
             start = sum(recv[k][:rank])
             parts.append(wk[start : start + splits[rank][k]])
         check(grads["alltoall"], np.concatenate(parts), f"d alltoall on rank {rank}")
+        xs = [_np(_make("g.ng", k, "float64", (size, 2))) for k in range(size)]
+        total = sum(xs)
+        expected = {
+            "allreduce": total, "grouped_allreduce": total, "allgather": np.concatenate(xs),
+            "grouped_allgather": np.concatenate(xs), "broadcast": xs[size - 1],
+            "alltoall": np.stack([x[rank] for x in xs]), "reducescatter": total[rank : rank + 1],
+            "grouped_reducescatter": total[rank : rank + 1],
+        }
+        for op, (got, plain) in grads["not recorded"].items():
+            assert plain, f"{op} under no_grad kept autograd's history on rank {rank}"
+            check(got, expected[op], f"{op} under no_grad on rank {rank}")
