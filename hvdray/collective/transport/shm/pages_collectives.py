@@ -135,8 +135,9 @@ class _PagesPlan:
     ) -> None:
         # this rank's tensors by their addresses: where numpy has no such dtype (bfloat16), the operands are
         # torch views of them, which the plan must not keep alive (:func:`unowned`)
-        out, source = unowned(out), (None if source is out else unowned(source))
-        source = out if source is None else source
+        in_place = source is out
+        out = unowned(out)
+        source = out if in_place else unowned(source)
         me, isz, numel = node.local_rank, out.element_size(), out.numel()
         lo, hi = _whole_pages_of_all(places, me, numel * isz, isz)
         page = PAGE_BYTES // isz
@@ -182,9 +183,8 @@ class PagesPlans:
     reducescatters a rank ran last, by their key, least recently used first: a loop that reduces the same
     tensor again and again finds its operands made, where making them again (a few dozen numpy and torch
     views, each costly with the cache cold after the op before) cost about a third of a 4 MB allreduce on the
-    development machine. When the peers' mapped storages
-    change (:attr:`PeerTensors.generation`: one a peer let go was dropped), every plan goes, so that none
-    keeps such memory mapped."""
+    development machine. When the peers' mapped storages change (:attr:`PeerTensors.generation`: one a peer
+    let go was dropped), every plan goes, so that none keeps such memory mapped."""
 
     def __init__(self, peers: "PeerTensors", capacity: int = PAGES_PLANS_KEPT) -> None:
         self.capacity = capacity
