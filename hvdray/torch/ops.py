@@ -38,8 +38,9 @@ __all__ = [
 
 def _records(tensors: Sequence[Any]) -> bool:
     """Whether autograd records an op on ``tensors``: only then does a differentiable op go through its
-    Function, whose call costs about 5 us warm on the development machine (a metric's, a buffer's or a
-    parameter broadcast's op skips it)."""
+    Function (a metric's, a buffer's or a parameter broadcast's op skips it), whose call costs about 5 us
+    warm on the development machine and 15-25 us of a small blocking op between two ranks (a probe:
+    docs/performance_bandwidth.md)."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
