@@ -48,6 +48,52 @@ def test_blocking_ops_tick_on_the_waiting_thread(shared_executor):
         assert caller_ticks >= 241 // 2, (caller_ticks, rounds)
 
 
+def _patience_of_the_rounds(count: int):
+    """Which waits of the node's barrier were patient (``NodeBarrier.patient``): those of ``count`` blocking
+    allreduces, then those of a second of idle ticks; each as (on the engine thread, patient)."""
+    import threading
+    import time
+
+    import torch
+
+    import hvdray.torch as hvd
+    from hvdray.collective import session
+
+    hvd.init()
+    barrier = session.engine().comm._node.barrier
+    seen = []
+    real = barrier._await
+
+    def recording(peer):
+        seen.append((threading.current_thread().name.startswith("hvdray-engine"), barrier._patience.depth > 0))
+        return real(peer)
+
+    barrier._await = recording
+    try:
+        t = torch.ones(3)
+        for _ in range(count):
+            hvd.allreduce_(t, name="patience.sum", op=hvd.Sum)
+        hvd.barrier()
+        blocking = list(seen)
+        time.sleep(0.2)  # a round still going on when the loop ended is over
+        seen.clear()
+        time.sleep(1.0)  # the engine thread's idle ticks (idle_cycle_time_ms is 100 at most)
+        idle = list(seen)
+    finally:
+        del barrier._await
+    return blocking, idle
+
+
+def test_rounds_a_caller_blocks_on_wait_patiently_and_idle_ticks_do_not(shared_executor):
+    """The waits of a round that a caller blocks on give the core away longer before they sleep (a peer a
+    little behind costs no sleep and wake-up); the engine thread's idle ticks keep the short budget, so an
+    idle engine does not spin on its core while a peer computes."""
+    for blocking, idle in shared_executor.run(_patience_of_the_rounds, args=[30]):
+        on_the_caller = [patient for engine_thread, patient in blocking if not engine_thread]
+        assert len(on_the_caller) >= 30 and all(on_the_caller), blocking
+        assert idle and not any(patient for _, patient in idle), idle
+
+
 def _async_and_concurrent():
     import threading
     import time

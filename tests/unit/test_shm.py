@@ -1820,6 +1820,66 @@ def test_yielding_waiters_keep_the_barrier_and_then_sleep(tag):
         seg.close()
 
 
+def test_a_patient_waiter_yields_through_a_short_lateness_and_still_sleeps_through_a_long_one(tag, monkeypatch):
+    """Inside ``NodeBarrier.patient()`` (a round a caller blocks on) a waiter gives its core away for
+    ``patient_yield_s`` before it sleeps instead of ``yields`` times: a peer a few milliseconds late (the end
+    of its backward pass) then costs no sleep, where an ordinary wait sleeps at once; a peer late by much
+    more still finds it asleep, not burning its core. Outside the block, on the same thread, waits are
+    ordinary again, and the block is per thread."""
+    import threading
+
+    seg = shm.Segment.create(tag, local_size=2, data_bytes=4096)
+    try:
+        barriers = [barrier.NodeBarrier(seg, rank, timeout_s=10.0, spin=0, yields=0, patient_yield_s=0.1)
+                    for rank in range(2)]
+        sleeps = []
+        real_wait = barrier._Futex.wait
+
+        def counting_wait(self, address, expected, timeout_s):
+            sleeps.append(threading.current_thread().name)
+            real_wait(self, address, expected, timeout_s)
+
+        monkeypatch.setattr(barrier._Futex, "wait", counting_wait)
+
+        def waiter(patient: bool, used: list) -> threading.Thread:
+            def run():
+                before = time.thread_time()
+                if patient:
+                    with barriers[1].patient():
+                        barriers[1].wait()
+                else:
+                    barriers[1].wait()
+                used.append(time.thread_time() - before)
+
+            thread = threading.Thread(target=run, name=f"patient={patient}")
+            thread.start()
+            return thread
+
+        def round_with_rank_0_late(patient: bool, late_s: float) -> float:
+            used: list = []
+            thread = waiter(patient, used)
+            time.sleep(late_s)
+            barriers[0].wait()
+            thread.join(5)
+            assert not thread.is_alive() and len(used) == 1
+            return used[0]
+
+        round_with_rank_0_late(False, 0.005)
+        assert sleeps and set(sleeps) == {"patient=False"}  # no yields: it slept until rank 0 came
+        sleeps.clear()
+        round_with_rank_0_late(True, 0.005)
+        assert sleeps == []  # it gave its core away until rank 0 came, and never slept
+        used = round_with_rank_0_late(True, 0.5)
+        # the 0.1 s ran out: it slept through the rest of the 0.5 s
+        assert sleeps and set(sleeps) == {"patient=True"} and used < 0.25, (len(sleeps), used)
+        sleeps.clear()
+        with barriers[1].patient():  # another thread's block: this thread's waits stay ordinary
+            round_with_rank_0_late(False, 0.005)
+        assert sleeps and set(sleeps) == {"patient=False"}
+    finally:
+        seg.close()
+
+
 def test_part_bounds_cover_the_piece_on_cache_lines():
     for numel, parts, itemsize in [(1, 3, 4), (17, 2, 8), (1000, 5, 2), (64, 4, 1)]:
         bounds = part_bounds(numel, parts, itemsize)

@@ -44,7 +44,8 @@ _NEVER = sys.maxsize
 #: peer's idle round (the peer had not submitted the op yet), and the next one its op; an op that is still
 #: not everywhere then is left to the engine thread's pace (the cycle time), not ticked at full speed
 CALLER_TICKS = 3
-#: the grad and inference modes a caller's tick keeps when the caller is not in inference mode
+#: the grad and inference modes a caller's tick keeps when the caller is not in inference mode (and a tick's
+#: barrier waits when no caller blocks on it)
 _SAME_MODE = contextlib.nullcontext()
 
 
@@ -415,7 +416,14 @@ class Engine:
     def _tick(self, wants_full: bool) -> None:
         """One round with every rank: AND the flags, say and hear the full round's messages if anyone
         asked for one, then run what is ready everywhere. On the engine thread, or on a waiting caller's
-        while the engine thread sleeps (never both at once)."""
+        while the engine thread sleeps (never both at once). While a caller blocks on an op of it, the
+        round's waits for the peers give the core away longer before they sleep (``Communicator.patient``):
+        the caller has nothing else to do, and a peer a little behind then costs no sleep and wake-up."""
+        with self.comm.patient() if self._blocked else _SAME_MODE:
+            self._round(wants_full)
+
+    def _round(self, wants_full: bool) -> None:
+        """:meth:`_tick`'s work."""
         agreement, executor = self._agreement, self._executor
         table = agreement.table
         self.comm.and_flags(agreement.fill_flags(wants_full, self._blocked))

@@ -14,8 +14,9 @@ decision, so every rank builds the same lists.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,12 @@ class Communicator:
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return [bytes(o[:n].numpy().tobytes()) for o, n in zip(self.allgather(mine), sizes)]
+
+    def patient(self) -> ContextManager[None]:
+        """A context for a round that a caller blocks on: the node's barrier waits give the core away longer
+        before they sleep (``NodeBarrier.patient``); nothing changes without a segment."""
+        node = self._node
+        return node.barrier.patient() if node is not None else contextlib.nullcontext()
 
     def and_flags(self, flags: torch.Tensor) -> None:
         """Bitwise-AND a contiguous uint8 flag vector across ranks, in place: the engine's control traffic.

@@ -3,10 +3,12 @@
 A short spin, then a few hundred checks that each give the core away (``sched_yield``: a peer or
 another thread of this process that is ready to run gets the core at once, which matters when local
 ranks outnumber cores), then a Linux futex wait on the counter word (the kernel wakes the waiter the
-moment the counter moves). A rank about to sleep says so in its control block, and a rank that moves
-its counter makes the wake-up system call only when a peer sleeps on it (waking a sleeping thread
-costs tens of microseconds in a VM). A peer that died, left or failed turns into
-:class:`SharedMemoryError` within the timeout, never a hang.
+moment the counter moves). A thread whose caller blocks on the op anyway (:meth:`NodeBarrier.patient`)
+gives its core away for a few milliseconds before it sleeps: a peer still finishing its backward pass
+then arrives while it yields, and neither pays a sleep and a wake-up in the middle of a training step.
+A rank about to sleep says so in its control block, and a rank that moves its counter makes the wake-up
+system call only when a peer sleeps on it (waking a sleeping thread costs tens of microseconds in a VM).
+A peer that died, left or failed turns into :class:`SharedMemoryError` within the timeout, never a hang.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import _thread
 import ctypes
 import os
 import platform
+import threading
 import time
 from typing import Optional
 
@@ -68,15 +71,44 @@ _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
 
+class _Patience(threading.local):
+    """How many :meth:`NodeBarrier.patient` blocks the current thread is in."""
+
+    depth = 0
+
+
+class Patient:
+    """The context of :meth:`NodeBarrier.patient` (re-entrant; per thread)."""
+
+    __slots__ = ("_patience",)
+
+    def __init__(self, patience: _Patience) -> None:
+        self._patience = patience
+
+    def __enter__(self) -> None:
+        self._patience.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._patience.depth -= 1
+
+
 class NodeBarrier:
     """A reusable barrier of the local ranks over their counters in one :class:`Segment`.
 
     Sleeping and waking is a Dekker handshake on two words: a sleeper publishes whose counter it
     sleeps on, fences, then re-reads that counter (the futex call checks it once more in the kernel);
     a waker stores its counter, fences, then reads who sleeps on it. One of the two always sees the
-    other's store, so either the sleeper does not sleep or the waker wakes it."""
+    other's store, so either the sleeper does not sleep or the waker wakes it.
 
-    def __init__(self, segment: Segment, local_rank: int, timeout_s: float, spin: int, yields: int = 0) -> None:
+    ``yields`` is how many times a waiter gives its core away before it sleeps; ``patient_yield_s``, for how long
+    it does inside :meth:`patient`, on a thread whose caller waits for the op anyway (0: ``yields`` times
+    there too). A time, not a count: on a starved core each yield may cost a time slice, and the peer's
+    liveness is checked only once the waiter sleeps."""
+
+    def __init__(
+        self, segment: Segment, local_rank: int, timeout_s: float, spin: int, yields: int = 0,
+        patient_yield_s: float = 0.0,
+    ) -> None:
         self._seg = segment
         self._words = segment.words
         self._me = local_rank
@@ -84,6 +116,9 @@ class NodeBarrier:
         self._timeout_s = timeout_s
         self._spin = spin
         self._yields = yields
+        self._patient_yield_s = patient_yield_s
+        self._patience = _Patience()
+        self._patient = Patient(self._patience)
         self._futex = _Futex()
         self._seq = 0
         self._pids: dict[int, int] = {}
@@ -105,6 +140,12 @@ class NodeBarrier:
 
     def _word(self, local_rank: int, field: int) -> int:
         return _CONTROL_BASE_WORDS + local_rank * _WORDS_PER_RANK + field
+
+    def patient(self) -> Patient:
+        """A context in which this thread's waits give the core away for ``patient_yield_s`` before they sleep
+        (instead of ``yields`` times): for the rounds a caller blocks on, which would otherwise sleep whenever
+        a peer arrives a little later (the end of its backward pass), and pay a wake-up each time."""
+        return self._patient
 
     def wait(self) -> None:
         """Return once every local rank has reached this barrier; raise if one died or left."""
@@ -129,10 +170,17 @@ class NodeBarrier:
         for _ in range(self._spin):
             if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
                 return
-        for _ in range(self._yields):
-            if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
-                return
-            os.sched_yield()
+        if self._patience.depth and self._patient_yield_s > 0:
+            until = time.monotonic() + self._patient_yield_s
+            while time.monotonic() < until:
+                if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
+                    return
+                os.sched_yield()
+        else:
+            for _ in range(self._yields):
+                if (words[index] - seq) & _SEQ_MASK < _HALF_RANGE:
+                    return
+                os.sched_yield()
         deadline = time.monotonic() + self._timeout_s
         next_check = deadline - self._timeout_s + _LIVENESS_CHECK_S
         address = self._seg.address + 4 * index

@@ -94,6 +94,11 @@ _SPIN_WHEN_CORES_FREE = 100
 #: peer that is ready to run gets the core without a sleep and a wake-up (small-message latency, above all
 #: with more local ranks than cores: ``python benchmarks/bench_shm.py --rows latency``)
 _YIELDS_BEFORE_SLEEP = 200
+#: how long it gives its core away instead inside a round a caller blocks on (``NodeBarrier.patient``), when
+#: every local rank can have a core of its own: more than a training step's ranks drift apart by its end, so
+#: that the first rank does not sleep at each step's flags and reduction and pay a wake-up (2 ranks on 2
+#: cores, the MLP of ``benchmarks/bench.py``: 0.1-1.0 sleeps a step with 200 yields, none with this)
+_YIELD_S_WHILE_A_CALLER_WAITS = 0.005
 #: flat messages go through the slots in pieces of at most this much per rank: on the 2-core development
 #: machine 2-4 MiB pieces reduce 64 MB fastest with 2 and 4 local ranks, 16 MiB pieces take twice as long
 #: with 4 (a larger shm_buffer_mb then only lets larger lists through ``allreduce_tensors``)
@@ -134,8 +139,10 @@ class NodeCollectives:
         self.local_size = segment.local_size
         self.slot_bytes = slot_bytes
         self.rounds = 0
-        spin = _SPIN_WHEN_CORES_FREE if self.local_size <= usable_cores() else 0
-        self.barrier = NodeBarrier(segment, local_rank, timeout_s, spin, _YIELDS_BEFORE_SLEEP)
+        cores_free = self.local_size <= usable_cores()
+        self.barrier = NodeBarrier(
+            segment, local_rank, timeout_s, _SPIN_WHEN_CORES_FREE if cores_free else 0, _YIELDS_BEFORE_SLEEP,
+            _YIELD_S_WHILE_A_CALLER_WAITS if cores_free else 0.0)
         self._data: Optional[torch.Tensor] = torch.frombuffer(segment.buffer(), dtype=torch.uint8)
         self._base = self._data.data_ptr()
         self._slots: dict[torch.dtype, list[list[torch.Tensor]]] = {}
