@@ -71,25 +71,17 @@ _WORDS_PER_RANK = CONTROL_STRIDE_BYTES // 4
 _CONTROL_BASE_WORDS = CONTROL_STRIDE_BYTES // 4  # block 0 of the header holds magic and sizes
 
 
-class _Patience(threading.local):
-    """How many :meth:`NodeBarrier.patient` blocks the current thread is in."""
+class Patience(threading.local):
+    """The context of :meth:`NodeBarrier.patient`: how many such blocks the current thread is in (re-entrant;
+    per thread)."""
 
     depth = 0
 
-
-class Patient:
-    """The context of :meth:`NodeBarrier.patient` (re-entrant; per thread)."""
-
-    __slots__ = ("_patience",)
-
-    def __init__(self, patience: _Patience) -> None:
-        self._patience = patience
-
     def __enter__(self) -> None:
-        self._patience.depth += 1
+        self.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._patience.depth -= 1
+        self.depth -= 1
 
 
 class NodeBarrier:
@@ -117,8 +109,7 @@ class NodeBarrier:
         self._spin = spin
         self._yields = yields
         self._patient_yield_s = patient_yield_s
-        self._patience = _Patience()
-        self._patient = Patient(self._patience)
+        self._patience = Patience()
         self._futex = _Futex()
         self._seq = 0
         self._pids: dict[int, int] = {}
@@ -141,11 +132,11 @@ class NodeBarrier:
     def _word(self, local_rank: int, field: int) -> int:
         return _CONTROL_BASE_WORDS + local_rank * _WORDS_PER_RANK + field
 
-    def patient(self) -> Patient:
+    def patient(self) -> Patience:
         """A context in which this thread's waits give the core away for ``patient_yield_s`` before they sleep
         (instead of ``yields`` times): for the rounds a caller blocks on, which would otherwise sleep whenever
         a peer arrives a little later (the end of its backward pass), and pay a wake-up each time."""
-        return self._patient
+        return self._patience
 
     def wait(self) -> None:
         """Return once every local rank has reached this barrier; raise if one died or left."""
