@@ -243,6 +243,21 @@ def test_execute_collects_a_result_too_and_run_remote_leaves_its_reports_to_the_
     assert [row["from"] for _, row in executor.result.metrics_dataframe.iterrows()] == ["run_remote", "run"]
 
 
+def test_a_workers_reports_of_metrics_import_no_ray_train(make_executor):
+    """``ray.train`` (pyarrow, pandas: ~0.55 s of CPU) comes into a worker only with a checkpoint, which
+    brought it already; reports of metrics alone, the only kind most jobs send, leave it out."""
+    executor = make_executor(num_workers=2)
+
+    def report_then_look() -> bool:
+        import sys
+
+        hvdray.report({"x": 1})
+        return "ray.train" in sys.modules
+
+    assert executor.run(report_then_look) == [False, False]
+    assert list(executor.result.metrics_dataframe["x"]) == [1]
+
+
 def _rank1_raises_then_rank0_reports():
     import time
 

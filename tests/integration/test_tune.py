@@ -139,6 +139,26 @@ def test_a_trial_trained_directly_reports_rank_zero_and_size_then_refuses_more(r
     assert time.monotonic() - started < 5
 
 
+def test_a_trials_reports_of_metrics_import_no_ray_train_in_the_workers(ray_local):
+    """Every worker of every trial (without ``reuse_actors``) would pay ``ray.train``'s import (pyarrow,
+    pandas: ~0.55 s of CPU) on its first report: only a checkpoint brings it."""
+
+    def report_twice(config):
+        import sys
+
+        from hvdray.tune import report as report_
+
+        report_({"before": "ray.train" in sys.modules})
+        report_({"after": "ray.train" in sys.modules})
+
+    trial = DistributedTrainableCreator(report_twice, num_hosts=1, num_slots=2)(config={})
+    try:
+        first, second = trial.train(), trial.train()
+    finally:
+        trial.stop()
+    assert (first["before"], second["after"]) == (False, False)
+
+
 def test_a_worker_error_fails_the_trial_with_its_rank(ray_local):
     def fail_on_rank_one(config):
         import torch
