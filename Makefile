@@ -23,7 +23,7 @@ install: $(STAMP) bytecode
 
 ## hvdray's compiled modules, as pip writes them when it installs a wheel. An editable install leaves that to
 ## the first import, which writes nothing where PYTHONDONTWRITEBYTECODE is set (as on the development
-## machines): every Ray worker process then compiled hvdray's ~75 modules from source, ~0.1 s of CPU each.
+## machines): every Ray worker process then compiled hvdray's ~75 modules from source, ~0.075 s of CPU more each.
 ## Only what changed since the last run is compiled again.
 bytecode: $(STAMP)
 	$(PY) -m compileall -q hvdray
