@@ -146,10 +146,8 @@ def test_a_trials_reports_of_metrics_import_no_ray_train_in_the_workers(ray_loca
     def report_twice(config):
         import sys
 
-        from hvdray.tune import report as report_
-
-        report_({"before": "ray.train" in sys.modules})
-        report_({"after": "ray.train" in sys.modules})
+        report({"before": "ray.train" in sys.modules})
+        report({"after": "ray.train" in sys.modules})
 
     trial = DistributedTrainableCreator(report_twice, num_hosts=1, num_slots=2)(config={})
     try:
