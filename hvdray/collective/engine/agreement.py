@@ -279,6 +279,8 @@ class Agreement:
             if request is not None and request.desc.generated:  # an unnamed op on its family's slot
                 renamed[cache.name_of(slot)] = request.name
             cache.touch(slot, self.round)
+        if renamed:  # unnamed calls ran: forget those that are over now, not at the next tick (they hold outputs)
+            self._family_requests()
         newly = self.table.take_ready()
         if ready_slots and not newly and not self.table.joined:
             # the steady state: the same cached tensors every step, planned once
