@@ -17,8 +17,8 @@ Bus bandwidth is the usual one (allreduce ``2(n-1)/n * S / t``, reducescatter ``
 ``S / t``), so the ratio to the ideal's bus bandwidth is the fraction of the ideal reached. Copy and add
 speeds are operand bytes per second (an add of two S-byte tensors in S / t). The allreduce rows also
 time an average (``hvd.Average``, the default op; raw Gloo has none, so its row is the sum and then one
-division), in place and out of place (``hvd.allreduce(tensor)`` with no op, the commonest call), measured
-against the same ideal, which has no division in it.
+division), in place and out of place (``hvd.allreduce(tensor)`` with no op, the commonest call, named and, as
+most scripts call it, unnamed), measured against the same ideal, which has no division in it.
 
     python benchmarks/bandwidth.py --workers 2 --sizes-mb 4 16 64 256 --repeats 5 [--huge-pages]
 
@@ -26,7 +26,7 @@ against the same ideal, which has no division in it.
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes. "one core, passes in place" and "one core, passes out of place" are the ideal's own passes
+smallest sizes: a named in-place sum, and ``hvd.allreduce(tensor)`` (unnamed, an average, out of place). "one core, passes in place" and "one core, passes out of place" are the ideal's own passes
 (an add of (n-1)/n of the message, then a copy of the sum) done by each core alone, with no peer and no
 barrier between them, in the layout of each kind of allreduce: in place the sum lands in the lines just read;
 out of place in two results the inputs do not share, and a core reads a line it writes but does not hold
@@ -121,6 +121,8 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
                                                     iterations),
         # Horovod's default: hvd.allreduce(tensor) averages into a new tensor
         "allreduce hvdray out of place, average": timed(lambda: hvd.allreduce(tensor, name="bw.avgo"), iterations),
+        # the same call as most scripts write it, with no name: its calls go by their family's slots
+        "allreduce hvdray out of place, average, unnamed": timed(lambda: hvd.allreduce(tensor), iterations),
         "broadcast raw gloo": timed(lambda: dist.broadcast(tensor, 0), iterations),
         "broadcast hvdray": timed(lambda: hvd.broadcast_(tensor, root_rank=0, name="bw.bc"), iterations),
     }
@@ -133,6 +135,7 @@ def _round(size_mb: float, iterations: int) -> dict[str, float]:
     tiny = torch.ones(1)
     times["4 bytes raw gloo"] = timed(lambda: dist.all_reduce(tiny), 20)
     times["4 bytes hvdray"] = timed(lambda: hvd.allreduce_(tiny, op=hvd.Sum, name="bw.tiny"), 20)
+    times["4 bytes hvdray, hvd.allreduce(tensor)"] = timed(lambda: hvd.allreduce(tiny), 20)
     node = _transport_of_our_own()
     if node is not None:
         # the transport called directly: the same ops without the negotiation, the submission and the handle
@@ -211,7 +214,8 @@ def bandwidth_rows(
         size_bytes = max(16, int(size * (1 << 20)) // 4) * 4
         iterations = 2 if quick else max(3, int(128 / size))
         samples = alternate(executor, _round, [size, iterations], repeats)
-        fixed = {impl: [t * 1e6 for t in samples.pop(f"4 bytes {impl}")] for impl in ("raw gloo", "hvdray")}
+        fixed = {impl: [t * 1e6 for t in samples.pop(f"4 bytes {impl}")]
+                 for impl in ("raw gloo", "hvdray", "hvdray, hvd.allreduce(tensor)")}
         record(f"allreduce of 4 bytes, {ranks} ranks ({size:g} MB round)", fixed, "us", "raw gloo", False)
         copies, adds = samples["copy"], samples["add"]
         record(f"one core's memory speed, {size:g} MB", {
