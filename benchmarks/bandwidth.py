@@ -26,7 +26,8 @@ most scripts call it, unnamed), measured against the same ideal, which has no di
 first touch of the memory costs more than the copy, less with huge pages (the ``huge_pages`` setting);
 hvdray's outputs come from a pool that avoids it (``output_pool_mb``). "allreduce of 4 bytes" is the
 fixed cost of one op (the engine's hand-off and agreement, the transport's barrier), which bounds the
-smallest sizes: a named in-place sum, and ``hvd.allreduce(tensor)`` (unnamed, an average, out of place). "one core, passes in place" and "one core, passes out of place" are the ideal's own passes
+smallest sizes: a named in-place sum, and ``hvd.allreduce(tensor)`` (unnamed, an average, out of place).
+"one core, passes in place" and "one core, passes out of place" are the ideal's own passes
 (an add of (n-1)/n of the message, then a copy of the sum) done by each core alone, with no peer and no
 barrier between them, in the layout of each kind of allreduce: in place the sum lands in the lines just read;
 out of place in two results the inputs do not share, and a core reads a line it writes but does not hold
