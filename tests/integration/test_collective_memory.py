@@ -134,9 +134,10 @@ def _outputs_outlive_nothing(named: bool) -> dict:
 def test_an_output_the_caller_dropped_is_held_by_nothing(shared_executor, named):
     """The engine lets go of an op once it has run: an output kept until the next op would make the pool
     hand out a second block, colder, for every other op of a size (an unnamed call's was kept so until
-    2026-12-06: its op cost a third more at 4 MB). Not yet proof against a starving load: with other processes
-    spinning at normal priority beside the ranks, an op now and then finds its output still referenced for a
-    moment as it returns (the engine thread finishing an op it ran itself), named or not."""
+    2026-12-06: its op cost a third more at 4 MB). Also under a starving load since 2026-12-08: the engine
+    thread held an op's requests for a moment after it opened their handles, and with other processes spinning
+    beside the ranks an op now and then found its output still referenced as it returned (tests/unit/
+    test_single_process.py stalls the opening thread on purpose)."""
     for result in shared_executor.run(_outputs_outlive_nothing, args=[named]):
         assert result["held"] == [False] * 8
         assert result["addresses"] == 1

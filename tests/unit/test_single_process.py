@@ -1,6 +1,9 @@
 """``hvd.init()`` outside any executor is a working size-1 job (no Ray involved)."""
 
+import _thread
 import time
+import types
+import weakref
 
 import pytest
 import torch
@@ -78,3 +81,49 @@ def test_a_name_still_in_flight_is_refused_and_the_first_op_survives(single):
     assert torch.equal(hvd.synchronize(first), x)
     assert [t.tolist() for t in hvd.synchronize(group)] == [[1.0, 1.0], [1.0, 1.0]]
     assert torch.equal(hvd.allreduce(torch.zeros(3), name="twice"), torch.zeros(3))  # finished: free again
+
+
+class _StallingLatch:
+    """A handle's latch whose opener is descheduled right after it opens it, as on a starving machine."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+
+    def acquire(self, *args, **kwargs) -> bool:
+        return self._lock.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self._lock.release()
+        time.sleep(0.02)
+
+
+def test_an_output_is_held_by_nothing_once_its_op_is_done_even_if_the_opening_thread_stalls(single, monkeypatch):
+    """The caller may drop an out-of-place output the moment it sees its op done, and the pool must then have
+    its block back for the next op of the size: whichever thread opened the handle (the engine's or a
+    caller's tick) must hold nothing of the op by then, however long it stays descheduled after. Until
+    2026-12-08 the engine thread still held the op's requests while it opened their handles."""
+    from hvdray.collective.engine import handle
+
+    monkeypatch.setattr(handle, "_thread", types.SimpleNamespace(allocate_lock=_StallingLatch))
+    tensor = torch.ones(1 << 20)  # 4 MB: its outputs come from the pool
+
+    def polled(handle: int) -> torch.Tensor:
+        while not hvd.poll(handle):  # a poll never ticks on the caller's thread: the engine thread runs the op
+            time.sleep(0.001)
+        return hvd.synchronize(handle)
+
+    calls = {
+        "named": lambda: hvd.allreduce(tensor, op=hvd.Sum, name="dropped"),
+        "named, polled": lambda: polled(hvd.allreduce_async(tensor, op=hvd.Sum, name="dropped.polled")),
+        "unnamed": lambda: hvd.allreduce(tensor),
+        "unnamed, polled": lambda: polled(hvd.allreduce_async(tensor)),
+    }
+    held = []
+    for _ in range(4):
+        for way, call in calls.items():
+            out = call()
+            ref = weakref.ref(out)
+            del out
+            if ref() is not None:  # no gc.collect(): a reference cycle would keep it as well
+                held.append(way)
+    assert held == []

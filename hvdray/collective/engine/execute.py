@@ -1,6 +1,7 @@
 """Running planned actions on the communicator: fused and lone allreduces and every other op.
 
-The executor finishes each request's handle and, while a timeline records, writes each op's phases.
+The executor settles each request's handle with its result (the engine opens it once it holds nothing of the op)
+and, while a timeline records, writes each op's phases.
 It calls the communicator through ``comm`` at every op (a test may replace one of its primitives).
 """
 
@@ -134,7 +135,7 @@ class Executor:
         self._stats.allreduce_calls += 1
         self._stats.ops += len(requests)
         for req in present:
-            req.handle._finish(result=req.result)
+            req.handle._settle(req.result)
 
     def _reduce(self, buf: torch.Tensor, desc: OpDesc) -> None:
         if desc.prescale != 1.0:
@@ -169,7 +170,7 @@ class Executor:
         timeline = self._timeline
         if timeline is not None:
             self._trace_op(timeline, request, kind, t_start, time.perf_counter())
-        request.handle._finish(result=result)
+        request.handle._settle(result)
 
     def _broadcast(self, request: Request, desc: OpDesc) -> torch.Tensor:
         out = request.output

@@ -54,6 +54,25 @@ class Handle:
         self._done = True
         self._latch.release()
 
+    def _settle(self, result: Any = None) -> None:
+        """Keep the op's result for the caller, who does not see it before :func:`open_settled` opens the handle."""
+        self._result = result
+
+    def _done_latch(self) -> Any:
+        """Mark the settled op done and give its latch to open (see :func:`open_settled`)."""
+        self._done = True
+        return self._latch
+
+
+def open_settled(handles: list[Handle]) -> None:
+    """Open each settled handle of ``handles``, emptying the list. The caller may drop the op's result the
+    moment it sees the op done, and expects its memory free then (the output pool gives the next op of the size
+    the same warm block): the opening thread must hold nothing that leads to the result by then. Each handle
+    leaves the list and this frame before its latch opens, and the latch alone stays here."""
+    while handles:
+        latch = handles.pop()._done_latch()
+        latch.release()
+
 
 class Request:
     """One op submitted on this rank: its description, which every rank sees, plus the local tensors.

@@ -28,7 +28,7 @@ from hvdray.collective.transport import Communicator
 from hvdray.collective.engine.agreement import Agreement
 from hvdray.collective.engine.execute import EngineStats, Executor
 from hvdray.collective.engine.fusion import Action
-from hvdray.collective.engine.handle import Handle, Request
+from hvdray.collective.engine.handle import Handle, Request, open_settled
 from hvdray.collective.engine.interrupts import INTERRUPTS
 from hvdray.collective.engine.negotiation import Finished, RoundMessage, leavers
 from hvdray.collective.errors import HorovodInternalError, HvdrayError, PeerFinishedError, TensorMismatchError
@@ -445,7 +445,7 @@ class Engine:
             timeline.cycle(self.timeline_pid, ready_at)
         actions = agreement.ready_plan(ready_slots, self.comm.fused_message_bytes)
         for action in actions:
-            self._run(action)
+            open_settled(self._run(action))  # once nothing of the action's requests is left on this thread
         if self.rank == 0:
             agreement.stall.watch_blocked(agreement.flags.everyone_blocked, ran=bool(actions))
         if self._left_call >= self._call > 0:
@@ -584,28 +584,34 @@ class Engine:
         return new_work
 
     # -- running ready ops ------------------------------------------------------------------
-    def _run(self, action: Action) -> None:
-        """Run one planned action; its requests leave ``_local`` as it starts."""
+    def _run(self, action: Action) -> list[Handle]:
+        """Run one planned action; its requests leave ``_local`` as it starts. Returns the handles it settled,
+        for :func:`open_settled` (a caller that sees its op done may drop the result at once: this frame's
+        references to the requests must be gone by then)."""
         renamed = self._agreement.renamed  # an unnamed op on its family's slot: its own name here
         names = [renamed.get(name, name) for name in action.names] if renamed else action.names
         with self._lock:
             local = self._local
             requests = [local.pop(name, None) for name in names]
+            # an op that runs is no longer one a caller waits on; kept until the next tick's collect, it
+            # would keep its output alive past the caller's use, and an out-of-place op's next output
+            # would then come from a second block of the pool instead of this one, warm
             if self._blocked_on:
-                # an op that runs is no longer one a caller waits on; kept until the next tick's collect, it
-                # would keep its output alive past the caller's use, and an out-of-place op's next output
-                # would then come from a second block of the pool instead of this one, warm
                 self._blocked_on = [r for r in self._blocked_on if local.get(r.name) is r]
+            waited = self._waited  # set when the caller's wait came after this tick's collect
+            if waited is not None and local.get(waited.name) is not waited:
+                self._waited = None
         if action.problem:
             if requests[0] is not None:
                 requests[0].handle._finish(error=TensorMismatchError(action.problem))
-            return
-        self._running = [req for req in requests if req is not None]
+            return []
+        running = self._running = [req for req in requests if req is not None]
         if action.fused:
             self._executor.allreduce(action, requests)
         else:
             self._executor.run_one(action, requests[0])
         self._running = []
+        return [req.handle for req in running]
 
     def _finish_join(self, last: int) -> None:
         """Every rank has joined: join() returns the last rank to join."""
