@@ -406,9 +406,11 @@ def stop_timeline() -> None:
 
 
 def is_initialized() -> bool:
-    """True while this process has a running engine."""
-    running = _session.engine
-    return running is not None and running.alive
+    """True from ``init()`` until ``shutdown()``, as Horovod's: also once the engine has stopped (a peer shut down,
+    the ring broke), when its ops raise what stopped it and ``init()`` is a no-op until ``shutdown()``. Scripts
+    shut down what ``is_initialized()`` reports (Horovod's own tests do): a stopped engine reported as not
+    initialized was never shut down, and the rank's next ``init()`` then missed the generation its peers joined."""
+    return _session.engine is not None
 
 
 def engine(what: str = "this operation", set_id: int = 0) -> Engine:
